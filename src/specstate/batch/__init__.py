@@ -1,0 +1,1 @@
+"""Batch layer: forward modes, schedule / forward batches and results."""

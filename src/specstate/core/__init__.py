@@ -1,0 +1,1 @@
+"""Core layer: errors, ownership roles, requests and the slot-indexed KV ledger."""

@@ -1,0 +1,82 @@
+"""The exception tree: every error specstate raises on purpose is a `SpecStateError`.
+
+Each message names the request (or slot) and the numbers involved, so an off-by-one can be read
+from the message alone ("request r7: commit of 5 tokens would pass allocated 12 (committed 9)").
+An operation that raises leaves the state it was asked to change exactly as it was.
+
+::
+
+    SpecStateError
+    ├── InvalidRequest          bad input at submission: empty prompt, bad max_new_tokens,
+    │                           token id outside the vocabulary, prompt longer than the context
+    ├── InvalidConfig           inconsistent engine / memory / worker configuration
+    ├── InvalidTransition       a request lifecycle change the state machine does not allow
+    ├── OwnershipError          a counter mutated by a role that does not own it (run-time check)
+    ├── LedgerViolation         a ledger change that would break
+    │   │                       0 <= protected <= committed <= allocated <= row width
+    │   └── ReservationExceeded a commit or write past the reserved (allocated) KV slots
+    ├── KvPoolExhausted         the KV pool cannot satisfy an allocation (nothing was taken)
+    ├── DoubleRelease           KV or a request slot released twice, or by a stale generation
+    ├── StaleResult             a result for an old incarnation of a request (refused)
+    └── RelayError              FutureMap misuse: consume-once violation, unresolved read
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DoubleRelease",
+    "InvalidConfig",
+    "InvalidRequest",
+    "InvalidTransition",
+    "KvPoolExhausted",
+    "LedgerViolation",
+    "OwnershipError",
+    "RelayError",
+    "ReservationExceeded",
+    "SpecStateError",
+    "StaleResult",
+]
+
+
+class SpecStateError(Exception):
+    """Root of every error specstate raises on purpose."""
+
+
+class InvalidRequest(SpecStateError, ValueError):
+    """A request was rejected at submission; no state changed."""
+
+
+class InvalidConfig(SpecStateError, ValueError):
+    """A configuration is inconsistent (sizes, page size, capabilities)."""
+
+
+class InvalidTransition(SpecStateError):
+    """A request lifecycle transition that the state machine does not allow."""
+
+
+class OwnershipError(SpecStateError):
+    """A counter was mutated by a role that does not own it."""
+
+
+class LedgerViolation(SpecStateError):
+    """A ledger change would break the ordering invariant; the ledger is unchanged."""
+
+
+class ReservationExceeded(LedgerViolation):
+    """A commit or a device write would pass the reserved (allocated) KV slots."""
+
+
+class KvPoolExhausted(SpecStateError):
+    """The KV pool cannot satisfy an allocation; nothing was allocated."""
+
+
+class DoubleRelease(SpecStateError):
+    """KV pages or a request slot were released twice, or through a stale generation."""
+
+
+class StaleResult(SpecStateError):
+    """A result arrived for an old incarnation of a request and was refused."""
+
+
+class RelayError(SpecStateError):
+    """FutureMap misuse: a consume-once violation or a read of an unresolved entry."""

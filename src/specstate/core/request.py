@@ -1,0 +1,332 @@
+"""Requests: validated input, an explicit lifecycle, append-only output and incarnations.
+
+`Req` is the API face of one request, not the hot path (per-request counters live in the
+slot-indexed `KvLedger`). It owns the host-settled clock ``seqlen = len(prompt) + len(output)``,
+whose only writer is the result processor (`Req.append_outputs`).
+
+Lifecycle (one checked transition function, `Req.transition`)::
+
+    WAITING ──> PREFILL ──> RUNNING ──> FINISHED
+       │          │ │          │
+       │          │ └──────────┼──────> FINISHED   (first token already ends the request)
+       │          └─────┬──────┘
+       │                v
+       │            RETRACTED ──> WAITING        (incarnation += 1 on entering RETRACTED)
+       v                │
+    ABORTED <───────────┴─── (from WAITING, PREFILL, RUNNING, RETRACTED)
+
+FINISHED and ABORTED are terminal. A late result is tagged with the incarnation it was launched
+for; `Req.check_incarnation` refuses it after a retraction, and a reused request id is a new
+`Req` object, so a stale result can never be applied to a new owner.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from specstate.core.errors import InvalidRequest, InvalidTransition, StaleResult
+from specstate.core.ownership import OwnershipChecker, Role
+
+__all__ = [
+    "FinishReason",
+    "FinishState",
+    "Req",
+    "ReqSnapshot",
+    "ReqStatus",
+    "RequestLimits",
+    "SamplingParams",
+]
+
+
+class ReqStatus(enum.Enum):
+    """Where a request is in its life. Member order carries no meaning."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    FINISHED = "finished"
+    RETRACTED = "retracted"
+    ABORTED = "aborted"
+
+
+_TRANSITIONS: Final[Mapping[ReqStatus, frozenset[ReqStatus]]] = {
+    ReqStatus.WAITING: frozenset({ReqStatus.PREFILL, ReqStatus.ABORTED}),
+    ReqStatus.PREFILL: frozenset(
+        {ReqStatus.RUNNING, ReqStatus.FINISHED, ReqStatus.RETRACTED, ReqStatus.ABORTED}
+    ),
+    ReqStatus.RUNNING: frozenset({ReqStatus.FINISHED, ReqStatus.RETRACTED, ReqStatus.ABORTED}),
+    ReqStatus.RETRACTED: frozenset({ReqStatus.WAITING, ReqStatus.ABORTED}),
+    ReqStatus.FINISHED: frozenset(),
+    ReqStatus.ABORTED: frozenset(),
+}
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended."""
+
+    STOP = "stop"
+    """A stop token (or EOS unless ``ignore_eos``) was emitted; it is included in the output."""
+    LENGTH = "length"
+    """``max_new_tokens`` outputs were emitted."""
+    ABORT = "abort"
+    """The user aborted it, or the KV pool could not hold even this one request."""
+    ERROR = "error"
+    """The worker raised while running a batch that held it."""
+
+
+@attrs.frozen(kw_only=True)
+class FinishState:
+    """How a request ended: the reason and how many output tokens the user sees."""
+
+    reason: FinishReason
+    finished_len: int
+    detail: str = ""
+
+
+def _stop_ids(value: Iterable[int]) -> frozenset[int]:
+    return frozenset(int(v) for v in value)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 128
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_ids)
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling is argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    def problems(self, vocab_size: int) -> list[str]:
+        """Every way these parameters are invalid for a vocabulary of ``vocab_size``."""
+        found = []
+        if self.max_new_tokens <= 0:
+            found.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        bad_stop = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
+        if bad_stop:
+            found.append(f"stop_token_ids {bad_stop} outside the vocabulary [0, {vocab_size})")
+        if not self.temperature >= 0.0:
+            found.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            found.append(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            found.append(f"top_p must be in (0, 1], got {self.top_p}")
+        return found
+
+
+@attrs.frozen(kw_only=True)
+class RequestLimits:
+    """What the model accepts: its vocabulary, context length and end-of-sequence ids."""
+
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_ids)
+
+
+@attrs.frozen(kw_only=True)
+class ReqSnapshot:
+    """One request at one instant, for tests, traces and users."""
+
+    request_id: str
+    status: ReqStatus
+    incarnation: int
+    prompt_len: int
+    output_ids: tuple[int, ...]
+    finish: FinishState | None
+
+    @property
+    def seqlen(self) -> int:
+        """Host-settled clock: ``prompt_len + len(output_ids)``."""
+        return self.prompt_len + len(self.output_ids)
+
+
+class Req:
+    """One request: prompt, sampling, lifecycle status, incarnation and settled output.
+
+    Build with `Req.new`, which validates everything before any state exists.
+
+    Invariant: ``output_ids`` only grows, and only while the request is live;
+    ``incarnation`` increases by one each time the request is retracted.
+    """
+
+    __slots__ = (
+        "_checker",
+        "_finish",
+        "_incarnation",
+        "_output_ids",
+        "_status",
+        "prompt_ids",
+        "request_id",
+        "sampling",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        checker: OwnershipChecker,
+    ) -> None:
+        self.request_id: Final = request_id
+        self.prompt_ids: Final = prompt_ids
+        self.sampling: Final = sampling
+        self._checker = checker
+        self._output_ids: list[int] = []
+        self._status = ReqStatus.WAITING
+        self._incarnation = 0
+        self._finish: FinishState | None = None
+
+    @classmethod
+    def new(
+        cls,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        limits: RequestLimits,
+        *,
+        checker: OwnershipChecker,
+    ) -> Req:
+        """Validate and build a WAITING request.
+
+        Raises:
+            InvalidRequest: naming the request and every problem found (empty prompt,
+                ``max_new_tokens < 1``, token ids outside the vocabulary, a prompt that leaves
+                no room in the context, bad sampling values).
+        """
+        prompt = tuple(int(t) for t in prompt_ids)
+        problems = _prompt_problems(prompt, limits) + sampling.problems(limits.vocab_size)
+        if not isinstance(request_id, str) or not request_id:
+            problems.insert(0, "request id must be a non-empty string")
+        if problems:
+            raise InvalidRequest(f"request {request_id!r}: " + "; ".join(problems))
+        return cls(request_id, prompt, sampling, checker)
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def status(self) -> ReqStatus:
+        """The lifecycle status."""
+        return self._status
+
+    @property
+    def incarnation(self) -> int:
+        """Changes on every retraction; a result launched for an older one is stale."""
+        return self._incarnation
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        """Settled output tokens (read-only view; may extend past a stop, see `emitted_ids`)."""
+        return self._output_ids
+
+    @property
+    def finish(self) -> FinishState | None:
+        """How the request ended, or None while it is live."""
+        return self._finish
+
+    @property
+    def emitted_ids(self) -> tuple[int, ...]:
+        """What the user sees: the output up to and including the stop (``finished_len``)."""
+        end = len(self._output_ids) if self._finish is None else self._finish.finished_len
+        return tuple(self._output_ids[:end])
+
+    @property
+    def seqlen(self) -> int:
+        """Host-settled clock: ``len(prompt_ids) + len(output_ids)``."""
+        return len(self.prompt_ids) + len(self._output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once FINISHED or ABORTED."""
+        return self._status in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+
+    def snapshot(self) -> ReqSnapshot:
+        """A frozen copy of the request's state."""
+        return ReqSnapshot(
+            request_id=self.request_id,
+            status=self._status,
+            incarnation=self._incarnation,
+            prompt_len=len(self.prompt_ids),
+            output_ids=tuple(self._output_ids),
+            finish=self._finish,
+        )
+
+    def check_incarnation(self, launched_for: int) -> None:
+        """Raise `StaleResult` unless a result launched for ``launched_for`` is current."""
+        if launched_for != self._incarnation or self.is_finished:
+            raise StaleResult(
+                f"request {self.request_id}: result for incarnation {launched_for} refused "
+                f"(current incarnation {self._incarnation}, status {self._status.value})"
+            )
+
+    # --------------------------------------------------------------- mutators
+    def transition(self, target: ReqStatus, *, finish: FinishState | None = None) -> None:
+        """Move to ``target``: the one checked transition function.
+
+        FINISHED and ABORTED require ``finish``; no other target accepts one. Entering RETRACTED
+        bumps the incarnation.
+
+        Raises:
+            InvalidTransition: the move is not in the lifecycle; nothing changes.
+        """
+        src = self._status
+        if target not in _TRANSITIONS[src]:
+            raise InvalidTransition(
+                f"request {self.request_id}: {src.value} -> {target.value} is not allowed"
+            )
+        ends = target in (ReqStatus.FINISHED, ReqStatus.ABORTED)
+        if ends != (finish is not None):
+            need = "needs a" if ends else "takes no"
+            raise InvalidTransition(f"request {self.request_id}: {target.value} {need} finish")
+        if finish is not None and not 0 <= finish.finished_len <= len(self._output_ids):
+            raise InvalidTransition(
+                f"request {self.request_id}: finished_len {finish.finished_len} outside "
+                f"0..{len(self._output_ids)} settled outputs"
+            )
+        if target is ReqStatus.RETRACTED:
+            self._incarnation += 1
+        self._status = target
+        self._finish = finish
+
+    def append_outputs(self, tokens: Sequence[int]) -> None:
+        """Append an accepted run to the settled output (result processor only).
+
+        Raises:
+            OwnershipError: the calling thread does not act as the result processor.
+            StaleResult: the request already ended; nothing is appended.
+        """
+        self._checker.require(
+            (Role.RESULT_PROCESSOR,), counter="output_ids", request=self.request_id
+        )
+        if self.is_finished:
+            raise StaleResult(
+                f"request {self.request_id}: {len(tokens)} tokens for a {self._status.value} "
+                f"request refused"
+            )
+        self._output_ids.extend(int(t) for t in tokens)
+
+
+def _prompt_problems(prompt: tuple[int, ...], limits: RequestLimits) -> list[str]:
+    found = []
+    if not prompt:
+        found.append("prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        found.append(
+            f"{len(bad)} prompt token ids outside the vocabulary [0, {limits.vocab_size}), "
+            f"first {bad[0]}"
+        )
+    if len(prompt) >= limits.max_context_len:
+        found.append(
+            f"prompt of {len(prompt)} tokens leaves no room in a context of "
+            f"{limits.max_context_len}"
+        )
+    return found

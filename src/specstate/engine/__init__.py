@@ -1,0 +1,1 @@
+"""Engine layer: worker protocol, scheduler loops and the result processor."""

@@ -1,0 +1,1 @@
+"""Memory layer: paged pools, reservation sizing, allocation, release and retraction."""

@@ -1,0 +1,1 @@
+"""Reference backend: a paged-attention Llama and workers for every algorithm."""

@@ -1,0 +1,1 @@
+"""Relay layer: the FutureMap, forward isolation and streams."""

@@ -1,0 +1,1 @@
+"""Tools: the ownership linter and the command line."""

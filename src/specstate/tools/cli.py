@@ -1,0 +1,45 @@
+"""The ``specstate`` command: one subcommand per job, each delegating to its owner module.
+
+Subcommands available now:
+
+* ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
+
+``demo``, ``generate``, ``trace`` and ``bench`` (DESIGN.md §2) arrive with the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specstate.tools import lint
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from specstate import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="specstate",
+        description="Scheduling state for speculative decoding under overlap scheduling.",
+    )
+    parser.add_argument("--version", action="version", version=f"specstate {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    lint.build_parser(
+        commands.add_parser("lint", help="report counter writes outside owner scopes")
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specstate`` command; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "lint":
+        return lint.run(args)
+    raise AssertionError(f"unhandled command {args.command}")  # argparse rejects others
+
+
+if __name__ == "__main__":
+    sys.exit(main())

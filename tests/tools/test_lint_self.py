@@ -1,0 +1,38 @@
+"""specstate's own source writes tracked counters only at reviewed owner sites, exactly."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import specstate
+from specstate.tools.lint import scan_paths, site_counts
+
+SRC = Path(specstate.__file__).parent
+
+# (path, scope, kind) -> count. A new writer anywhere fails this test until it is reviewed and
+# listed here; a removed one fails it until it is removed from here. Keep it exact.
+OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
+    {
+        # The ledger's own stores: created once, written only by the owner mutators.
+        ("core/ledger.py", "KvLedger.__init__", "assign _cache_protected"): 1,
+        ("core/ledger.py", "KvLedger.__init__", "assign _kv_committed"): 1,
+        ("core/ledger.py", "KvLedger.__init__", "assign _kv_allocated"): 1,
+        ("core/ledger.py", "KvLedger.set_protected", "assign _cache_protected"): 1,
+        ("core/ledger.py", "KvLedger.commit_extend", "mutate _kv_committed.index_copy_"): 1,
+        ("core/ledger.py", "KvLedger.advance_committed", "mutate _kv_committed.index_copy_"): 1,
+        ("core/ledger.py", "KvLedger.grow_allocated", "mutate _kv_allocated.index_copy_"): 1,
+        # Req's append-only output: created empty, extended only by the result processor.
+        ("core/request.py", "Req.__init__", "assign _output_ids"): 1,
+        ("core/request.py", "Req.append_outputs", "mutate _output_ids.extend"): 1,
+    }
+)
+
+
+def test_owner_sites_match_the_allowlist_exactly() -> None:
+    """Surplus sites are new writers to review; missing ones mean the allowlist is stale."""
+    found = site_counts(scan_paths([SRC]))
+    surplus = found - OWNER_SITES
+    missing = OWNER_SITES - found
+    assert not surplus, f"new counter writers, review and list them: {dict(surplus)}"
+    assert not missing, f"allowlisted sites no longer exist, update OWNER_SITES: {dict(missing)}"
