@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from memory_harness import Memory, build_memory
 
 from specstate import OwnershipChecker
 
@@ -11,3 +12,9 @@ from specstate import OwnershipChecker
 def checker() -> OwnershipChecker:
     """A fresh ownership checker in checking mode."""
     return OwnershipChecker(enabled=True)
+
+
+@pytest.fixture
+def memory() -> Memory:
+    """A memory layer with page size 1, 64 pages, 8 request slots, a chain window (L 4, R 8)."""
+    return build_memory()

@@ -25,6 +25,10 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         # Req's append-only output: created empty, extended only by the result processor.
         ("core/request.py", "Req.__init__", "assign _output_ids"): 1,
         ("core/request.py", "Req.append_outputs", "mutate _output_ids.extend"): 1,
+        # The allocator: the only opener/closer of ledger slots and grower of allocated.
+        ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
+        ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
+        ("memory/allocation.py", "KvAllocator.release_many", "call close_slot"): 1,
     }
 )
 

@@ -1,0 +1,324 @@
+"""KV allocation: the only owner of ``kv_allocated_len``, and of opening and closing ledger slots.
+
+`KvAllocator` composes the request-slot pool, the paged token allocator and the allocator's view
+of the ledger. It is called by the scheduler (checked at run time) and acts as the allocator for
+every ledger write. Every batch-wide operation is a fixed number of tensor ops.
+
+Reservation under overlap (DESIGN.md §1, notes §4.2): the device frontier S may lead the host's
+committed length c by one verify (up to ``max_accept <= L`` tokens). Draft writes end at
+``S + L`` and verify writes ``[S, S + D)`` with ``D <= L``, so reserving from the committed base,
+``nxt = max(allocated, ceil_P(c + 2L))``, puts every write of the in-flight round inside
+``[0, allocated)``::
+
+    c          S = c + lead          S + L            c + 2L     allocated
+    |--lead <= L--|--draft / verify <= L--|               |...page...|
+
+Reservation never touches ``kv_committed_len``, the batch ``seq_lens`` or ``out_cache_loc``:
+prepare reserves future capacity, it never declares the future correct.
+
+Release (finish, abort, retraction) frees exactly the request's own pages,
+``[ceil_P(cache_protected_len), kv_allocated_len)``, then closes the ledger slot and the request
+slot. Under overlap the batch launched after a finish may still read those pages, so the engine
+hands the request to `DeferredReleases` and drains it when that batch retires.
+
+Invariant: after every call, for every open slot, ``kv_allocated_len`` equals the number of
+positions mapped in its ``req_to_token`` row, and the pages mapped by open rows plus the free
+pages are all pages (``check_balance``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation
+from specstate.core.ledger import AllocatorLedgerView
+from specstate.core.ownership import OwnershipChecker, Role
+from specstate.core.request import Req
+from specstate.memory.pools import (
+    ReqToTokenPool,
+    SlotHandle,
+    TokenSlotAllocator,
+    free_rows,
+    grow_rows,
+)
+from specstate.memory.sizing import (
+    DecodeAllocLens,
+    SpecWindow,
+    decode_tokens_needed,
+    page_aligned_decode_alloc_lens,
+    spec_decode_tokens_needed,
+)
+
+__all__ = ["DeferredReleases", "KvAllocator", "ReleasedKv"]
+
+_CALLERS = (Role.SCHEDULER, Role.ALLOCATOR)
+
+
+@attrs.frozen(kw_only=True)
+class ReleasedKv:
+    """What one release returned: the request, its ledger entry, and the pages freed."""
+
+    request_id: str
+    slot: int
+    cache_protected_len: int
+    kv_committed_len: int
+    kv_allocated_len: int
+    num_freed_pages: int
+
+
+class KvAllocator:
+    """Owner of KV memory for every request: admit, reserve, release.
+
+    Args:
+        ledger: the allocator's view of the ledger.
+        req_pool: request slots and their ``req_to_token`` rows.
+        token_pool: the paged KV token-slot allocator.
+        window: the speculative window (L, R, page size) the reservations follow.
+        checker: the engine's ownership checker.
+    """
+
+    def __init__(
+        self,
+        *,
+        ledger: AllocatorLedgerView,
+        req_pool: ReqToTokenPool,
+        token_pool: TokenSlotAllocator,
+        window: SpecWindow,
+        checker: OwnershipChecker,
+    ) -> None:
+        if window.page_size != token_pool.page_size:
+            raise InvalidConfig(
+                f"window page size {window.page_size} != pool page size {token_pool.page_size}"
+            )
+        if req_pool.row_width != ledger.row_width or ledger.row_width <= window.row_headroom:
+            raise InvalidConfig(
+                f"row width {req_pool.row_width} (ledger {ledger.row_width}) must equal and "
+                f"exceed the window's row headroom {window.row_headroom}"
+            )
+        self._ledger = ledger
+        self._req_pool = req_pool
+        self._token_pool = token_pool
+        self.window = window
+        self._checker = checker
+        self._handles: dict[int, tuple[Req, SlotHandle]] = {}
+        # id(req) -> slot; the Req stays alive in _handles while its id is a key here.
+        self._slot_by_req: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """The request → token-slot table (read it; only the pools write it)."""
+        return self._req_pool.req_to_token
+
+    @property
+    def token_pool(self) -> TokenSlotAllocator:
+        """The paged token-slot allocator (for its statistics and balance check)."""
+        return self._token_pool
+
+    def slot_of(self, req: Req) -> int:
+        """The request slot ``req`` holds; `LedgerViolation` if it holds none."""
+        slot = self._slot_by_req.get(id(req))
+        if slot is None:
+            raise LedgerViolation(f"request {req.request_id} holds no KV slot")
+        return slot
+
+    def holds_slot(self, req: Req) -> bool:
+        """True while ``req`` holds a request slot (admitted and not yet released)."""
+        return id(req) in self._slot_by_req
+
+    def owned_pages(self) -> torch.Tensor:
+        """Every page mapped by an open row (for ``TokenSlotAllocator.check_balance``)."""
+        p = self._token_pool.page_size
+        if not self._handles:
+            return torch.zeros(0, dtype=torch.int64)
+        slots = torch.tensor(sorted(self._handles), dtype=torch.int64)
+        first = torch.div(self._ledger.protected(slots) + p - 1, p, rounding_mode="floor")
+        end = torch.div(self._ledger.allocated(slots) + p - 1, p, rounding_mode="floor")
+        counts = (end - first).clamp_min(0)
+        rows = torch.repeat_interleave(torch.arange(slots.numel()), counts)
+        offsets = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[rows]
+        table = self._req_pool.req_to_token
+        pos = (first[rows] + offsets) * p
+        return torch.div(table[slots[rows], pos.to(table.device)], p, rounding_mode="floor")
+
+    def check_balance(self) -> None:
+        """Debug: free pages plus pages of open rows are all pages, with no duplicate."""
+        self._token_pool.check_balance(self.owned_pages())
+
+    # -------------------------------------------------------------- admission
+    def admit(self, req: Req) -> int:
+        """Give ``req`` a request slot and open its ledger entry (all counters 0)."""
+        self._checker.require(_CALLERS, counter="request slot", request=req.request_id)
+        if id(req) in self._slot_by_req:
+            raise LedgerViolation(
+                f"request {req.request_id} already holds slot {self._slot_by_req[id(req)]}"
+            )
+        handle = self._req_pool.alloc(req.request_id)
+        with self._checker.acting(Role.ALLOCATOR):
+            self._ledger.open_slot(handle.slot, req.request_id)
+        self._handles[handle.slot] = (req, handle)
+        self._slot_by_req[id(req)] = handle.slot
+        return handle.slot
+
+    # ------------------------------------------------------------- allocation
+    def alloc_for_extend(self, slots: torch.Tensor, extend_ends: torch.Tensor) -> None:
+        """Map KV slots for positions up to ``extend_ends`` (prefill or chunk).
+
+        Sets ``kv_allocated_len = max(allocated, extend_end)``; never sets committed (that is
+        the scheduler's prepare-for-extend).
+        """
+        cur = self._ledger.allocated(slots)
+        self._grow(slots, cur, torch.maximum(cur, extend_ends), counter="extend")
+
+    def alloc_for_decode(self, slots: torch.Tensor) -> torch.Tensor:
+        """Non-speculative decode: one more KV slot per request; returns ``out_cache_loc``."""
+        cur = self._ledger.allocated(slots)
+        self._grow(slots, cur, cur + 1, counter="decode")
+        table = self._req_pool.req_to_token
+        return table[slots.to(table.device), cur.to(table.device)]
+
+    def reserve_for_spec_decode(self, slots: torch.Tensor) -> DecodeAllocLens:
+        """Grow each reservation to ``max(allocated, ceil_P(committed + R))`` (vectorized).
+
+        Writes the new slots into ``req_to_token[slot, cur:nxt]``; never touches committed,
+        the batch ``seq_lens`` or ``out_cache_loc``.
+        """
+        lens = page_aligned_decode_alloc_lens(
+            self._ledger.allocated(slots),
+            self._ledger.committed(slots),
+            reserve=self.window.reserve,
+            page_size=self.window.page_size,
+        )
+        if lens.needed:
+            self._grow(slots, lens.cur, lens.nxt, counter="spec reserve")
+        return lens
+
+    def decode_tokens_needed(self, slots: torch.Tensor) -> int:
+        """Free tokens the next decode prepare of ``slots`` will take, page for page."""
+        allocated = self._ledger.allocated(slots)
+        if not self.window.speculative:
+            return decode_tokens_needed(allocated, self.window.page_size)
+        return spec_decode_tokens_needed(
+            allocated,
+            self._ledger.committed(slots),
+            reserve=self.window.reserve,
+            page_size=self.window.page_size,
+        )
+
+    def _grow(
+        self, slots: torch.Tensor, cur: torch.Tensor, nxt: torch.Tensor, counter: str
+    ) -> None:
+        self._checker.require(
+            _CALLERS, counter=f"kv_allocated_len ({counter})", request=self._names(slots)
+        )
+        width = self._ledger.row_width
+        if slots.numel() and int(nxt.max()) > width:
+            i = int(nxt.argmax())
+            raise LedgerViolation(
+                f"request {self._name(int(slots[i]))}: {counter} to {int(nxt[i])} tokens "
+                f"passes the row width {width}"
+            )
+        grow_rows(self._req_pool, self._token_pool, slots, cur, nxt)
+        with self._checker.acting(Role.ALLOCATOR):
+            self._ledger.grow_allocated(slots, nxt)
+
+    # ---------------------------------------------------------------- release
+    def release(self, req: Req) -> ReleasedKv:
+        """Free ``req``'s own KV pages, close its ledger entry and its request slot.
+
+        Raises:
+            DoubleRelease: ``req`` holds no slot (already released, or never admitted).
+        """
+        return self.release_many([req])[0]
+
+    def release_many(self, reqs: Sequence[Req]) -> list[ReleasedKv]:
+        """Release several requests with one vectorized page free (finish, abort, retract).
+
+        Every request is validated before anything is freed: a request that holds no slot (or
+        appears twice) raises `DoubleRelease` and nothing is released.
+        """
+        names = ", ".join(r.request_id for r in reqs[:4])
+        self._checker.require(_CALLERS, counter="kv release", request=names)
+        slots = [self._slot_by_req.get(id(r)) for r in reqs]
+        for req, slot in zip(reqs, slots, strict=True):
+            if slot is None:
+                raise DoubleRelease(f"request {req.request_id}: release of KV it does not hold")
+            if not self._req_pool.is_current(self._handles[slot][1]):
+                raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
+        if len(set(slots)) != len(slots):
+            raise DoubleRelease(f"requests {names}: the same request is released twice")
+        index = torch.tensor(slots, dtype=torch.int64)
+        protected = self._ledger.protected(index)
+        committed = self._ledger.committed(index)
+        allocated = self._ledger.allocated(index)
+        free_rows(self._req_pool, self._token_pool, index, protected, allocated)
+        freed = self._pages_per_row(protected, allocated)
+        released = []
+        with self._checker.acting(Role.ALLOCATOR):
+            for i, (req, slot) in enumerate(zip(reqs, index.tolist(), strict=True)):
+                self._ledger.close_slot(slot)
+                self._req_pool.free(self._handles.pop(slot)[1])
+                del self._slot_by_req[id(req)]
+                released.append(
+                    ReleasedKv(
+                        request_id=req.request_id,
+                        slot=slot,
+                        cache_protected_len=int(protected[i]),
+                        kv_committed_len=int(committed[i]),
+                        kv_allocated_len=int(allocated[i]),
+                        num_freed_pages=freed[i],
+                    )
+                )
+        return released
+
+    def _pages_per_row(self, start: torch.Tensor, stop: torch.Tensor) -> list[int]:
+        p = self._token_pool.page_size
+        first = torch.div(start + p - 1, p, rounding_mode="floor")
+        end = torch.div(stop + p - 1, p, rounding_mode="floor")
+        return (end - first).clamp_min(0).tolist()
+
+    def _name(self, slot: int) -> str:
+        held = self._handles.get(slot)
+        return held[0].request_id if held else f"<slot {slot}>"
+
+    def _names(self, slots: torch.Tensor) -> str:
+        names = [self._name(s) for s in slots.tolist()[:4]]
+        return ", ".join(names) + ("" if slots.numel() <= 4 else f" (+{slots.numel() - 4} more)")
+
+
+class DeferredReleases:
+    """Requests whose KV must outlive the batches already launched when they finished.
+
+    Under overlap, batch N+1 is launched before result N is settled; a request that finishes in
+    result N may still be read by batch N+1. The engine calls `defer` with the id of the last
+    launched batch and `drain` with the id of each batch as it retires; a request is released
+    once every batch that could read its KV has retired.
+
+    Invariant: a deferred request is released exactly once, and never before its batch retires.
+    """
+
+    def __init__(self, allocator: KvAllocator) -> None:
+        self._allocator = allocator
+        self._pending: list[tuple[int, Req]] = []
+
+    def defer(self, req: Req, *, until_batch: int) -> None:
+        """Release ``req`` when batch ``until_batch`` retires."""
+        if any(r is req for _, r in self._pending):
+            raise DoubleRelease(f"request {req.request_id}: release already deferred")
+        self._pending.append((until_batch, req))
+
+    def drain(self, retired_batch: int) -> list[ReleasedKv]:
+        """Release every request waiting on batches up to ``retired_batch``."""
+        due = [r for b, r in self._pending if b <= retired_batch]
+        if not due:
+            return []
+        released = self._allocator.release_many(due)
+        self._pending = [(b, r) for b, r in self._pending if b > retired_batch]
+        return released
+
+    def pending(self) -> Sequence[str]:
+        """Request ids still waiting, in deferral order."""
+        return tuple(r.request_id for _, r in self._pending)
