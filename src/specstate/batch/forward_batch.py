@@ -1,0 +1,92 @@
+"""The worker's frozen view of one forward, built from a schedule batch without changing it.
+
+A worker may build several `ForwardBatch` values in one speculative round (draft, verify,
+draft-extend) with `attrs.evolve`; none of them can write back into the `ScheduleBatch`, which
+the scheduler owns. Building one requires the relay values to be resolved: a batch whose
+frontier is still `Unresolved` raises `RelayError` instead of handing the worker a placeholder.
+
+Positions: for EXTEND / MIXED rows, token ``i`` of a row sits at ``prefix_len + i``; for
+DECODE, ``seq_lens`` is the KV-ready prefix before this forward, so the first new token of a row
+sits at position ``seq_lens[row]`` (the bonus token, root of the next verify).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.sampling import SamplingInfo
+from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.core.errors import RelayError
+from specstate.relay.future_map import RelayPayload, Unresolved
+
+__all__ = ["ForwardBatch"]
+
+
+def _extend_positions(
+    prefix_lens: tuple[int, ...], extend_lens: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    starts = torch.tensor(prefix_lens, dtype=torch.int64)
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    row_start = torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
+    return (torch.arange(int(lens.sum()), dtype=torch.int64) + row_start).to(device)
+
+
+@attrs.frozen(kw_only=True)
+class ForwardBatch:
+    """Everything one forward reads; frozen, so a worker cannot write scheduler state."""
+
+    forward_mode: ForwardMode
+    request_ids: tuple[str, ...]
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: tuple[int, ...] | None
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    out_cache_loc: torch.Tensor | None
+    prefix_lens: tuple[int, ...] | None
+    extend_lens: tuple[int, ...] | None
+    sampling_info: SamplingInfo
+    spec_info: RelayPayload | None
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests (rows)."""
+        return len(self.request_ids)
+
+    @classmethod
+    def from_schedule(cls, batch: ScheduleBatch) -> ForwardBatch:
+        """The frozen view of ``batch``'s next forward; ``batch`` is not modified.
+
+        Raises:
+            RelayError: ``seq_lens`` or ``input_ids`` is still `Unresolved`.
+        """
+        if isinstance(batch.seq_lens, Unresolved) or isinstance(batch.input_ids, Unresolved):
+            raise RelayError(
+                f"batch of {batch.batch_size} requests ({', '.join(batch.request_ids[:4])}) "
+                "has unresolved relay values; resolve them before building a forward"
+            )
+        return cls(
+            forward_mode=batch.forward_mode,
+            request_ids=batch.request_ids,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            input_ids=batch.input_ids,
+            positions=cls._positions(batch, batch.seq_lens),
+            out_cache_loc=batch.out_cache_loc,
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+            sampling_info=batch.sampling_info,
+            spec_info=batch.spec_info,
+        )
+
+    @staticmethod
+    def _positions(batch: ScheduleBatch, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        mode = batch.forward_mode
+        if mode.is_extend() and batch.prefix_lens is not None and batch.extend_lens is not None:
+            return _extend_positions(batch.prefix_lens, batch.extend_lens, seq_lens.device)
+        if mode.is_decode():
+            return seq_lens.clone()
+        return None

@@ -1,0 +1,70 @@
+"""What a worker returns for one forward: frozen, owned by the scheduler once returned.
+
+`GenerationBatchResult` carries the accepted tokens of every row in a flat tensor with the
+*stride of the forward that produced it* (adaptive speculation may change the worker's width
+before the result is settled, so the result processor slices with ``stride``, never with the
+worker's current width), the accept length of each row (bonus included), the next device
+frontier, the relay payload for the next round, tensors to keep alive, and the event that marks
+the device-to-host copy done.
+
+Invariant: ``next_token_ids.numel() == batch_size * stride`` and
+``1 <= accept_lens[row] <= stride`` for every row of a decode result.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from specstate.core.errors import InvalidConfig
+from specstate.relay.future_map import RelayPayload
+from specstate.relay.streams import Event
+
+__all__ = ["GenerationBatchResult"]
+
+
+@attrs.frozen(kw_only=True)
+class GenerationBatchResult:
+    """The outcome of one forward, as the worker hands it to the scheduler.
+
+    Attributes:
+        next_token_ids: flat ``[batch_size * stride]`` tokens; row ``i``'s accepted run is
+            ``next_token_ids[i * stride : i * stride + accept_lens[i]]``.
+        accept_lens: ``[batch_size]`` accepted tokens per row, bonus included (non-spec: 1).
+        stride: tokens per row in ``next_token_ids`` for the forward that produced it.
+        new_seq_lens: ``[batch_size]`` next device frontier, or None for a prefill.
+        next_draft_input: the relay payload of the next round, or None.
+        keep_alive_refs: objects the scheduler pins for two iterations (device lifetime).
+        copy_done: recorded after the device-to-host copy of the result; None when synchronous.
+    """
+
+    next_token_ids: torch.Tensor
+    accept_lens: torch.Tensor
+    stride: int
+    new_seq_lens: torch.Tensor | None = None
+    next_draft_input: RelayPayload | None = None
+    keep_alive_refs: tuple[object, ...] = ()
+    copy_done: Event | None = None
+
+    def __attrs_post_init__(self) -> None:
+        bs = self.accept_lens.numel()
+        if self.stride < 1 or self.next_token_ids.numel() != bs * self.stride:
+            raise InvalidConfig(
+                f"result of {bs} rows with stride {self.stride} needs {bs * self.stride} "
+                f"tokens, got {self.next_token_ids.numel()}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return self.accept_lens.numel()
+
+    @property
+    def num_correct_drafts(self) -> int:
+        """Accepted draft tokens: accepted tokens minus one bonus per row (host sync)."""
+        return int(self.accept_lens.sum()) - self.batch_size
+
+    def wait_copied(self) -> None:
+        """Block the host until the device-to-host copy of this result is done."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()

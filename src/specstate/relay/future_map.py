@@ -1,0 +1,399 @@
+"""The FutureMap owns the device relay between iterations: next inputs, keyed by request slot.
+
+One row per request-pool slot (the *future index* is ``req_pool_idx``). The worker writes the
+next frontier (`FutureMap.publish`) and the next round's inputs (`FutureMap.stash`) while the
+host already schedules the next iteration; the next iteration reads them back
+(`FutureMap.resolve_seq_lens`, `FutureMap.resolve_forward_inputs`,
+`FutureMap.resolve_mixed_tails`) behind the publish fence::
+
+    host      | schedule N |  resolve N  | schedule N+1 (overlaps forward N) |  resolve N+1  |
+                                  |                                              ^ waits publish
+    forward                       | forward N: verify -> accept -> PUBLISH -> draft-extend ...
+                                                                      |  stash (bonus, extras)
+                                                         publish event recorded here
+
+Until resolved, a batch field that depends on the relay holds `Unresolved` (its own type, never
+a ``-1`` placeholder), so the type checker makes every reader handle it.
+
+Invariant: every returned tensor is new (a gather or an arithmetic result), never a view into a
+buffer, and no caller tensor is written; every batch-wide operation is a fixed number of tensor
+ops with no Python loop over requests and, outside debug mode, no host synchronization beyond
+the documented fences (the publish/stash events and an explicitly requested host mirror).
+
+Debug mode (consume once): buffers start poisoned (``int64`` min, NaN) and two host-side bool
+bitmaps mark slots written since their last read: `publish` marks ``new_seq_lens`` rows and
+`stash` marks token rows. A resolve of any unmarked row raises `RelayError` naming the slots, then
+clears the marks and re-poisons the rows it read. Writing a marked row again (publish twice, no
+resolve in between) is allowed: it overwrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import attrs
+import torch
+from typing_extensions import TypeIs
+
+from specstate.core.errors import InvalidConfig, RelayError
+from specstate.relay.streams import Event, Stream
+
+__all__ = [
+    "DraftDims",
+    "ForwardInputs",
+    "FutureMap",
+    "FutureMapSnapshot",
+    "MixedTails",
+    "RelayPayload",
+    "ResolvedSeqLens",
+    "Unresolved",
+    "is_unresolved",
+]
+
+POISON_INT: Final = torch.iinfo(torch.int64).min
+POISON_FLOAT: Final = float("nan")
+_Write = Callable[[], None]
+
+
+@attrs.frozen
+class Unresolved:
+    """A batch value that lives in the FutureMap rows ``future_indices`` until resolved."""
+
+    future_indices: torch.Tensor
+
+
+def is_unresolved(x: object) -> TypeIs[Unresolved]:
+    """Return whether ``x`` is an `Unresolved` relay value (narrows both branches)."""
+    return isinstance(x, Unresolved)
+
+
+@attrs.frozen(kw_only=True)
+class DraftDims:
+    """Shapes of the draft extras, for buffers allocated up front instead of at first stash."""
+
+    topk: int
+    hidden_size: int
+    hidden_dtype: torch.dtype = torch.float32
+
+
+@attrs.frozen(kw_only=True)
+class RelayPayload:
+    """The next round's inputs for a set of slots: ``[n]`` bonus tokens plus optional extras."""
+
+    bonus_tokens: torch.Tensor
+    topk_p: torch.Tensor | None = None
+    topk_index: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ResolvedSeqLens:
+    """The resolved frontier of a batch; ``seq_lens_cpu`` only when a host mirror was asked."""
+
+    seq_lens: torch.Tensor
+    seq_lens_cpu: list[int] | None
+
+
+@attrs.frozen(kw_only=True)
+class ForwardInputs:
+    """Gathered next-round inputs; an extra is None when its buffer was never created."""
+
+    bonus_tokens: torch.Tensor
+    topk_p: torch.Tensor | None
+    topk_index: torch.Tensor | None
+    hidden_states: torch.Tensor | None
+
+
+@attrs.frozen(kw_only=True)
+class MixedTails:
+    """Late-bound geometry of the running tails of a mixed batch (1-token extend of the bonus)."""
+
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    prefix_lens: torch.Tensor
+
+
+@attrs.frozen(kw_only=True)
+class FutureMapSnapshot:
+    """Counters and shapes of a `FutureMap` at one moment."""
+
+    max_slots: int
+    debug: bool
+    topk: int | None
+    hidden_size: int | None
+    num_publishes: int
+    num_stashes: int
+    num_fence_waits: int
+    num_host_mirrors: int
+
+
+class FutureMap:
+    """Slot-indexed relay buffers with a publish fence; see the module docstring."""
+
+    def __init__(
+        self,
+        max_slots: int,
+        *,
+        device: torch.device,
+        debug: bool = False,
+        draft_dims: DraftDims | None = None,
+    ) -> None:
+        if max_slots <= 0:
+            raise InvalidConfig(f"FutureMap needs max_slots >= 1, got {max_slots}")
+        self._max_slots = max_slots
+        self._device = device
+        self._debug = debug
+        self._new_seq_lens = self._buffer((), torch.int64)
+        self._bonus_tokens = self._buffer((), torch.int64)
+        d = draft_dims  # None: each extra is created by the first stash that carries it
+        self._topk_p = None if d is None else self._buffer((d.topk,), torch.float32)
+        self._topk_index = None if d is None else self._buffer((d.topk,), torch.int64)
+        self._hidden = None if d is None else self._buffer((d.hidden_size,), d.hidden_dtype)
+        self._published = torch.zeros(max_slots, dtype=torch.bool)  # debug: written since read
+        self._stashed = torch.zeros(max_slots, dtype=torch.bool)  # debug: written since read
+        self._publish_event: Event | None = None
+        self._stash_event: Event | None = None
+        self._num_publishes = self._num_stashes = self._num_fence_waits = self._num_host_mirrors = 0
+
+    def publish(
+        self, indices: torch.Tensor, new_seq_lens: torch.Tensor, *, stream: Stream | None = None
+    ) -> None:
+        """Scatter the next device frontier of ``indices`` and record the publish event.
+
+        With ``stream``, the scatter is ordered after the work already on it (inline from that
+        stream's own work) and the event is recorded right after; without, it runs now, after
+        the previous publish. Do not write the arguments before the event completes.
+
+        Raises:
+            RelayError: shapes disagree, or (debug) indices are out of range or repeated.
+        """
+        self._check_indices(indices, new_seq_lens.shape, "publish")
+        if indices.numel() == 0:
+            return
+        self._num_publishes += 1
+        self._publish_event = self._ordered_write(
+            self._publish_event, stream, lambda: self._write_seq_lens(indices, new_seq_lens)
+        )
+
+    def arm_fences(self, stream: Stream) -> None:
+        """Record the publish and stash fences on ``stream`` now, at its current end.
+
+        For work that publishes or stashes from *inside* a stream item (a worker's
+        ``on_publish`` on a `CpuStream` thread, which may run after the host's next resolve):
+        armed right after submitting that work, the fences make the next resolves wait for it.
+        """
+        for previous in (self._publish_event, self._stash_event):
+            if previous is not None:  # keep "the latest event implies every earlier write"
+                stream.wait_event(previous)
+        self._publish_event = self._stash_event = stream.record_event()
+
+    def stash(
+        self, indices: torch.Tensor, payload: RelayPayload, *, stream: Stream | None = None
+    ) -> None:
+        """Write the next round's inputs of ``indices``, ordered like `publish`.
+
+        An extras buffer is created by the first stash that carries it, shaped from it.
+
+        Raises:
+            RelayError: shapes disagree with ``indices``; ``topk_p`` without ``topk_index``.
+            InvalidConfig: an extra's width differs from the existing buffer.
+        """
+        self._check_indices(indices, payload.bonus_tokens.shape, "stash")
+        if (payload.topk_p is None) != (payload.topk_index is None):
+            raise RelayError("stash: topk_p and topk_index must be given together")
+        if indices.numel() == 0:
+            return
+        self._ensure_extras(payload, indices.shape[0])  # on the host: errors raise here
+        self._num_stashes += 1
+        self._stash_event = self._ordered_write(
+            self._stash_event, stream, lambda: self._write_payload(indices, payload)
+        )
+
+    def resolve_seq_lens(
+        self, indices: torch.Tensor, *, host_mirror: bool = False
+    ) -> ResolvedSeqLens:
+        """Wait for the publish fence, then gather the frontier of ``indices`` (a new tensor).
+
+        ``host_mirror`` adds ``seq_lens_cpu``, a host list (a device-to-host copy).
+
+        Raises:
+            RelayError: (debug) a slot not published since its last resolve.
+        """
+        self._check_indices(indices, indices.shape, "resolve_seq_lens")
+        seq_lens = self._gather_seq_lens(indices)
+        self._num_host_mirrors += int(host_mirror)
+        return ResolvedSeqLens(
+            seq_lens=seq_lens, seq_lens_cpu=seq_lens.tolist() if host_mirror else None
+        )
+
+    def resolve_forward_inputs(self, indices: torch.Tensor) -> ForwardInputs:
+        """Wait for the latest stash, then gather bonus tokens and extras of ``indices``.
+
+        Raises:
+            RelayError: (debug) a slot not stashed since its last resolve.
+        """
+        self._check_indices(indices, indices.shape, "resolve_forward_inputs")
+        if indices.numel() > 0:
+            event, self._stash_event = self._stash_event, None
+            self._stash_event = self._wait(event)
+            self._consume(self._stashed, indices, "stash")
+        inputs = ForwardInputs(
+            bonus_tokens=self._bonus_tokens[indices],
+            topk_p=None if self._topk_p is None else self._topk_p[indices],
+            topk_index=None if self._topk_index is None else self._topk_index[indices],
+            hidden_states=None if self._hidden is None else self._hidden[indices],
+        )
+        self._repoison(indices, self._stashed_buffers())
+        return inputs
+
+    def resolve_mixed_tails(
+        self,
+        slots: torch.Tensor,
+        req_to_token: torch.Tensor,
+        fresh_committed: torch.Tensor | None = None,
+    ) -> MixedTails:
+        """Rebuild the last ``n`` rows of a mixed batch: a 1-token extend at ``fresh``.
+
+        ``seq_lens = fresh + 1``, ``out_cache_loc = req_to_token[slots, fresh]`` and
+        ``prefix_lens = fresh``; ``fresh`` defaults to the published frontier of ``slots``
+        (behind the publish fence, consumed like `resolve_seq_lens`). The ``+1`` is local to
+        this view. All three are new tensors; no input is written.
+
+        Raises:
+            RelayError: ``fresh_committed`` does not match ``slots``; (debug) unpublished slots.
+        """
+        fresh_shape = slots.shape if fresh_committed is None else fresh_committed.shape
+        self._check_indices(slots, fresh_shape, "resolve_mixed_tails")
+        if fresh_committed is None:
+            fresh = self._gather_seq_lens(slots)  # already a new tensor
+        else:
+            fresh = fresh_committed.to(torch.int64, copy=True)
+        return MixedTails(
+            seq_lens=fresh + 1, out_cache_loc=req_to_token[slots, fresh], prefix_lens=fresh
+        )
+
+    def snapshot(self) -> FutureMapSnapshot:
+        """Return the counters and extras shapes as a frozen value."""
+        return FutureMapSnapshot(
+            max_slots=self._max_slots,
+            debug=self._debug,
+            topk=None if self._topk_p is None else self._topk_p.shape[1],
+            hidden_size=None if self._hidden is None else self._hidden.shape[1],
+            num_publishes=self._num_publishes,
+            num_stashes=self._num_stashes,
+            num_fence_waits=self._num_fence_waits,
+            num_host_mirrors=self._num_host_mirrors,
+        )
+
+    def _buffer(self, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        fill = (POISON_FLOAT if dtype.is_floating_point else POISON_INT) if self._debug else 0
+        buf = torch.full((self._max_slots, *row), fill, dtype=dtype, device=self._device)
+        if buf.is_cuda:  # NOTE: once per buffer: its writers run on other streams than this fill
+            torch.cuda.current_stream(buf.device).synchronize()
+        return buf
+
+    def _check_indices(self, indices: torch.Tensor, values: torch.Size, op: str) -> None:
+        if indices.dim() != 1 or values != indices.shape:
+            shapes = f"indices {tuple(indices.shape)} for values {tuple(values)}"
+            raise RelayError(f"{op}: indices must be 1-D and match the values, got {shapes}")
+        if not self._debug or indices.numel() == 0:
+            return
+        host = indices.cpu()  # debug only: a host sync
+        bad = host[(host < 0) | (host >= self._max_slots)]
+        if bad.numel() > 0:
+            raise RelayError(f"{op}: slots {bad.tolist()} outside [0, {self._max_slots})")
+        ordered = host.sort().values
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            raise RelayError(f"{op}: repeated slots in {host.tolist()}")
+
+    def _ordered_write(
+        self, previous: Event | None, stream: Stream | None, write: _Write
+    ) -> Event | None:
+        # NOTE: write-after-write: a new write must land after the previous one of the same
+        # buffers, so that the latest event implies every earlier write.
+        if stream is None:
+            previous = self._wait(previous)
+            write()
+            return previous
+        if previous is not None:
+            stream.wait_event(previous)
+        stream.submit(write)
+        return stream.record_event()
+
+    def _wait(self, event: Event | None) -> Event | None:
+        # Order the caller after ``event``; return it while it may still be pending.
+        # NOTE: callers detach the event first, so an error of the fenced work is raised once
+        # and the map stays usable after the owner's recovery (that write is lost).
+        if event is None:
+            return None
+        self._num_fence_waits += 1
+        event.wait_current()
+        return None if event.query() else event
+
+    def _gather_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
+        if indices.numel() > 0:  # an empty set has nothing to wait for
+            event, self._publish_event = self._publish_event, None
+            self._publish_event = self._wait(event)
+            self._consume(self._published, indices, "publish")
+        seq_lens = self._new_seq_lens[indices]
+        self._repoison(indices, (self._new_seq_lens,))
+        return seq_lens
+
+    def _consume(self, marks: torch.Tensor, indices: torch.Tensor, writer: str) -> None:
+        if not self._debug:
+            return
+        host = indices.cpu()
+        stale = host[~marks[host]]
+        if stale.numel() > 0:
+            msg = f"consume once: slots {stale.tolist()} have no {writer} since their last read"
+            raise RelayError(msg)
+        marks[host] = False
+
+    def _repoison(self, indices: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
+        if not self._debug or indices.numel() == 0:
+            return
+        for buf in bufs:  # a fixed number of buffers, not a loop over requests
+            buf[indices] = POISON_FLOAT if buf.dtype.is_floating_point else POISON_INT
+
+    def _write_seq_lens(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        # NOTE: cast inside the write, so a temporary is allocated on the writing stream.
+        self._new_seq_lens[indices] = values.to(torch.int64)
+        if self._debug:
+            self._published[indices.cpu()] = True
+
+    def _write_payload(self, indices: torch.Tensor, payload: RelayPayload) -> None:
+        self._bonus_tokens[indices] = payload.bonus_tokens.to(torch.int64)
+        extras = (payload.topk_p, payload.topk_index, payload.hidden_states)
+        for buf, value in zip((self._topk_p, self._topk_index, self._hidden), extras, strict=True):
+            if buf is not None and value is not None:
+                buf[indices] = value.to(buf.dtype)
+        if self._debug:
+            self._stashed[indices.cpu()] = True
+
+    def _stashed_buffers(self) -> tuple[torch.Tensor, ...]:
+        bufs = (self._bonus_tokens, self._topk_p, self._topk_index, self._hidden)
+        return tuple(b for b in bufs if b is not None)
+
+    def _ensure_extras(self, payload: RelayPayload, n: int) -> None:
+        # Validate every extra before creating any buffer: a refused stash changes nothing.
+        topk_p, topk_index, hidden = self._topk_p, self._topk_index, self._hidden
+        if payload.topk_p is not None and payload.topk_index is not None:
+            topk_p = self._extra(topk_p, payload.topk_p, n, torch.float32, "topk_p")
+            topk_index = self._extra(topk_index, payload.topk_index, n, torch.int64, "topk_index")
+        if (h := payload.hidden_states) is not None:
+            hidden = self._extra(hidden, h, n, h.dtype, "hidden_states")
+        self._topk_p, self._topk_index, self._hidden = topk_p, topk_index, hidden
+
+    def _extra(
+        self, buf: torch.Tensor | None, value: torch.Tensor, n: int, dtype: torch.dtype, name: str
+    ) -> torch.Tensor:
+        if value.dim() != 2 or value.shape[0] != n:
+            raise RelayError(f"stash: {name} must be [{n}, width], got {tuple(value.shape)}")
+        if buf is None:
+            return self._buffer((value.shape[1],), dtype)
+        if buf.shape[1] != value.shape[1]:
+            raise InvalidConfig(
+                f"stash: {name} width {value.shape[1]} != buffer width {buf.shape[1]}"
+            )
+        return buf
