@@ -1,0 +1,398 @@
+"""The reference paged Llama: a model whose attention touches KV only through the slot tables.
+
+`PagedLlama` guarantees that keys and values are written only at `out_cache_loc` and read only
+through the `req_to_token` rows named by `req_pool_indices`, so a bookkeeping error anywhere in
+the scheduler (a wrong prefix length, a stale slot, a slot shared by two requests) shows up as
+wrong tokens. Every forward mode (prefill, chunked or 1-token extend, decode, target verify of a
+chain, draft extend) is the same *extend* computation over one frozen `AttentionBatch`::
+
+    req_to_token[req_pool_indices[b]]     one row per request slot; row 0 is padding
+      [0, prefix_len)                       KV valid before this forward (read only)
+      [prefix_len, prefix_len+extend_len)   new tokens: K/V written this forward at out_cache_loc
+
+New token ``i`` of request ``b`` attends causally to
+``req_to_token[slot_b, 0 : prefix_lens[b] + i + 1]`` after every new token's K/V was written, so
+``out_cache_loc`` must equal ``req_to_token[slot_b, prefix_len + i]`` for a token to see itself.
+Token slot 0 is the padding slot: padding rows (``req_pool_index 0``, ``out_cache_loc 0``) write
+there harmlessly; no real request may list slot 0 in the used part of its row.
+
+The numerics follow Hugging Face's ``LlamaForCausalLM`` (RMSNorm in float32, default RoPE, SwiGLU
+MLP, grouped-query attention), so logits match transformers within float tolerance. The model is
+inference-only: `PagedLlama.forward` runs without autograd. Hugging Face file formats live in
+`specstate.reference.checkpoint`; this module knows nothing about them.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specstate.core.errors import InvalidConfig
+
+__all__ = ["AttentionBatch", "KvCache", "ModelConfig", "ModelOutput", "PagedLlama"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The shape and numerics of a Llama-architecture model (HF ``LlamaConfig``, default RoPE).
+
+    Invariant: every size is >= 1, ``num_attention_heads % num_key_value_heads == 0``,
+    ``head_dim`` is even (RoPE rotates halves), ``rms_norm_eps > 0`` and ``rope_theta > 0``.
+    ``head_dim`` may differ from ``hidden_size // num_attention_heads``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    def __attrs_post_init__(self) -> None:
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if field.type in ("int", int) and value < 1:  # every plain-int field is a size
+                raise InvalidConfig(f"ModelConfig: {field.name} must be >= 1, got {value}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidConfig(
+                f"ModelConfig: num_attention_heads ({self.num_attention_heads}) is not divisible"
+                f" by num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise InvalidConfig(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise InvalidConfig(
+                f"ModelConfig: rms_norm_eps ({self.rms_norm_eps}) and rope_theta"
+                f" ({self.rope_theta}) must be > 0"
+            )
+
+
+@attrs.define
+class KvCache:
+    """Owner of the per-layer K and V buffers, indexed by token slot.
+
+    Invariant: every buffer is ``[num_token_slots, num_kv_heads, head_dim]``; slot 0 is the
+    padding slot, so padding rows may write there and no real token is ever stored there.
+    Buffers change only through `write`; `gather` returns copies.
+    """
+
+    _keys: list[torch.Tensor]
+    _values: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, *, num_token_slots: int, device: torch.device | str = "cpu"
+    ) -> KvCache:
+        """Allocates zeroed buffers for every layer in ``config.dtype`` on ``device``.
+
+        Raises:
+            InvalidConfig: ``num_token_slots`` < 2 (the padding slot plus one real slot).
+        """
+        if num_token_slots < 2:
+            raise InvalidConfig(
+                f"KvCache: num_token_slots must be >= 2 (slot 0 is padding), got {num_token_slots}"
+            )
+        shape = (num_token_slots, config.num_key_value_heads, config.head_dim)
+        layers = range(config.num_hidden_layers)
+        return cls(
+            [torch.zeros(shape, dtype=config.dtype, device=device) for _ in layers],
+            [torch.zeros(shape, dtype=config.dtype, device=device) for _ in layers],
+        )
+
+    @property
+    def num_token_slots(self) -> int:
+        """Token slots per layer, padding slot 0 included."""
+        return int(self._keys[0].shape[0])
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores ``k``/``v`` ``[T, kv_heads, head_dim]`` of ``layer`` at token slots ``loc``.
+
+        Duplicate slots are allowed only for padding slot 0 (which copy lands is unspecified).
+        """
+        self._keys[layer].index_copy_(0, loc, k)
+        self._values[layer].index_copy_(0, loc, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns copies of the K and V of ``layer`` at ``slots`` (any shape; adds 2 dims)."""
+        return self._keys[layer][slots], self._values[layer][slots]
+
+
+@attrs.frozen(kw_only=True)
+class AttentionBatch:
+    """One forward's tokens and the slot tables through which attention finds its KV.
+
+    Shapes: ``T`` new tokens concatenated per request, ``B`` requests, all index tensors
+    integer-typed on the model's device. ``input_ids``, ``positions``, ``out_cache_loc`` are
+    ``[T]``; ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` are ``[B]``;
+    ``req_to_token`` is ``[max_requests + 1, row_width]``.
+
+    Invariant: ``sum(extend_lens) == T`` and ``prefix_lens + extend_lens <= row_width``
+    (checked at forward, which must read them on the host anyway).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    req_to_token: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+
+    def __attrs_post_init__(self) -> None:
+        groups = {
+            "input_ids, positions, out_cache_loc": (
+                self.input_ids,
+                self.positions,
+                self.out_cache_loc,
+            ),
+            "req_pool_indices, prefix_lens, extend_lens": (
+                self.req_pool_indices,
+                self.prefix_lens,
+                self.extend_lens,
+            ),
+        }
+        for names, group in groups.items():
+            if group[0].ndim != 1 or any(t.shape != group[0].shape for t in group):
+                shapes = [tuple(t.shape) for t in group]
+                raise InvalidConfig(f"AttentionBatch: {names} must be equal 1-D, got {shapes}")
+        if self.req_to_token.ndim != 2:
+            shape = tuple(self.req_to_token.shape)
+            raise InvalidConfig(f"AttentionBatch: req_to_token must be 2-D, got {shape}")
+
+
+@attrs.frozen(kw_only=True)
+class ModelOutput:
+    """What one forward returns.
+
+    Attributes:
+        logits: ``[T, vocab]`` float32, or ``[R, vocab]`` for the ``R`` rows selected by
+            ``logit_rows`` at forward.
+        hidden_states: ``[T, hidden]`` — the last decoder layer's output *before* the final
+            RMSNorm (the residual stream EAGLE-style draft heads consume), always all rows.
+    """
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+
+
+@attrs.frozen
+class _ForwardPlan:
+    """Per-forward plan shared by all layers (padded ``[B, max_ext]`` query layout)."""
+
+    cos: torch.Tensor  # [T, 1, head_dim] float32 RoPE angles of the new tokens
+    sin: torch.Tensor
+    out_cache_loc: torch.Tensor  # [T] int64 slots the new tokens' K/V are written at
+    token_req: torch.Tensor  # [T] request index b of each new token
+    token_offset: torch.Tensor  # [T] i: the token's index within its request's extend
+    kv_slots: torch.Tensor  # [B, max_kv] token slots each request reads, 0 past its kv_len
+    mask: torch.Tensor  # [B, 1, max_ext, max_kv] True where query i may attend column j
+
+
+def _check_lengths(batch: AttentionBatch) -> int:
+    """Checks the lengths against the tokens and the table; returns the longest KV read."""
+    ext, pre = batch.extend_lens.long(), batch.prefix_lens.long()
+    num_tokens, (num_rows, row_width) = batch.input_ids.shape[0], batch.req_to_token.shape
+    if int(ext.sum()) != num_tokens or bool((ext < 0).any()) or bool((pre < 0).any()):
+        raise InvalidConfig(
+            f"AttentionBatch: extend_lens {ext.tolist()} (prefix_lens {pre.tolist()}) must be"
+            f" >= 0 and sum to the {num_tokens} new tokens"
+        )
+    max_kv = int((pre + ext).max()) if ext.numel() else 0
+    if max_kv > row_width:
+        raise InvalidConfig(
+            f"AttentionBatch: prefix_lens + extend_lens reach {max_kv}, past req_to_token row"
+            f" width {row_width}"
+        )
+    pools = batch.req_pool_indices
+    if pools.numel() and (int(pools.min()) < 0 or int(pools.max()) >= num_rows):
+        raise InvalidConfig(f"AttentionBatch: req_pool_indices {pools.tolist()} outside {num_rows}")
+    return max_kv
+
+
+def _plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: int) -> _ForwardPlan:
+    """Checks the batch against the tables and builds the padded gather plan."""
+    device, max_kv = batch.input_ids.device, _check_lengths(batch)
+    ext, pre = batch.extend_lens.long(), batch.prefix_lens.long()
+    cols = torch.arange(max_kv, device=device)
+    rows = batch.req_to_token[batch.req_pool_indices.long(), :max_kv].long()
+    kv_slots = torch.where(cols[None, :] < (pre + ext)[:, None], rows, 0)
+    for name, slots in (("req_to_token", kv_slots), ("out_cache_loc", batch.out_cache_loc)):
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_token_slots):
+            raise InvalidConfig(f"AttentionBatch: {name} has a slot outside [0, {num_token_slots})")
+    token_req = torch.repeat_interleave(torch.arange(ext.shape[0], device=device), ext)
+    starts = torch.cumsum(ext, 0) - ext
+    token_offset = torch.arange(token_req.shape[0], device=device) - starts[token_req]
+    max_ext = int(ext.max()) if ext.numel() else 0
+    # Padded query rows (i >= extend_len) still see column 0, so no row of the mask is empty
+    # (an empty row makes SDPA return NaN); their outputs are dropped.
+    last_visible = pre[:, None] + torch.arange(max_ext, device=device)[None, :]
+    mask = (cols[None, None, :] <= last_visible[:, :, None])[:, None]
+    cos, sin = _rope(batch.positions, config)
+    out_cache_loc = batch.out_cache_loc.long()
+    return _ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
+
+
+def _rope(positions: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default-RoPE cos/sin ``[T, 1, head_dim]`` in float32 (HF's computation)."""
+    exponents = torch.arange(0, config.head_dim, 2, device=positions.device).float()
+    inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` ``[T, heads, head_dim]`` by the positions' angles (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class _RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in float32 and cast back like HF."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    """Grouped-query attention that writes at ``out_cache_loc`` and reads via ``req_to_token``."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim, hidden = config.head_dim, config.hidden_size
+        self.q_proj = nn.Linear(hidden, heads * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        self.shape = (heads, kv_heads, dim)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, plan: _ForwardPlan, cache: KvCache) -> torch.Tensor:
+        heads, kv_heads, dim = self.shape
+        num_tokens, num_reqs = x.shape[0], plan.kv_slots.shape[0]
+        q = _apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan.cos, plan.sin)
+        k = _apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan.cos, plan.sin)
+        v = self.v_proj(x).view(num_tokens, kv_heads, dim)
+        # NOTE: write before gather — a new token must see its own K/V through the table.
+        cache.write(self.layer, plan.out_cache_loc, k, v)
+        keys, values = cache.gather(self.layer, plan.kv_slots)  # [B, max_kv, kv_heads, dim]
+        group = heads // kv_heads  # query head h reads kv head h // group, as HF's repeat_kv
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
+        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+        queries = q.new_zeros(num_reqs, plan.mask.shape[2], heads, dim)
+        queries[plan.token_req, plan.token_offset] = q
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, plan.mask)
+        out = out.transpose(1, 2)[plan.token_req, plan.token_offset]
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
+        return projected
+
+
+class _Mlp(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class _DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = _Attention(config, layer)
+        self.mlp = _Mlp(config)
+        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: _ForwardPlan, cache: KvCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), plan, cache)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class PagedLlama(nn.Module):
+    """A Llama causal LM over a paged KV cache it owns (see the module docstring).
+
+    Parameter names equal Hugging Face's with the ``model.`` prefix removed (``lm_head`` is
+    absent when embeddings are tied). The KV cache is not a parameter or buffer: build the model
+    on its final device, ``.to()`` does not move the cache.
+
+    Args:
+        config: The model shape; parameters are created in ``config.dtype``.
+        num_token_slots: KV token slots per layer, padding slot 0 included.
+        device: Where parameters and the KV cache live.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, num_token_slots: int, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device(device):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(
+                _DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            )
+            self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
+        self.to(dtype=config.dtype)
+        self.requires_grad_(False)
+        self._kv_cache = KvCache.allocate(config, num_token_slots=num_token_slots, device=device)
+
+    @property
+    def kv_cache(self) -> KvCache:
+        """The KV cache this model writes at ``out_cache_loc`` and reads via ``req_to_token``."""
+        return self._kv_cache
+
+    def forward(
+        self, batch: AttentionBatch, *, logit_rows: torch.Tensor | None = None
+    ) -> ModelOutput:
+        """Runs one extend forward: writes the new tokens' K/V, returns logits and hidden states.
+
+        Args:
+            batch: Tokens and slot tables; see `AttentionBatch` for the invariants.
+            logit_rows: Optional ``[R]`` indices into the ``T`` new tokens; only those rows get
+                logits (e.g. the last token of each prefill chunk).
+
+        Raises:
+            InvalidConfig: The batch is inconsistent with itself or with the KV cache size.
+        """
+        with torch.no_grad():
+            plan = _plan_forward(batch, self.config, self._kv_cache.num_token_slots)
+            x: torch.Tensor = self.embed_tokens(batch.input_ids)
+            for layer in self.layers:
+                x = layer(x, plan, self._kv_cache)
+            normed = self.norm(x if logit_rows is None else x[logit_rows])
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(normed, head).float()
+        return ModelOutput(logits=logits, hidden_states=x)
