@@ -8,6 +8,11 @@ mypy, by `specstate lint` and at run time. See DESIGN.md and docs/ for the model
 
 from __future__ import annotations
 
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.result import GenerationBatchResult
+from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
+from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import (
     DoubleRelease,
     InvalidConfig,
@@ -42,17 +47,54 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
+from specstate.memory.pools import (
+    ReqToTokenPool,
+    SlotHandle,
+    TokenSlotAllocator,
+)
+from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
+from specstate.memory.sizing import (
+    DecodeAllocLens,
+    SpecWindow,
+    page_aligned_decode_alloc_lens,
+)
+from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
+from specstate.relay.future_map import (
+    ForwardInputs,
+    FutureMap,
+    MixedTails,
+    RelayPayload,
+    ResolvedSeqLens,
+    Unresolved,
+    is_unresolved,
+)
+from specstate.relay.isolation import ForwardIsolation, ForwardIsolator, IsolationError
+from specstate.relay.streams import CpuStream, Event, Stream, make_stream
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AllocatorLedgerView",
+    "CpuStream",
+    "DecodeAllocLens",
+    "DeferredReleases",
     "DoubleRelease",
+    "Event",
     "FinishReason",
     "FinishState",
+    "ForwardBatch",
+    "ForwardInputs",
+    "ForwardIsolation",
+    "ForwardIsolator",
+    "ForwardMode",
+    "FutureMap",
+    "GenerationBatchResult",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
+    "IsolationError",
+    "KvAllocator",
     "KvLedger",
     "KvLedgerSnapshot",
     "KvPoolExhausted",
@@ -60,21 +102,42 @@ __all__ = [
     "LedgerReader",
     "LedgerViews",
     "LedgerViolation",
+    "MixedTails",
     "OwnershipChecker",
     "OwnershipError",
+    "PenaltyAccumulator",
     "RelayError",
+    "RelayPayload",
+    "ReleasedKv",
     "Req",
     "ReqSnapshot",
     "ReqStatus",
+    "ReqToTokenPool",
     "RequestLimits",
     "ReservationExceeded",
+    "ResolvedSeqLens",
     "ResultProcessorLedgerView",
+    "RetractionOutcome",
     "Role",
     "RoleScope",
+    "SamplingInfo",
     "SamplingParams",
+    "ScheduleBatch",
     "SchedulerLedgerView",
+    "SlotHandle",
     "SpecStateError",
+    "SpecWindow",
     "StaleResult",
+    "Stream",
+    "TokenSlotAllocator",
+    "Unresolved",
     "WorkerLedgerView",
     "__version__",
+    "is_unresolved",
+    "make_stream",
+    "page_aligned_decode_alloc_lens",
+    "resolve_batch_forward_inputs",
+    "resolve_batch_seq_lens",
+    "retract_for_decode",
+    "retraction_order",
 ]
