@@ -1,0 +1,187 @@
+"""The one interface an engine implements: `WorkerProtocol`, and the algorithm registry.
+
+A worker runs forwards; specstate owns every scheduling counter. The worker gets read-only
+access to the request → token-slot table and the ledger (`WorkerMemory`), a frozen
+`ForwardBatch` per forward, and a callback to publish the next frontier. It never writes a
+ledger counter, a request, or a scheduler-owned batch field that outlives its forward.
+
+The forward contract, per scheduler-level mode (positions are token positions in a request's
+row; ``S`` is ``batch.seq_lens[row]``, the KV-ready prefix before this forward)::
+
+    EXTEND (prefill or chunk)
+      in:   input_ids [sum(extend_lens)], positions, out_cache_loc (where to write), prefix_lens,
+            extend_lens; seq_lens = prefix + extend.
+      does: writes target (and draft) KV at out_cache_loc; samples one token after the last
+            input token of every row (the engine ignores it for a non-final chunk).
+      out:  next_token_ids [B] (stride 1), accept_lens = 1, new_seq_lens = seq_lens,
+            next_draft_input = the next round's inputs (bonus = the sampled token, extras).
+    DECODE (one speculative round, or one plain decode step)
+      in:   input_ids [B] = the pending bonus token of each row, at position S; spec_info =
+            the relay payload of the previous round (bonus tokens, draft extras).
+      does: draft → verify [S, S + D) → accept a run of a tokens (bonus included, 1 <= a <= D)
+            → on_publish(S + a) → post-verify commits (draft-extend), all inside
+            req_to_token[slot, 0 : kv_allocated_len), which the engine has reserved.
+      out:  next_token_ids [B * stride] (row i's run at i*stride : i*stride + a_i), accept_lens,
+            new_seq_lens = S + accept_lens, next_draft_input (bonus = last token of each run).
+
+Invariant (what the engine relies on): the worker reads KV only below ``S`` plus what it wrote in
+this forward, writes KV only inside ``[S, kv_allocated_len)`` of each row (EXTEND: only at
+``out_cache_loc``), calls ``on_publish`` at most once per forward with the next frontier, and
+returns tensors it will not write again (the scheduler owns them once returned).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvalidConfig
+from specstate.core.ledger import WorkerLedgerView
+from specstate.memory.sizing import SpecWindow
+
+__all__ = [
+    "AlgorithmRegistry",
+    "OnPublish",
+    "WorkerCapabilities",
+    "WorkerFactory",
+    "WorkerMemory",
+    "WorkerProtocol",
+]
+
+OnPublish = Callable[[torch.Tensor], None]
+"""``on_publish(new_seq_lens)``: the next frontier of every row of the batch is decided."""
+
+
+@attrs.frozen(kw_only=True)
+class WorkerCapabilities:
+    """What a worker's algorithm needs from the scheduler; the memory sizing derives from it.
+
+    Attributes:
+        algorithm: registry name (``none``, ``draft_model``, ``eagle``, ``ngram``, ...).
+        num_steps: draft steps per round (0 without speculation).
+        topk: draft branches per step (1 for a chain).
+        num_draft_tokens: verify width D, bonus root included (1 without speculation).
+        keeps_draft_kv: whether drafting writes KV into the request's reserved slots.
+        supports_overlap: whether the worker may run under the overlap loop.
+        supports_mixed_chunk: whether running requests may ride in a prefill batch.
+    """
+
+    algorithm: str
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 1
+    keeps_draft_kv: bool = False
+    supports_overlap: bool = True
+    supports_mixed_chunk: bool = True
+
+    @property
+    def speculative(self) -> bool:
+        """True when the worker drafts (``num_steps >= 1``)."""
+        return self.num_steps > 0
+
+    @property
+    def max_accept(self) -> int:
+        """The longest run one round may accept: ``num_steps + 1`` for a chain."""
+        return self.num_steps + 1 if self.speculative else 1
+
+    def spec_window(self, page_size: int) -> SpecWindow:
+        """The reservation window (L, R, headroom) this worker needs at ``page_size``."""
+        if not self.speculative:
+            return SpecWindow.none(page_size)
+        return SpecWindow(
+            speculative=True,
+            num_steps=self.num_steps,
+            topk=self.topk,
+            num_draft_tokens=self.num_draft_tokens,
+            keeps_draft_kv=self.keeps_draft_kv,
+            page_size=page_size,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class WorkerMemory:
+    """What the engine hands a worker once: read access to the slot table and the ledger.
+
+    Attributes:
+        req_to_token: ``[max_requests + 1, row_width]`` request → token-slot table. Read it;
+            only the memory layer writes it.
+        ledger: the worker's (read-only) view of the KV ledger.
+        num_token_slots: KV token slots per layer the worker's caches must hold (slot 0 is
+            the padding slot).
+        device: where the engine's tensors live.
+    """
+
+    req_to_token: torch.Tensor
+    ledger: WorkerLedgerView
+    num_token_slots: int
+    device: torch.device
+
+
+@runtime_checkable
+class WorkerProtocol(Protocol):
+    """A model runner driven by specstate. Implementations need not subclass anything."""
+
+    @property
+    def capabilities(self) -> WorkerCapabilities:
+        """The algorithm and window this worker runs; constant for its lifetime."""
+        ...
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Bind the engine's memory; called once, before the first forward.
+
+        Postcondition: the worker's KV caches hold ``memory.num_token_slots`` slots.
+        """
+        ...
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Run one forward of ``batch`` (see the module docstring for the per-mode contract).
+
+        Args:
+            batch: the frozen view of the scheduler's batch, relay values resolved.
+            on_publish: called once with ``new_seq_lens`` as soon as the next frontier is known
+                (after accept, before post-verify work). None in the normal loop.
+
+        Returns:
+            The result; its tensors belong to the scheduler from now on.
+        """
+        ...
+
+
+WorkerFactory = Callable[..., WorkerProtocol]
+"""Builds a worker from keyword options (model paths, steps, device, ...)."""
+
+
+class AlgorithmRegistry:
+    """Names → worker factories, so users can plug in their own algorithm."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, WorkerFactory] = {}
+
+    def register(self, name: str, factory: WorkerFactory) -> None:
+        """Register ``factory`` under ``name``; registering a taken name raises."""
+        if name in self._factories:
+            raise InvalidConfig(f"algorithm {name!r} is already registered")
+        self._factories[name] = factory
+
+    def create(self, name: str, **options: object) -> WorkerProtocol:
+        """Build the worker registered as ``name`` with ``options``."""
+        factory = self._factories.get(name)
+        if factory is None:
+            known = ", ".join(sorted(self._factories)) or "none"
+            raise InvalidConfig(f"unknown algorithm {name!r} (registered: {known})")
+        return factory(**options)
+
+    def names(self) -> tuple[str, ...]:
+        """Registered names, sorted."""
+        return tuple(sorted(self._factories))
+
+    def as_mapping(self) -> Mapping[str, WorkerFactory]:
+        """A read-only copy of the registry."""
+        return dict(self._factories)
