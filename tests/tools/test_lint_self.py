@@ -29,6 +29,11 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
         ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
         ("memory/allocation.py", "KvAllocator.release_many", "call close_slot"): 1,
+        # The scheduler's prepare-for-extend: committed = the end of the launched chunk.
+        ("engine/scheduler.py", "Scheduler._extend_plan", "call commit_extend"): 1,
+        # The result processor: the only committer after prefill, and the only output writer.
+        ("engine/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
+        ("engine/results.py", "ResultProcessor._append", "call append_outputs"): 1,
     }
 )
 

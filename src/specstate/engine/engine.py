@@ -1,0 +1,357 @@
+"""The Engine: composes every owner for one worker and runs the normal or the overlap loop.
+
+One `Engine` owns the ledger, the KV allocator, the scheduler, the result processor, the
+FutureMap, the forward isolator and the forward stream. Each `step` is one iteration::
+
+    normal:   schedule N -> launch N -> settle N
+    overlap:  schedule N+1 (host lags one batch) -> launch N+1 on the stream -> settle N
+
+A launched batch runs on the forward stream (a real worker thread on a CPU): resolve its relay
+values behind the publish fence, isolate it, call the worker with ``on_publish``, publish and
+stash the next round's inputs, then record the result copy event. The host settles a batch only
+after that event. A request that ends while a later batch is in flight keeps its KV until that
+batch retires (`DeferredReleases`).
+
+Invariant: after every `step`, with ``check_invariants`` on, `check_engine` holds: the ledger is
+ordered, the pools balance, every open slot belongs to exactly one live or deferred request,
+and every running request that has no result in flight satisfies ``seqlen == committed + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from specstate.core.errors import InvalidConfig, InvalidRequest
+from specstate.core.ledger import KvLedger
+from specstate.core.ownership import OwnershipChecker, Role
+from specstate.core.request import (
+    FinishReason,
+    FinishState,
+    Req,
+    ReqStatus,
+    RequestLimits,
+    SamplingParams,
+)
+from specstate.engine.launch import InFlight, Launcher
+from specstate.engine.results import AcceptMetrics, ResultProcessor
+from specstate.engine.scheduler import Scheduler, SchedulerConfig
+from specstate.engine.worker import WorkerMemory, WorkerProtocol
+from specstate.memory.allocation import DeferredReleases, KvAllocator
+from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
+
+__all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepReport"]
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """How the engine runs. Sizes are in tokens unless named otherwise.
+
+    Attributes:
+        overlap: run the overlap loop (one-batch lookahead) instead of the normal loop.
+        page_size: KV page size P.
+        kv_tokens: KV token slots in the pool (rounded down to whole pages).
+        max_running: most requests admitted at once.
+        chunked_prefill: tokens per prefill forward; a longer prompt is split in chunks.
+            None: a prompt is prefilled whole (the budget is then ``max_prefill_tokens``).
+        max_prefill_tokens: token budget of one prefill forward without chunking.
+        check_invariants: run `check_engine` after every step (on in tests).
+        check_ownership: run-time ownership checks on every counter write (on in tests).
+        debug_relay: FutureMap consume-once checks and poisoned buffers.
+        device: where batch tensors live (the worker's device).
+    """
+
+    overlap: bool = True
+    page_size: int = 1
+    kv_tokens: int = 8192
+    max_running: int = 32
+    chunked_prefill: int | None = None
+    max_prefill_tokens: int = 4096
+    check_invariants: bool = False
+    check_ownership: bool = False
+    debug_relay: bool = False
+    device: str = "cpu"
+
+
+@attrs.frozen(kw_only=True)
+class StepReport:
+    """What one step did."""
+
+    launched_mode: str | None
+    launched_size: int
+    finished: tuple[str, ...]
+    retracted: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class EngineSnapshot:
+    """The engine at one instant."""
+
+    num_waiting: int
+    num_prefilling: int
+    num_running: int
+    num_in_flight: int
+    num_open_slots: int
+    num_free_pages: int
+    num_pages: int
+    deferred_releases: tuple[str, ...]
+    metrics: AcceptMetrics
+
+
+class Engine:
+    """Drives one `WorkerProtocol` with specstate's scheduling state; see the module docstring.
+
+    Args:
+        worker: the model runner.
+        limits: the model's vocabulary, context length and EOS ids (request validation).
+        config: loop and memory options.
+    """
+
+    def __init__(self, worker: WorkerProtocol, *, limits: RequestLimits, config: EngineConfig):
+        caps = worker.capabilities
+        if config.overlap and not caps.supports_overlap:
+            raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
+        self.config = config
+        self.limits = limits
+        self.worker = worker
+        self.checker = OwnershipChecker(enabled=config.check_ownership)
+        window = caps.spec_window(config.page_size)
+        row_width = (
+            limits.max_context_len + window.row_headroom + caps.max_accept + config.page_size
+        )
+        num_pages = config.kv_tokens // config.page_size
+        max_requests = config.max_running * 2  # room for requests whose release is deferred
+        self.ledger = KvLedger(max_requests, row_width, checker=self.checker)
+        views = self.ledger.views()
+        self.allocator = KvAllocator(
+            ledger=views.allocator,
+            req_pool=ReqToTokenPool(max_requests, row_width),
+            token_pool=TokenSlotAllocator(num_pages, config.page_size),
+            window=window,
+            checker=self.checker,
+        )
+        self.deferred = DeferredReleases(self.allocator)
+        device = torch.device(config.device)
+        budget = config.chunked_prefill or config.max_prefill_tokens
+        self.scheduler = Scheduler(
+            config=SchedulerConfig(
+                max_running=config.max_running,
+                prefill_token_budget=budget,
+                chunked_prefill=config.chunked_prefill is not None,
+                vocab_size=limits.vocab_size,
+            ),
+            allocator=self.allocator,
+            ledger=views.scheduler,
+            checker=self.checker,
+            device=device,
+        )
+        self.results = ResultProcessor(
+            ledger=views.result_processor,
+            checker=self.checker,
+            eos_token_ids=limits.eos_token_ids,
+            num_draft_tokens=caps.num_draft_tokens,
+        )
+        self._launcher = Launcher(
+            worker=worker,
+            overlap=config.overlap,
+            speculative=caps.speculative,
+            max_slots=max_requests + 1,
+            device=device,
+            debug_relay=config.debug_relay,
+        )
+        worker.attach(
+            WorkerMemory(
+                req_to_token=self.allocator.req_to_token,
+                ledger=views.worker,
+                num_token_slots=num_pages * config.page_size,
+                device=device,
+            )
+        )
+        self._requests: dict[str, Req] = {}
+        self._aborts: dict[int, str] = {}
+        self._in_flight: InFlight | None = None
+        self._num_launched = 0
+        self._num_retired = 0
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
+        """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
+        if request_id in self._requests and not self._requests[request_id].is_finished:
+            raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
+        need = len(prompt_ids) + sampling.max_new_tokens
+        if need > self.limits.max_context_len:
+            raise InvalidRequest(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens plus "
+                f"max_new_tokens {sampling.max_new_tokens} exceeds the context of "
+                f"{self.limits.max_context_len}"
+            )
+        req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
+        self._requests[request_id] = req
+        self.scheduler.enqueue(req)
+        return req
+
+    def abort(self, request_id: str, reason: str = "aborted by user") -> bool:
+        """Abort a live request; True if it was live. Applied at the next step."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._aborts[id(req)] = reason
+        return True
+
+    def request(self, request_id: str) -> Req:
+        """The latest request submitted under ``request_id``."""
+        return self._requests[request_id]
+
+    # -------------------------------------------------------------------- loop
+    @property
+    def is_idle(self) -> bool:
+        """True when nothing waits, runs or is in flight."""
+        return not self.scheduler.has_work and self._in_flight is None
+
+    def step(self) -> StepReport:
+        """One iteration of the configured loop (see the module docstring)."""
+        finished = self._apply_aborts()
+        self._drain(self._num_retired)
+        with self.checker.acting(Role.SCHEDULER):
+            plan, outcome = self.scheduler.schedule()
+        retracted = () if outcome is None else tuple(r.request_id for r in outcome.retracted)
+        finished += () if outcome is None else tuple(r.request_id for r in outcome.aborted)
+        launched = None
+        if plan is not None:
+            self._num_launched += 1
+            launched = self._launcher.launch(plan, batch_id=self._num_launched)
+        previous, self._in_flight = self._in_flight, launched
+        if self.config.overlap:
+            if previous is not None:
+                finished += self._settle(previous)
+        elif launched is not None:
+            self._in_flight = None
+            finished += self._settle(launched)
+        if launched is None and previous is None and not self.scheduler.has_work:
+            self._drain(self._num_launched)
+        if self.config.check_invariants:
+            from specstate.tools.invariants import check_engine
+
+            check_engine(self)
+        mode = None if plan is None else plan.batch.forward_mode.value
+        size = 0 if plan is None else plan.batch.batch_size
+        return StepReport(
+            launched_mode=mode, launched_size=size, finished=finished, retracted=retracted
+        )
+
+    def run_until_idle(self, *, max_steps: int = 100_000) -> None:
+        """Step until idle; `InvalidConfig` if that takes more than ``max_steps`` steps."""
+        for _ in range(max_steps):
+            if self.is_idle:
+                return
+            self.step()
+        raise InvalidConfig(f"engine not idle after {max_steps} steps")
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[tuple[int, ...]]:
+        """Run ``prompts`` to completion; the emitted tokens of each, in order."""
+        reqs = [self.submit(f"gen-{i}-{id(p)}", p, sampling) for i, p in enumerate(prompts)]
+        self.run_until_idle()
+        return [r.emitted_ids for r in reqs]
+
+    def close(self) -> None:
+        """Stop the forward stream."""
+        self._launcher.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- settle
+    def _settle(self, flight: InFlight) -> tuple[str, ...]:
+        result, error = flight.wait()
+        plan = flight.plan
+        self._num_retired = flight.batch_id
+        if error is not None or result is None:
+            failure = error if error is not None else RuntimeError("no result")
+            ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
+        else:
+            settlement = self.results.settle(
+                reqs=plan.batch.reqs,
+                incarnations=plan.batch.incarnations,
+                slots=plan.slots,
+                kinds=plan.kinds,
+                result=result,
+                abort_reasons=self._aborts,
+            )
+            ended = list(settlement.finished)
+        for req in ended:
+            self._end(req)
+        self._drain(self._num_retired)
+        return tuple(r.request_id for r in ended)
+
+    def _fail_batch(
+        self, reqs: Sequence[Req], incarnations: Sequence[int], error: BaseException
+    ) -> list[Req]:
+        ended = []
+        for req, inc in zip(reqs, incarnations, strict=True):
+            if req.incarnation != inc or req.is_finished or req.status is ReqStatus.WAITING:
+                continue
+            finish = FinishState(
+                reason=FinishReason.ERROR,
+                finished_len=min(len(req.output_ids), req.sampling.max_new_tokens),
+                detail=f"{type(error).__name__}: {error}",
+            )
+            req.transition(ReqStatus.FINISHED, finish=finish)
+            ended.append(req)
+        return ended
+
+    def _end(self, req: Req) -> None:
+        """Forget an ended request; release its KV once no launched batch can read it."""
+        self.scheduler.drop(req)
+        self._aborts.pop(id(req), None)
+        if self.allocator.holds_slot(req):
+            self.deferred.defer(req, until_batch=self._num_launched)
+
+    def _drain(self, retired: int) -> None:
+        with self.checker.acting(Role.SCHEDULER):
+            self.deferred.drain(retired)
+
+    def _apply_aborts(self) -> tuple[str, ...]:
+        """Abort requests that are not in a launched batch's hands right now."""
+        ended: list[str] = []
+        for req in list(self.scheduler.waiting):
+            reason = self._aborts.get(id(req))
+            if reason is not None:
+                req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
+                self.scheduler.drop(req)
+                self._aborts.pop(id(req))
+                ended.append(req.request_id)
+        for req in [*self.scheduler.prefilling, *self.scheduler.running]:
+            reason = self._aborts.get(id(req))
+            if reason is not None:
+                req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
+                self._end(req)
+                ended.append(req.request_id)
+        return tuple(ended)
+
+    # ---------------------------------------------------------------- snapshot
+    def snapshot(self) -> EngineSnapshot:
+        """A frozen summary of the engine's state."""
+        pool = self.allocator.token_pool
+        return EngineSnapshot(
+            num_waiting=len(self.scheduler.waiting),
+            num_prefilling=len(self.scheduler.prefilling),
+            num_running=len(self.scheduler.running),
+            num_in_flight=int(self._in_flight is not None),
+            num_open_slots=len(self.ledger.batch_snapshot().entries),
+            num_free_pages=pool.available_pages(),
+            num_pages=pool.num_pages - 1,
+            deferred_releases=tuple(self.deferred.pending()),
+            metrics=self.results.metrics(),
+        )
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The batch launched and not yet settled (overlap only)."""
+        return self._in_flight

@@ -1,0 +1,147 @@
+"""The Launcher: runs one planned batch on the forward stream, inside forward isolation.
+
+It owns the FutureMap, the forward isolator and the forward stream. `Launcher.launch` submits one
+closure to the stream (overlap) or runs it at once (normal loop). The closure, in stream order:
+
+1. resolves the batch's `Unresolved` frontier and bonus tokens from the FutureMap (the publish
+   fence: on a stream, everything launched before is already done when this runs);
+2. isolates the batch and calls the worker with ``on_publish`` (overlap), which must fire at
+   most once; without overlap, or when the worker did not call it, publishes after return;
+3. stashes the next round's inputs; the copy event recorded after the closure tells the host
+   the result is readable.
+
+A worker exception is caught in the closure and handed to the host with the result, so the
+stream keeps running later batches; the failed batch's rows get their inputs republished
+unchanged, so a later batch that resolves them reads defined values (its rows for those
+requests are skipped at settlement because the requests ended with an error).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import RelayError
+from specstate.engine.scheduler import LaunchPlan
+from specstate.engine.worker import WorkerProtocol
+from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
+from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
+from specstate.relay.isolation import ForwardIsolator
+from specstate.relay.streams import Event, Stream, make_stream
+
+__all__ = ["InFlight", "Launcher"]
+
+
+@attrs.define
+class InFlight:
+    """A launched batch: its plan, and the result (or error) once the stream has run it."""
+
+    plan: LaunchPlan
+    batch_id: int
+    result: GenerationBatchResult | None = None
+    error: BaseException | None = None
+    done: Event | None = None
+
+    def wait(self) -> tuple[GenerationBatchResult | None, BaseException | None]:
+        """Block until the batch ran (the result copy event); its result or its error."""
+        if self.done is not None:
+            self.done.synchronize()
+        if self.result is None and self.error is None:
+            self.error = RelayError(f"batch {self.batch_id} never ran")
+        return self.result, self.error
+
+
+class _PublishOnce:
+    """The ``on_publish`` handed to a worker: one publish per forward, recorded."""
+
+    def __init__(self, future_map: FutureMap, indices: torch.Tensor) -> None:
+        self._future_map = future_map
+        self._indices = indices
+        self.calls = 0
+
+    def __call__(self, new_seq_lens: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
+        self._future_map.publish(self._indices, new_seq_lens)
+
+
+class Launcher:
+    """Owner of the FutureMap, the isolator and the forward stream; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        worker: WorkerProtocol,
+        overlap: bool,
+        speculative: bool,
+        max_slots: int,
+        device: torch.device,
+        debug_relay: bool,
+    ) -> None:
+        self._worker = worker
+        self._overlap = overlap
+        self._speculative = speculative
+        self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
+        self.isolator = ForwardIsolator(overlap=overlap)
+        self._stream: Stream | None = make_stream(device) if overlap else None
+
+    def launch(self, plan: LaunchPlan, *, batch_id: int) -> InFlight:
+        """Run ``plan`` on the stream (overlap) or now; the handle to settle it with."""
+        flight = InFlight(plan=plan, batch_id=batch_id)
+        if self._stream is None:
+            self._run(flight)
+        else:
+            self._stream.submit(self._run, flight)
+            flight.done = self._stream.record_event()
+        return flight
+
+    def close(self) -> None:
+        """Stop the forward stream (runs what was submitted first)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _run(self, flight: InFlight) -> None:
+        batch = flight.plan.batch
+        indices = batch.future_indices
+        if indices is None:
+            raise RelayError(f"batch {flight.batch_id} has no future indices")
+        fallback = self._fallback(batch.seq_lens, indices)
+        try:
+            resolve_batch_seq_lens(self.future_map, batch)
+            resolve_batch_forward_inputs(self.future_map, batch)
+            fallback = self._fallback(batch.seq_lens, indices, batch.input_ids)
+            publish = _PublishOnce(self.future_map, indices)
+            with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
+                forward = ForwardBatch.from_schedule(batch)
+                on_publish = publish if self._overlap else None
+                result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
+                scope.keep_alive(result.keep_alive_refs)
+            if publish.calls == 0 and result.new_seq_lens is not None:
+                publish(result.new_seq_lens)
+            if result.next_draft_input is not None:
+                self.future_map.stash(indices, result.next_draft_input)
+            flight.result = result
+        except Exception as exc:  # handed to the host; the stream goes on
+            flight.error = exc
+            self.future_map.publish(indices, fallback[0])
+            self.future_map.stash(indices, RelayPayload(bonus_tokens=fallback[1]))
+
+    @staticmethod
+    def _fallback(
+        seq_lens: torch.Tensor | Unresolved,
+        indices: torch.Tensor,
+        input_ids: torch.Tensor | Unresolved | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values to republish for a failed batch: its own inputs where known, else zeros."""
+        zeros = torch.zeros_like(indices)
+        lens = seq_lens if isinstance(seq_lens, torch.Tensor) else zeros
+        ids = (
+            input_ids
+            if isinstance(input_ids, torch.Tensor) and input_ids.shape == indices.shape
+            else zeros
+        )
+        return lens.clone(), ids.clone()

@@ -1,0 +1,257 @@
+"""The Scheduler: admission, chunked prefill, decode batches, retraction and aborts.
+
+It owns the waiting queue, the running set and each request's prefill progress, and it builds
+one `LaunchPlan` per iteration from *host* state — which, under overlap, lags the device by the
+batch in flight. Scheduling never waits for that batch: a request whose last prefill chunk or
+decode round is in flight is scheduled again with `Unresolved` inputs that the FutureMap
+resolves at forward entry.
+
+Per iteration: a prefill batch when there is prefill work (the chunked request first, then
+waiting requests FCFS within the token budget, the running-request cap and memory), else one
+decode round for every running request, after retracting under KV pressure.
+
+Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
+one; ``committed == prefill progress`` while a request prefills.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.sampling import SamplingInfo
+from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.core.errors import KvPoolExhausted
+from specstate.core.ledger import SchedulerLedgerView
+from specstate.core.ownership import OwnershipChecker, Role
+from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
+from specstate.engine.results import RowKind
+from specstate.memory.allocation import KvAllocator
+from specstate.memory.retraction import RetractionOutcome, retract_for_decode
+from specstate.relay.future_map import Unresolved
+
+__all__ = ["LaunchPlan", "Scheduler", "SchedulerConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Admission and batching limits."""
+
+    max_running: int
+    prefill_token_budget: int
+    chunked_prefill: bool
+    vocab_size: int
+
+
+@attrs.frozen(kw_only=True)
+class LaunchPlan:
+    """One batch to launch, with what each row is (for settlement)."""
+
+    batch: ScheduleBatch
+    kinds: tuple[str, ...]
+    slots: torch.Tensor
+
+    @property
+    def is_decode(self) -> bool:
+        """True for a decode round."""
+        return self.batch.forward_mode is ForwardMode.DECODE
+
+
+@attrs.define
+class _Progress:
+    """Prefill progress of one admitted request."""
+
+    target: int  # tokens to prefill: prompt + every settled output (re-admission)
+    done: int = 0
+
+
+class Scheduler:
+    """Builds batches from host state; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        config: SchedulerConfig,
+        allocator: KvAllocator,
+        ledger: SchedulerLedgerView,
+        checker: OwnershipChecker,
+        device: torch.device,
+    ) -> None:
+        self._config = config
+        self._allocator = allocator
+        self._ledger = ledger
+        self._checker = checker
+        self._device = device
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # prefilled (or last chunk launched): decode candidates
+        self.prefilling: list[Req] = []  # admitted, prefill not fully launched
+        self._progress: dict[int, _Progress] = {}
+
+    # ------------------------------------------------------------------ queue
+    def enqueue(self, req: Req, *, front: bool = False) -> None:
+        """Put a WAITING request in the queue (retracted ones go first)."""
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def drop(self, req: Req) -> None:
+        """Forget ``req`` wherever it is (it ended)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        for group in (self.running, self.prefilling):
+            if req in group:
+                group.remove(req)
+        self._progress.pop(id(req), None)
+
+    @property
+    def has_work(self) -> bool:
+        """True while anything waits, prefills or runs."""
+        return bool(self.waiting or self.running or self.prefilling)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
+        """The next batch (prefill first), and the retraction done to make room, if any."""
+        with self._checker.acting(Role.SCHEDULER):
+            plan = self._schedule_prefill()
+            if plan is not None:
+                return plan, None
+            return self._schedule_decode()
+
+    def _schedule_prefill(self) -> LaunchPlan | None:
+        rows: list[tuple[Req, int, int]] = []  # (req, start, stop)
+        budget = self._config.prefill_token_budget
+        for req in list(self.prefilling):
+            if budget <= 0:
+                break
+            prog = self._progress[id(req)]
+            n = min(prog.target - prog.done, budget)
+            rows.append((req, prog.done, prog.done + n))
+            budget -= n
+        while self.waiting and budget > 0 and self._num_admitted() < self._config.max_running:
+            req = self.waiting[0]
+            target = req.seqlen
+            if not self._config.chunked_prefill and target > budget and rows:
+                break
+            n = target if not self._config.chunked_prefill else min(target, budget)
+            if not self._admit(req, target, n):
+                break
+            self.waiting.popleft()
+            rows.append((req, 0, n))
+            budget -= n
+        return self._extend_plan(rows) if rows else None
+
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    def _admit(self, req: Req, target: int, first_chunk: int) -> bool:
+        """Give ``req`` a slot and the KV of its first chunk, if memory allows."""
+        need_running = self._decode_need(self.running)
+        window = self._allocator.window
+        pool = self._allocator.token_pool
+        room = pool.available_tokens() - need_running
+        if room < first_chunk + window.reserve + window.page_size:
+            return False
+        try:
+            self._allocator.admit(req)
+        except KvPoolExhausted:
+            return False
+        req.transition(ReqStatus.PREFILL)
+        self._progress[id(req)] = _Progress(target=target)
+        self.prefilling.append(req)
+        return True
+
+    def _decode_need(self, reqs: Sequence[Req]) -> int:
+        if not reqs:
+            return 0
+        return self._allocator.decode_tokens_needed(self._slots(reqs))
+
+    def _slots(self, reqs: Sequence[Req]) -> torch.Tensor:
+        return torch.tensor([self._allocator.slot_of(r) for r in reqs], dtype=torch.int64)
+
+    def _extend_plan(self, rows: list[tuple[Req, int, int]]) -> LaunchPlan | None:
+        reqs = [r for r, _, _ in rows]
+        slots = self._slots(reqs)
+        ends = torch.tensor([stop for _, _, stop in rows], dtype=torch.int64)
+        try:
+            self._allocator.alloc_for_extend(slots, ends)
+        except KvPoolExhausted:
+            return None  # memory went to decodes; try again after they settle or retract
+        self._ledger.commit_extend(slots, ends)
+        kinds: list[str] = []
+        ids: list[int] = []
+        for req, start, stop in rows:
+            prog = self._progress[id(req)]
+            prog.done = stop
+            fill = (*req.prompt_ids, *req.output_ids)
+            ids.extend(fill[start:stop])
+            last = stop == prog.target
+            kinds.append(RowKind.LAST_CHUNK if last else RowKind.CHUNK)
+            if last:  # the last chunk is launched: the request decodes from the next batch
+                self.prefilling.remove(req)
+                self.running.append(req)
+        starts = [start for _, start, _ in rows]
+        lens = [stop - start for _, start, stop in rows]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+        row_index = torch.repeat_interleave(slots, torch.tensor(lens))
+        table = self._allocator.req_to_token
+        batch = ScheduleBatch(
+            reqs=tuple(reqs),
+            incarnations=tuple(r.incarnation for r in reqs),
+            forward_mode=ForwardMode.EXTEND,
+            req_pool_indices=slots.to(self._device),
+            seq_lens=ends.to(self._device),
+            seq_lens_cpu=tuple(ends.tolist()),
+            sampling_info=self._sampling(reqs),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device),
+            out_cache_loc=table[row_index, positions].to(self._device),
+            prefix_lens=tuple(starts),
+            extend_lens=tuple(lens),
+            future_indices=slots.to(self._device),
+        )
+        return LaunchPlan(batch=batch, kinds=tuple(kinds), slots=slots)
+
+    def _schedule_decode(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
+        if not self.running:
+            return None, None
+        outcome = retract_for_decode(self._allocator, list(self.running))
+        for req in outcome.retracted:
+            self.drop(req)
+            req.transition(ReqStatus.WAITING)
+            self.enqueue(req, front=True)
+        for req in outcome.aborted:
+            self.drop(req)
+        if not outcome.kept:
+            return None, outcome
+        reqs = list(outcome.kept)
+        slots = self._slots(reqs)
+        self._allocator.reserve_for_spec_decode(slots)
+        dev_slots = slots.to(self._device)
+        batch = ScheduleBatch(
+            reqs=tuple(reqs),
+            incarnations=tuple(r.incarnation for r in reqs),
+            forward_mode=ForwardMode.DECODE,
+            req_pool_indices=dev_slots,
+            seq_lens=Unresolved(dev_slots),
+            sampling_info=self._sampling(reqs),
+            input_ids=Unresolved(dev_slots),
+            future_indices=dev_slots,
+        )
+        plan = LaunchPlan(batch=batch, kinds=(RowKind.DECODE,) * len(reqs), slots=slots)
+        has_retraction = outcome.retracted or outcome.aborted
+        return plan, outcome if has_retraction else None
+
+    def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
+        return SamplingInfo.from_params(
+            [r.sampling for r in reqs], vocab_size=self._config.vocab_size, device=self._device
+        )
+
+    @staticmethod
+    def abort_finish(req: Req, reason: str) -> FinishState:
+        """The finish state of an abort applied outside a result."""
+        emitted = min(len(req.output_ids), req.sampling.max_new_tokens)
+        return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=reason)

@@ -1,0 +1,47 @@
+"""Test-only: tiny random Hugging Face Llama checkpoints and greedy generate() as the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make_checkpoint(
+    directory: Path, *, seed: int = 0, vocab_size: int = 97, hidden: int = 32, layers: int = 2
+) -> LlamaForCausalLM:
+    """Save a random tiny Llama to ``directory`` (safetensors) and return it."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.train(False)
+    model.save_pretrained(directory)
+    return model
+
+
+def greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (the lossless oracle)."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
