@@ -180,14 +180,13 @@ class Engine:
         """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
         if request_id in self._requests and not self._requests[request_id].is_finished:
             raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
-        need = len(prompt_ids) + sampling.max_new_tokens
-        if need > self.limits.max_context_len:
+        req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
+        if len(req.prompt_ids) + sampling.max_new_tokens > self.limits.max_context_len:
             raise InvalidRequest(
-                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens plus "
+                f"request {request_id!r}: prompt of {len(req.prompt_ids)} tokens plus "
                 f"max_new_tokens {sampling.max_new_tokens} exceeds the context of "
                 f"{self.limits.max_context_len}"
             )
-        req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
         self._requests[request_id] = req
         self.scheduler.enqueue(req)
         return req

@@ -1,0 +1,168 @@
+"""Engine lifecycle under pressure: retraction, aborts, stop tokens, worker failures, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hf_oracle import greedy, make_checkpoint
+from plain_worker import PlainWorker
+from transformers import LlamaForCausalLM
+
+from specstate import (
+    FinishReason,
+    InvalidRequest,
+    ReqStatus,
+    RequestLimits,
+    SamplingParams,
+)
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
+from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.worker import OnPublish
+
+LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [7], [11, 12, 13]]
+
+
+@pytest.fixture
+def hf(tmp_path: Path) -> LlamaForCausalLM:
+    """A tiny random checkpoint saved in tmp_path."""
+    return make_checkpoint(tmp_path)
+
+
+def _engine(tmp_path: Path, **options: object) -> Engine:
+    base: dict[str, object] = {
+        "kv_tokens": 1024,
+        "check_invariants": True,
+        "check_ownership": True,
+        "debug_relay": True,
+    }
+    return Engine(PlainWorker(tmp_path), limits=LIMITS, config=EngineConfig(**(base | options)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_under_kv_pressure_is_lossless(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool, page_size: int
+) -> None:
+    """A pool too small for every request retracts some; all still produce HF's tokens."""
+    engine = _engine(tmp_path, overlap=overlap, page_size=page_size, kv_tokens=72)
+    reqs = [
+        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=20)) for i, p in enumerate(PROMPTS)
+    ]
+    retracted: list[str] = []
+    while not engine.is_idle:
+        retracted.extend(engine.step().retracted)
+    engine.close()
+    assert retracted, "the pool was meant to force retractions"
+    assert [r.emitted_ids for r in reqs] == [tuple(greedy(hf, p, 20)) for p in PROMPTS]
+    assert max(r.incarnation for r in reqs) >= 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborts_stop_requests_and_others_still_match(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
+) -> None:
+    """Aborting waiting, prefilling and running requests ends them; the rest match HF."""
+    engine = _engine(tmp_path, overlap=overlap, max_running=2)
+    params = SamplingParams(max_new_tokens=10)
+    reqs = [engine.submit(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    assert engine.abort("r4")  # still waiting (max_running 2)
+    engine.step()
+    engine.step()
+    assert engine.abort("r0")  # running, maybe with a round in flight
+    engine.run_until_idle()
+    for i in (0, 4):
+        assert reqs[i].status is ReqStatus.ABORTED
+        finish = reqs[i].finish
+        assert finish is not None and finish.reason is FinishReason.ABORT
+    assert len(reqs[0].emitted_ids) < 10
+    for i in (1, 2, 3):
+        assert list(reqs[i].emitted_ids) == greedy(hf, PROMPTS[i], 10)
+    assert not engine.abort("r0")  # already ended
+    again = engine.submit("r0", PROMPTS[0], params)  # the id is reusable right after
+    engine.run_until_idle()
+    engine.close()
+    assert list(again.emitted_ids) == greedy(hf, PROMPTS[0], 10)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_token_ends_the_request_including_it(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
+) -> None:
+    """A stop token found in the output ends the request right after it."""
+    full = greedy(hf, PROMPTS[2], 16)
+    stop = full[5]
+    expected = full[: full.index(stop) + 1]
+    engine = _engine(tmp_path, overlap=overlap)
+    req = engine.submit("s", PROMPTS[2], SamplingParams(max_new_tokens=16, stop_token_ids={stop}))
+    engine.run_until_idle()
+    engine.close()
+    assert list(req.emitted_ids) == expected
+    assert req.finish is not None and req.finish.reason is FinishReason.STOP
+
+
+class _FailingWorker(PlainWorker):
+    """Raises on its ``fail_on``-th forward call."""
+
+    def __init__(self, model_dir: Path, fail_on: int) -> None:
+        super().__init__(model_dir)
+        self.fail_on = fail_on
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Fail once, then behave."""
+        if len(self.calls) + 1 == self.fail_on:
+            self.calls.append("boom")
+            raise RuntimeError("device lost")
+        return super().forward_batch_generation(batch, on_publish=on_publish)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_worker_failure_ends_its_batch_and_the_engine_keeps_serving(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
+) -> None:
+    """The failed batch's requests end with ERROR and release KV; later requests match HF."""
+    worker = _FailingWorker(tmp_path, fail_on=3)
+    config = EngineConfig(
+        overlap=overlap,
+        kv_tokens=1024,
+        check_invariants=True,
+        check_ownership=True,
+        debug_relay=True,
+    )
+    engine = Engine(worker, limits=LIMITS, config=config)
+    first = [
+        engine.submit(f"a{i}", p, SamplingParams(max_new_tokens=8))
+        for i, p in enumerate(PROMPTS[:2])
+    ]
+    engine.run_until_idle()
+    failed = [r for r in first if r.finish is not None and r.finish.reason is FinishReason.ERROR]
+    assert failed and "device lost" in (failed[0].finish.detail if failed[0].finish else "")
+    later = engine.submit("b", PROMPTS[2], SamplingParams(max_new_tokens=8))
+    engine.run_until_idle()
+    snap = engine.snapshot()
+    engine.close()
+    assert list(later.emitted_ids) == greedy(hf, PROMPTS[2], 8)
+    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+
+
+def test_bad_requests_are_rejected_and_change_nothing(tmp_path: Path, hf: LlamaForCausalLM) -> None:
+    """InvalidRequest at submit, naming the request; the engine's state is unchanged."""
+    engine = _engine(tmp_path)
+    before = engine.snapshot()
+    with pytest.raises(InvalidRequest, match="request 'x': prompt is empty"):
+        engine.submit("x", [], SamplingParams(max_new_tokens=4))
+    with pytest.raises(InvalidRequest, match="token ids outside the vocabulary"):
+        engine.submit("y", [5, 97], SamplingParams(max_new_tokens=4))
+    with pytest.raises(InvalidRequest, match="exceeds the context of 64"):
+        engine.submit("z", [5] * 60, SamplingParams(max_new_tokens=10))
+    live = engine.submit("dup", [5, 6], SamplingParams(max_new_tokens=3))
+    with pytest.raises(InvalidRequest, match="'dup': a live request already has this id"):
+        engine.submit("dup", [5, 6], SamplingParams())
+    assert engine.snapshot().num_waiting == before.num_waiting + 1
+    engine.run_until_idle()
+    engine.close()
+    assert len(live.emitted_ids) == 3

@@ -1,0 +1,59 @@
+"""The invariant checker catches a broken clock, a leaked slot and an unbalanced pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_oracle import make_checkpoint
+from plain_worker import PlainWorker
+
+from specstate import RequestLimits, Role, SamplingParams
+from specstate.engine.engine import Engine, EngineConfig
+from specstate.tools.invariants import InvariantViolation, check_engine
+
+LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
+
+
+def _running_engine(tmp_path: Path) -> Engine:
+    make_checkpoint(tmp_path)
+    engine = Engine(
+        PlainWorker(tmp_path),
+        limits=LIMITS,
+        config=EngineConfig(overlap=False, kv_tokens=256, check_ownership=True),
+    )
+    engine.submit("r", [1, 2, 3], SamplingParams(max_new_tokens=8))
+    engine.step()
+    engine.step()
+    check_engine(engine)  # healthy
+    return engine
+
+
+def test_a_clock_moved_behind_the_engines_back(tmp_path: Path) -> None:
+    """A commit that no result paid for breaks seqlen == committed + 1."""
+    engine = _running_engine(tmp_path)
+    slot = engine.allocator.slot_of(engine.request("r"))
+    with engine.checker.acting(Role.RESULT_PROCESSOR):
+        engine.ledger.advance_committed(torch.tensor([slot]), torch.tensor([1]))
+    with pytest.raises(InvariantViolation, match=r"request r: seqlen 5 != committed 5 \+ 1"):
+        check_engine(engine)
+    engine.close()
+
+
+def test_a_slot_held_by_nobody(tmp_path: Path) -> None:
+    """A request dropped from the scheduler while holding KV is a leak."""
+    engine = _running_engine(tmp_path)
+    engine.scheduler.drop(engine.request("r"))
+    with pytest.raises(InvariantViolation, match=r"open slots \['r'\] != live or deferred"):
+        check_engine(engine)
+    engine.close()
+
+
+def test_an_unbalanced_pool(tmp_path: Path) -> None:
+    """Pages taken from the pool and owned by no row break the balance."""
+    engine = _running_engine(tmp_path)
+    engine.allocator.token_pool.alloc_pages(2)
+    with pytest.raises(InvariantViolation, match="KV pool does not balance"):
+        check_engine(engine)
+    engine.close()
