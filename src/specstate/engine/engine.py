@@ -57,6 +57,8 @@ class EngineConfig:
         chunked_prefill: tokens per prefill forward; a longer prompt is split in chunks.
             None: a prompt is prefilled whole (the budget is then ``max_prefill_tokens``).
         max_prefill_tokens: token budget of one prefill forward without chunking.
+        mixed_chunk: running requests ride in prefill batches as 1-token extends of their
+            pending bonus (late-bound from the FutureMap; the result commits ``+1``).
         check_invariants: run `check_engine` after every step (on in tests).
         check_ownership: run-time ownership checks on every counter write (on in tests).
         debug_relay: FutureMap consume-once checks and poisoned buffers.
@@ -69,6 +71,7 @@ class EngineConfig:
     max_running: int = 32
     chunked_prefill: int | None = None
     max_prefill_tokens: int = 4096
+    mixed_chunk: bool = False
     check_invariants: bool = False
     check_ownership: bool = False
     debug_relay: bool = False
@@ -113,6 +116,8 @@ class Engine:
         caps = worker.capabilities
         if config.overlap and not caps.supports_overlap:
             raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
+        if config.mixed_chunk and not caps.supports_mixed_chunk:
+            raise InvalidConfig(f"worker {caps.algorithm!r} does not support mixed chunks")
         self.config = config
         self.limits = limits
         self.worker = worker
@@ -141,6 +146,7 @@ class Engine:
                 prefill_token_budget=budget,
                 chunked_prefill=config.chunked_prefill is not None,
                 vocab_size=limits.vocab_size,
+                mixed_chunk=config.mixed_chunk,
             ),
             allocator=self.allocator,
             ledger=views.scheduler,
@@ -160,6 +166,7 @@ class Engine:
             max_slots=max_requests + 1,
             device=device,
             debug_relay=config.debug_relay,
+            req_to_token=self.allocator.req_to_token,
         )
         worker.attach(
             WorkerMemory(

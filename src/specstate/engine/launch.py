@@ -22,9 +22,11 @@ import attrs
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
+from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import RelayError
-from specstate.engine.scheduler import LaunchPlan
+from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
@@ -80,8 +82,10 @@ class Launcher:
         max_slots: int,
         device: torch.device,
         debug_relay: bool,
+        req_to_token: torch.Tensor,
     ) -> None:
         self._worker = worker
+        self._req_to_token = req_to_token
         self._overlap = overlap
         self._speculative = speculative
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
@@ -111,8 +115,13 @@ class Launcher:
             raise RelayError(f"batch {flight.batch_id} has no future indices")
         fallback = self._fallback(batch.seq_lens, indices)
         try:
-            resolve_batch_seq_lens(self.future_map, batch)
-            resolve_batch_forward_inputs(self.future_map, batch)
+            if flight.plan.prefill is not None:
+                self._bind_mixed(batch, flight.plan.prefill)
+            elif batch.forward_mode is ForwardMode.EXTEND:
+                self._bind_extend_relay(batch)
+            else:
+                resolve_batch_seq_lens(self.future_map, batch)
+                resolve_batch_forward_inputs(self.future_map, batch)
             fallback = self._fallback(batch.seq_lens, indices, batch.input_ids)
             publish = _PublishOnce(self.future_map, indices)
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
@@ -129,6 +138,50 @@ class Launcher:
             flight.error = exc
             self.future_map.publish(indices, fallback[0])
             self.future_map.stash(indices, RelayPayload(bonus_tokens=fallback[1]))
+
+    def _bind_extend_relay(self, batch: ScheduleBatch) -> None:
+        """Give rows that continue after a KV prefix the relay of their previous forward."""
+        prefix = batch.prefix_lens or ()
+        rows = [i for i, p in enumerate(prefix) if p > 0]
+        if rows:
+            batch.spec_info = self._relay_rows(batch, rows, batch.req_pool_indices[rows])
+
+    def _bind_mixed(self, batch: ScheduleBatch, part: PrefillPart) -> None:
+        """Late-bind the running tails of a MIXED batch: each extends its bonus at ``fresh``."""
+        tails = self.future_map.resolve_mixed_tails(part.tail_slots, self._req_to_token)
+        n = len(part.prefix_lens)
+        continuing = [i for i, p in enumerate(part.prefix_lens) if p > 0]
+        rows = continuing + list(range(n, n + part.tail_slots.numel()))
+        slots = batch.req_pool_indices[rows]
+        batch.spec_info = self._relay_rows(batch, rows, slots)
+        bonus = batch.spec_info.bonus_tokens[n:]
+        batch.input_ids = torch.cat([part.input_ids, bonus])
+        batch.out_cache_loc = torch.cat([part.out_cache_loc, tails.out_cache_loc])
+        batch.seq_lens = torch.cat([part.seq_lens, tails.seq_lens])
+        batch.prefix_lens = part.prefix_lens + tuple(tails.prefix_lens.tolist())
+        batch.extend_lens = part.extend_lens + (1,) * part.tail_slots.numel()
+
+    def _relay_rows(
+        self, batch: ScheduleBatch, rows: list[int], slots: torch.Tensor
+    ) -> RelayPayload:
+        """A batch-wide payload: the relayed inputs at ``rows``, zeros elsewhere."""
+        got = self.future_map.resolve_forward_inputs(slots)
+        index = torch.tensor(rows, dtype=torch.int64, device=slots.device)
+        b = batch.batch_size
+
+        def spread(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            full = t.new_zeros((b, *t.shape[1:]))
+            return full.index_copy(0, index, t)
+
+        bonus = got.bonus_tokens.new_zeros(b).index_copy(0, index, got.bonus_tokens)
+        return RelayPayload(
+            bonus_tokens=bonus,
+            topk_p=spread(got.topk_p),
+            topk_index=spread(got.topk_index),
+            hidden_states=spread(got.hidden_states),
+        )
 
     @staticmethod
     def _fallback(

@@ -34,7 +34,7 @@ from specstate.memory.allocation import KvAllocator
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
 
-__all__ = ["LaunchPlan", "Scheduler", "SchedulerConfig"]
+__all__ = ["LaunchPlan", "PrefillPart", "Scheduler", "SchedulerConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -45,6 +45,7 @@ class SchedulerConfig:
     prefill_token_budget: int
     chunked_prefill: bool
     vocab_size: int
+    mixed_chunk: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -54,11 +55,24 @@ class LaunchPlan:
     batch: ScheduleBatch
     kinds: tuple[str, ...]
     slots: torch.Tensor
+    prefill: PrefillPart | None = None
 
     @property
     def is_decode(self) -> bool:
         """True for a decode round."""
         return self.batch.forward_mode is ForwardMode.DECODE
+
+
+@attrs.frozen(kw_only=True)
+class PrefillPart:
+    """The host-known prefill rows of a MIXED batch; its running tails bind at forward entry."""
+
+    input_ids: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    tail_slots: torch.Tensor
 
 
 @attrs.define
@@ -182,6 +196,7 @@ class Scheduler:
         except KvPoolExhausted:
             return None  # memory went to decodes; try again after they settle or retract
         self._ledger.commit_extend(slots, ends)
+        tails = self._reserve_tails() if self._config.mixed_chunk else []
         kinds: list[str] = []
         ids: list[int] = []
         for req, start, stop in rows:
@@ -199,6 +214,8 @@ class Scheduler:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
         row_index = torch.repeat_interleave(slots, torch.tensor(lens))
         table = self._allocator.req_to_token
+        if tails:
+            return self._mixed_plan(rows, kinds, ids, table[row_index, positions], tails)
         batch = ScheduleBatch(
             reqs=tuple(reqs),
             incarnations=tuple(r.incarnation for r in reqs),
@@ -214,6 +231,51 @@ class Scheduler:
             future_indices=slots.to(self._device),
         )
         return LaunchPlan(batch=batch, kinds=tuple(kinds), slots=slots)
+
+    def _reserve_tails(self) -> list[Req]:
+        """Running requests that ride this prefill as 1-token extends (their KV reserved)."""
+        tails = list(self.running)
+        if not tails:
+            return []
+        try:
+            self._allocator.reserve_for_spec_decode(self._slots(tails))
+        except KvPoolExhausted:
+            return []  # no room to mix: they decode once the prefill settles
+        return tails
+
+    def _mixed_plan(
+        self,
+        rows: list[tuple[Req, int, int]],
+        kinds: list[str],
+        ids: list[int],
+        locs: torch.Tensor,
+        tails: list[Req],
+    ) -> LaunchPlan:
+        """A MIXED batch: prefill rows first, then each running request as a tail."""
+        reqs = [r for r, _, _ in rows] + tails
+        slots = self._slots(reqs)
+        tail_slots = slots[len(rows) :].to(self._device)
+        part = PrefillPart(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device),
+            out_cache_loc=locs.to(self._device),
+            seq_lens=torch.tensor([stop for _, _, stop in rows], device=self._device),
+            prefix_lens=tuple(start for _, start, _ in rows),
+            extend_lens=tuple(stop - start for _, start, stop in rows),
+            tail_slots=tail_slots,
+        )
+        dev_slots = slots.to(self._device)
+        batch = ScheduleBatch(
+            reqs=tuple(reqs),
+            incarnations=tuple(r.incarnation for r in reqs),
+            forward_mode=ForwardMode.MIXED,
+            req_pool_indices=dev_slots,
+            seq_lens=Unresolved(tail_slots),
+            sampling_info=self._sampling(reqs),
+            input_ids=Unresolved(tail_slots),
+            future_indices=dev_slots,
+        )
+        all_kinds = (*kinds, *(RowKind.MIXED_TAIL,) * len(tails))
+        return LaunchPlan(batch=batch, kinds=all_kinds, slots=slots, prefill=part)
 
     def _schedule_decode(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
         if not self.running:

@@ -3,8 +3,7 @@
 Subcommands available now:
 
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
-
-``demo``, ``generate``, ``trace`` and ``bench`` (DESIGN.md §2) arrive with the engine.
+* ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specstate.tools import lint
+from specstate.tools import generate, lint
 
 __all__ = ["main"]
 
@@ -30,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     lint.build_parser(
         commands.add_parser("lint", help="report counter writes outside owner scopes")
     )
+    generate.add_arguments(
+        commands.add_parser("generate", help="run a JSONL of requests on a checkpoint")
+    )
     return parser
 
 
@@ -38,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "lint":
         return lint.run(args)
+    if args.command == "generate":
+        return generate.run(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects others
 
 
