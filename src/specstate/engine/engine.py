@@ -35,6 +35,7 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.engine.invariants import check_engine
 from specstate.engine.launch import InFlight, Launcher
 from specstate.engine.results import AcceptMetrics, ResultProcessor
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
@@ -238,8 +239,6 @@ class Engine:
         if launched is None and previous is None and not self.scheduler.has_work:
             self._drain(self._num_launched)
         if self.config.check_invariants:
-            from specstate.tools.invariants import check_engine
-
             check_engine(self)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size

@@ -11,7 +11,7 @@ from plain_worker import PlainWorker
 
 from specstate import RequestLimits, Role, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.tools.invariants import InvariantViolation, check_engine
+from specstate.engine.invariants import InvariantViolation, check_engine
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
 
