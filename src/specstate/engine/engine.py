@@ -323,8 +323,10 @@ class Engine:
             self.deferred.drain(retired)
 
     def _apply_aborts(self) -> tuple[str, ...]:
-        """Abort requests that are not in a launched batch's hands right now."""
+        """End every request with a pending abort (a result in flight for it will be skipped)."""
         ended: list[str] = []
+        if not self._aborts:
+            return ()
         for req in list(self.scheduler.waiting):
             reason = self._aborts.get(id(req))
             if reason is not None:
