@@ -195,6 +195,16 @@ class Engine:
                 f"max_new_tokens {sampling.max_new_tokens} exceeds the context of "
                 f"{self.limits.max_context_len}"
             )
+        window = self.allocator.window
+        p = window.page_size
+        need = -(-(len(req.prompt_ids) + sampling.max_new_tokens + window.reserve) // p) * p + p
+        capacity = self.allocator.token_pool.num_pages * p - p
+        if need > capacity:
+            raise InvalidRequest(
+                f"request {request_id!r}: needs up to {need} KV tokens (prompt "
+                f"{len(req.prompt_ids)}, max_new_tokens {sampling.max_new_tokens}, reserve "
+                f"{window.reserve}) but the pool holds {capacity}"
+            )
         self._requests[request_id] = req
         self.scheduler.enqueue(req)
         return req

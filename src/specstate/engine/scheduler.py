@@ -152,7 +152,7 @@ class Scheduler:
             if not self._config.chunked_prefill and target > budget and rows:
                 break
             n = target if not self._config.chunked_prefill else min(target, budget)
-            if not self._admit(req, target, n):
+            if not self._admit(req, target):
                 break
             self.waiting.popleft()
             rows.append((req, 0, n))
@@ -162,13 +162,18 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running) + len(self.prefilling)
 
-    def _admit(self, req: Req, target: int, first_chunk: int) -> bool:
-        """Give ``req`` a slot and the KV of its first chunk, if memory allows."""
-        need_running = self._decode_need(self.running)
+    def _admit(self, req: Req, target: int) -> bool:
+        """Give ``req`` a slot if memory can hold its whole prefill and its first reservation.
+
+        Memory the running requests' next decode and the unfinished prefills will take is kept
+        back, so an admitted prefill can always complete.
+        """
         window = self._allocator.window
-        pool = self._allocator.token_pool
-        room = pool.available_tokens() - need_running
-        if room < first_chunk + window.reserve + window.page_size:
+        pending = sum(
+            self._progress[id(r)].target - self._progress[id(r)].done for r in self.prefilling
+        )
+        room = self._allocator.token_pool.available_tokens() - self._decode_need(self.running)
+        if room - pending < target + window.reserve + window.page_size:
             return False
         try:
             self._allocator.admit(req)
