@@ -1,0 +1,128 @@
+"""Algorithm ``draft_model``: a separate, smaller Llama drafts a chain for the target to verify.
+
+The drafter owns its own KV cache, indexed by the SAME token slots as the target: the draft KV
+of position ``p`` of a request lives at ``req_to_token[slot, p]`` in the drafter's cache. So the
+engine's reservation covers the drafter too, and a retracted or finished request frees both.
+One DECODE round of row ``b`` (``S`` = frontier, ``x0`` = bonus, ``K`` = num_steps)::
+
+    drafter   x0@S -> d1, d1@S+1 -> d2, ..., d(K-1)@S+K-1 -> dK      K 1-token steps
+    target    [x0, d1..dK] @ S..S+K -> y0..yK; accept a = m + 1; emit y0..y_m
+    publish   S + a
+    drafter   extend [x0, d1..dK] @ S..S+K                          (post-verify)
+    next      bonus y_m at S + a
+
+Invariant: after every forward, the drafter's KV below each row's frontier is the drafter's KV
+of that row's settled tokens (EXTEND writes every chunk; the post-verify extend rewrites
+``S..S+K``, of which ``S..S+m`` are accepted), so a drafter equal to the target drafts the
+target's own greedy tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.core.errors import InvalidConfig
+from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.reference.model import PagedLlama
+from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
+from specstate.reference.workers.sources import (
+    ModelSource,
+    build_model,
+    check_same_vocab,
+    read_source_config,
+)
+from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.relay.future_map import RelayPayload
+
+__all__ = ["DraftModelWorker"]
+
+
+def _no_rows(device: torch.device) -> torch.Tensor:
+    """``logit_rows`` that select nothing: a forward that only writes KV."""
+    return torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class DraftModelWorker(ChainRoundWorker):
+    """Chain drafting with a separate Llama (see the module docstring).
+
+    Args:
+        target: the target checkpoint directory or in-memory `PagedLlama`.
+        draft: the drafter, same vocabulary as the target (may be the target itself).
+        num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
+        device: where both models live (default: the engine memory's device).
+        dtype: parameter and KV dtype of both (default: each checkpoint's).
+
+    Raises:
+        InvalidConfig: ``num_steps < 1``; a vocabulary mismatch (naming both checkpoints and
+            sizes); a checkpoint that is not a Llama (the loader's error).
+    """
+
+    def __init__(
+        self,
+        *,
+        target: ModelSource,
+        draft: ModelSource,
+        num_steps: int = 3,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if num_steps < 1:
+            raise InvalidConfig(f"draft_model worker needs num_steps >= 1, got {num_steps}")
+        runner = TargetRunner(target, device=device, dtype=dtype)
+        check_same_vocab(target, runner.config, draft, read_source_config(draft, dtype=dtype))
+        capabilities = WorkerCapabilities(
+            algorithm="draft_model",
+            num_steps=num_steps,
+            topk=1,
+            num_draft_tokens=num_steps + 1,
+            keeps_draft_kv=True,
+        )
+        super().__init__(runner, capabilities)
+        self._draft_source = draft
+        self._dtype = dtype
+        self._drafter: PagedLlama | None = None
+
+    @property
+    def draft_model(self) -> PagedLlama:
+        """The drafter (after attach)."""
+        if self._drafter is None:
+            raise InvalidConfig("worker is not attached: call attach(memory) first")
+        return self._drafter
+
+    def _attach_draft(self, memory: WorkerMemory) -> None:
+        self._drafter = build_model(
+            self._draft_source,
+            num_token_slots=memory.num_token_slots,
+            device=self._target.device_for(memory),
+            dtype=self._dtype,
+        )
+
+    def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
+        # Every chunk, so the drafter holds the whole prompt's KV when decoding starts.
+        self.draft_model(out.attention, logit_rows=_no_rows(out.next_tokens.device))
+        return RelayPayload(bonus_tokens=out.next_tokens)
+
+    def _propose(
+        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
+    ) -> torch.Tensor:
+        table = self._target.req_to_token
+        tokens, drafts = roots, []
+        for step in range(self.capabilities.num_steps):
+            chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
+            tokens = self.draft_model(chain).logits.argmax(-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
+        # The chain steps never wrote dK at S+K: without this extend an all-accept round would
+        # leave a hole in the drafter's KV below the new frontier.
+        chain = chain_attention(
+            verified.batch.req_pool_indices,
+            self._target.req_to_token,
+            verified.start,
+            verified.chain,
+        )
+        self.draft_model(chain, logit_rows=_no_rows(verified.chain.device))
+        return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)

@@ -1,0 +1,159 @@
+"""Algorithm ``eagle``: an EAGLE head drafts from the target's features; they ride the relay.
+
+The head (`specstate.reference.eagle_head`) predicts the token after position ``p`` from
+``t_p`` and the target feature ``f_(p-1)``. The one feature a forward cannot compute itself is
+the one just before its first token, so every forward relays it to the next through
+``next_draft_input.hidden_states`` (read back as ``batch.spec_info.hidden_states``)::
+
+    EXTEND chunk [P0, P1)   target extend -> H[P0..P1-1]; publish; head extend over the chunk
+                            with features [relayed f_(P0-1) or 0 at P0 = 0, H[P0], .., H[P1-2]]
+                            relay: bonus = target token at P1, hidden = H[P1-1]
+    DECODE at S             head K chain steps from x0@S with f_(S-1) (relayed), then its own h
+                            -> d1..dK; target verify -> H[S..S+K], accept a = m + 1; publish S + a
+                            head draft-extend [x0, d1..dK] @ S..S+K with the TRUE features
+                            [f_(S-1), H[S], .., H[S+K-1]]
+                            relay: bonus = y_m, hidden = H[S+m] (the feature of the new bonus)
+
+Invariant: after every forward, the head's KV below each row's frontier was computed from the
+row's settled tokens and the target's true features, and the relayed hidden state is the target
+feature at ``frontier - 1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.core.errors import InvalidConfig
+from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.reference.checkpoint import CONFIG_FILE
+from specstate.reference.eagle_head import EagleHead, load_eagle_head, read_eagle_config
+from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
+from specstate.reference.workers.sources import ModelSource, source_label
+from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.relay.future_map import RelayPayload
+
+__all__ = ["EagleWorker"]
+
+
+class EagleWorker(ChainRoundWorker):
+    """Chain drafting with an EAGLE head (see the module docstring).
+
+    Args:
+        target: the target checkpoint directory or in-memory `PagedLlama`.
+        eagle: the head directory (`specstate.reference.eagle_head` format).
+        num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
+        device: where the target and head live (default: the engine memory's device).
+        dtype: the target's parameter and KV dtype; the head computes in it too.
+
+    Raises:
+        InvalidConfig: ``num_steps < 1``; a head whose hidden or vocab size differs from the
+            target's (naming both files); a bad checkpoint or head config (the loader's error).
+    """
+
+    def __init__(
+        self,
+        *,
+        target: ModelSource,
+        eagle: str | os.PathLike[str],
+        num_steps: int = 3,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if num_steps < 1:
+            raise InvalidConfig(f"eagle worker needs num_steps >= 1, got {num_steps}")
+        runner = TargetRunner(target, device=device, dtype=dtype)
+        head_config = read_eagle_config(eagle)
+        for name in ("hidden_size", "vocab_size"):
+            ours, theirs = getattr(head_config, name), getattr(runner.config, name)
+            if ours != theirs:
+                raise InvalidConfig(
+                    f"EAGLE head {os.fspath(eagle)}/{CONFIG_FILE} has {name} {ours} but target "
+                    f"{source_label(target)} has {name} {theirs}"
+                )
+        capabilities = WorkerCapabilities(
+            algorithm="eagle",
+            num_steps=num_steps,
+            topk=1,
+            num_draft_tokens=num_steps + 1,
+            keeps_draft_kv=True,
+        )
+        super().__init__(runner, capabilities)
+        self._eagle_dir = eagle
+        self._head: EagleHead | None = None
+
+    @property
+    def head(self) -> EagleHead:
+        """The EAGLE head (after attach)."""
+        if self._head is None:
+            raise InvalidConfig("worker is not attached: call attach(memory) first")
+        return self._head
+
+    def _attach_draft(self, memory: WorkerMemory) -> None:
+        self._head = load_eagle_head(
+            self._eagle_dir, self._target.model, num_token_slots=memory.num_token_slots
+        )
+
+    def _relayed_features(self, batch: ForwardBatch, needed: torch.Tensor) -> torch.Tensor:
+        """``[B, hidden]`` relayed ``f_(S-1)`` where ``needed``, zeros elsewhere.
+
+        Raises:
+            InvalidConfig: a row needs its feature but ``spec_info`` carries no hidden states.
+        """
+        hidden = self._target.config.hidden_size
+        relayed = None if batch.spec_info is None else batch.spec_info.hidden_states
+        if relayed is None:
+            if bool(needed.any()):
+                rows = [rid for rid, n in zip(batch.request_ids, needed.tolist(), strict=True) if n]
+                raise InvalidConfig(
+                    f"eagle worker: requests {rows[:4]} continue after a KV prefix but "
+                    "spec_info carries no hidden_states (relay the previous next_draft_input)"
+                )
+            return torch.zeros(
+                batch.batch_size, hidden, dtype=self._target.config.dtype, device=needed.device
+            )
+        if tuple(relayed.shape) != (batch.batch_size, hidden):
+            raise InvalidConfig(
+                f"eagle worker: spec_info.hidden_states {tuple(relayed.shape)} must be "
+                f"[{batch.batch_size}, {hidden}]"
+            )
+        return torch.where(needed[:, None], relayed, torch.zeros_like(relayed))
+
+    def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
+        attention, hidden = out.attention, out.hidden_states
+        first_rows = torch.cumsum(attention.extend_lens, 0) - attention.extend_lens
+        incoming = self._relayed_features(batch, attention.prefix_lens > 0)
+        # f_(p-1) of every token: the previous token's target feature inside the chunk, the
+        # relayed one (or zeros at position 0) for the chunk's first token.
+        features = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
+        features = features.index_copy(0, first_rows, incoming.to(hidden.dtype))
+        self.head(attention, features, logit_rows=first_rows[:0])
+        return RelayPayload(bonus_tokens=out.next_tokens, hidden_states=hidden[out.last_rows])
+
+    def _propose(
+        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
+    ) -> torch.Tensor:
+        table = self._target.req_to_token
+        features = self._relayed_features(batch, torch.ones_like(start, dtype=torch.bool))
+        tokens, drafts = roots, []
+        for step in range(self.capabilities.num_steps):
+            chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
+            out = self.head(chain, features)
+            tokens, features = out.logits.argmax(-1), out.hidden_states
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
+        batch, hidden = verified.batch, verified.target_hidden
+        first = self._relayed_features(batch, torch.ones_like(verified.start, dtype=torch.bool))
+        true_features = torch.cat([first[:, None].to(hidden.dtype), hidden[:, :-1]], dim=1)
+        chain = chain_attention(
+            batch.req_pool_indices, self._target.req_to_token, verified.start, verified.chain
+        )
+        self.head(chain, true_features.reshape(-1, hidden.shape[2]), logit_rows=verified.start[:0])
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        next_hidden = hidden[rows, verified.verdict.last_accepted]
+        return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens, hidden_states=next_hidden)

@@ -1,0 +1,195 @@
+"""One speculative round, as every reference worker runs it, and the worker that drafts nothing.
+
+`ChainRoundWorker` implements `WorkerProtocol` once for every chain algorithm; a subclass says
+only how it drafts and what it commits after a verify. Per scheduler-level mode::
+
+    EXTEND / MIXED   target extend ─▶ on_publish(seq_lens) ─▶ draft prefill (drafter KV, history)
+    DECODE           propose d1..dK ─▶ target verify [x0, d1..dK] at S..S+K ─▶ accept a
+                     ─▶ on_publish(S + a) ─▶ commit round (draft-extend, history) ─▶ result
+    IDLE             on_publish(empty) ─▶ empty result
+
+A MIXED batch is an EXTEND to the worker: a running request rides as a 1-token extend of its
+bonus, which is exactly a 1-token chunk (its relay payload row carries what a chunk needs).
+
+Invariant: ``on_publish`` is called exactly once per forward, after the target decided the
+frontier and before any post-verify work; the worker writes only its own caches and history,
+never a ledger counter, a request, or a batch field.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import attrs
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvalidConfig
+from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.reference.model import PagedLlama
+from specstate.reference.workers.layout import (
+    decode_result,
+    decode_roots,
+    empty_result,
+    extend_result,
+)
+from specstate.reference.workers.sources import ModelSource
+from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.verify import ChainVerdict
+from specstate.relay.future_map import RelayPayload
+
+__all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound"]
+
+
+@attrs.frozen(kw_only=True)
+class VerifiedRound:
+    """A DECODE round after the target verified it: what post-verify commits read.
+
+    Attributes:
+        batch: the forward's frozen batch.
+        start: ``[B]`` frontier ``S`` before the round.
+        chain: ``[B, D]`` verified tokens ``[x0, d1..dK]`` at ``S .. S+K``.
+        verdict: accepted runs and lengths.
+        target_hidden: ``[B, D, hidden]`` target features of the chain.
+    """
+
+    batch: ForwardBatch
+    start: torch.Tensor
+    chain: torch.Tensor
+    verdict: ChainVerdict
+    target_hidden: torch.Tensor
+
+
+def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
+    if on_publish is not None:
+        on_publish(new_seq_lens)
+
+
+class ChainRoundWorker(abc.ABC):
+    """A `WorkerProtocol` implementation for chain drafting (see the module docstring).
+
+    Args:
+        target: the target model runner.
+        capabilities: the algorithm, steps and draft-KV flag this worker declares.
+    """
+
+    def __init__(self, target: TargetRunner, capabilities: WorkerCapabilities) -> None:
+        self._target = target
+        self._capabilities = capabilities
+
+    @property
+    def capabilities(self) -> WorkerCapabilities:
+        """The algorithm and window this worker runs; constant for its lifetime."""
+        return self._capabilities
+
+    @property
+    def target_model(self) -> PagedLlama:
+        """The target model (after attach)."""
+        return self._target.model
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""
+        self._target.attach(memory)
+        self._attach_draft(memory)
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Runs one forward of ``batch``; see `specstate.engine.worker` for the contract.
+
+        Raises:
+            InvalidConfig: a worker-internal mode, non-greedy sampling, or an inconsistent batch.
+        """
+        mode = batch.forward_mode
+        if mode is ForwardMode.IDLE:
+            _publish(on_publish, batch.seq_lens.long())
+            return empty_result(batch.seq_lens.device, self._capabilities.num_draft_tokens)
+        if not batch.sampling_info.is_all_greedy:
+            raise InvalidConfig(
+                f"{self._capabilities.algorithm} worker: only greedy sampling (temperature 0) "
+                f"is supported; requests {batch.request_ids[:4]} sample"
+            )
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            return self._run_extend(batch, on_publish)
+        if mode is ForwardMode.DECODE:
+            return self._run_decode(batch, on_publish)
+        raise InvalidConfig(f"{mode.value} is worker-internal; the scheduler cannot send it")
+
+    def _run_extend(
+        self, batch: ForwardBatch, on_publish: OnPublish | None
+    ) -> GenerationBatchResult:
+        out = self._target.extend(batch)
+        # NOTE: the frontier of an extend is seq_lens itself: the sampled token is the next
+        # pending root, whose KV the next verify writes. Publish before the draft prefill.
+        _publish(on_publish, batch.seq_lens.long())
+        payload = self._draft_prefill(batch, out)
+        return extend_result(out.next_tokens, batch.seq_lens, payload)
+
+    def _run_decode(
+        self, batch: ForwardBatch, on_publish: OnPublish | None
+    ) -> GenerationBatchResult:
+        start, roots = decode_roots(batch)
+        drafts = self._propose(batch, start, roots)
+        verdict, hidden = self._target.verify(batch.req_pool_indices, start, roots, drafts)
+        new_seq_lens = start + verdict.accept_lens
+        _publish(on_publish, new_seq_lens)
+        chain = torch.cat([roots[:, None], drafts], dim=1)
+        verified = VerifiedRound(
+            batch=batch, start=start, chain=chain, verdict=verdict, target_hidden=hidden
+        )
+        payload = self._commit_round(verified)
+        return decode_result(verdict.run_tokens, verdict.accept_lens, new_seq_lens, payload)
+
+    @abc.abstractmethod
+    def _attach_draft(self, memory: WorkerMemory) -> None:
+        """Build the drafter's state for ``memory`` (caches, history)."""
+
+    @abc.abstractmethod
+    def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
+        """Bring the drafter up to the extend's tokens; return the next round's payload."""
+
+    @abc.abstractmethod
+    def _propose(
+        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
+    ) -> torch.Tensor:
+        """Draft ``[B, K]`` tokens after the bonus ``roots`` at positions ``start``."""
+
+    @abc.abstractmethod
+    def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
+        """Post-verify commits (after publish); return the next round's payload."""
+
+
+class PlainWorker(ChainRoundWorker):
+    """Algorithm ``none``: each DECODE is a 1-token extend of the bonus at ``S``; publishes ``S+1``.
+
+    Args:
+        target: checkpoint directory or in-memory `PagedLlama`.
+        device: where the model lives (default: the engine memory's device).
+        dtype: parameter and KV dtype (default: the checkpoint's).
+    """
+
+    def __init__(
+        self,
+        *,
+        target: ModelSource,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        runner = TargetRunner(target, device=device, dtype=dtype)
+        super().__init__(runner, WorkerCapabilities(algorithm="none"))
+
+    def _attach_draft(self, memory: WorkerMemory) -> None:
+        del memory  # nothing drafts
+
+    def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
+        return RelayPayload(bonus_tokens=out.next_tokens)
+
+    def _propose(
+        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
+    ) -> torch.Tensor:
+        return roots.new_zeros(roots.shape[0], 0)
+
+    def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
+        return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)
