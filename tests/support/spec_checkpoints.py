@@ -1,0 +1,76 @@
+"""Test-only: tiny checkpoints for every algorithm, and workers built from them.
+
+Random weights make drafts that are almost never accepted, which leaves multi-token runs
+untested. So besides random drafters, this builds drafters that agree with the target:
+
+* ``draft_model`` with the target itself as the drafter (every draft accepted);
+* an EAGLE head equal to a one-layer target (fc passes the embedding; the layer and the norm are
+  the target's), so its drafts are the target's own greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+from hf_oracle import make_checkpoint
+from transformers import LlamaForCausalLM
+
+from specstate.engine.worker import WorkerProtocol
+from specstate.reference.checkpoint import load_paged_llama
+from specstate.reference.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
+from specstate.reference.model import PagedLlama
+from specstate.reference.workers import default_registry
+
+ALGORITHMS = ("none", "draft_model", "eagle", "ngram")
+
+
+def identity_head(target: PagedLlama) -> EagleHead:
+    """An EAGLE head that computes exactly what a one-layer ``target`` computes."""
+    head = EagleHead(EagleHeadConfig.for_target(target.config), target)
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
+        head.layers[0].load_state_dict(target.layers[0].state_dict())
+        head.norm.load_state_dict(target.norm.state_dict())
+    return head
+
+
+@attrs.frozen
+class SpecCheckpoints:
+    """A one-layer target (the oracle's model), a random drafter, and an identity EAGLE head."""
+
+    target: Path
+    draft: Path
+    eagle: Path
+    hf: LlamaForCausalLM
+    vocab_size: int
+
+    def worker(
+        self, algorithm: str, *, num_steps: int = 3, agreeing: bool = True
+    ) -> WorkerProtocol:
+        """A reference worker; ``agreeing`` drafters accept (draft_model drafts with the target)."""
+        options: dict[str, object] = {"target": self.target}
+        if algorithm != "none":
+            options["num_steps"] = num_steps
+        if algorithm == "draft_model":
+            options["draft"] = self.target if agreeing else self.draft
+        if algorithm == "eagle":
+            options["eagle"] = self.eagle
+        return default_registry().create(algorithm, **options)
+
+
+def make_spec_checkpoints(root: Path, *, seed: int = 0, vocab_size: int = 97) -> SpecCheckpoints:
+    """Build and save the checkpoints under ``root``."""
+    hf = make_checkpoint(root / "target", seed=seed, vocab_size=vocab_size, layers=1)
+    make_checkpoint(root / "draft", seed=seed + 1, vocab_size=vocab_size, hidden=16, layers=1)
+    head = identity_head(load_paged_llama(root / "target", num_token_slots=2))
+    save_eagle_head(head, root / "eagle")
+    return SpecCheckpoints(
+        target=root / "target",
+        draft=root / "draft",
+        eagle=root / "eagle",
+        hf=hf,
+        vocab_size=vocab_size,
+    )
