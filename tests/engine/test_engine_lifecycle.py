@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from hf_oracle import greedy, make_checkpoint
-from plain_worker import PlainWorker
+from spy_worker import SpyWorker
 from transformers import LlamaForCausalLM
 
 from specstate import (
@@ -16,10 +16,7 @@ from specstate import (
     RequestLimits,
     SamplingParams,
 )
-from specstate.batch.forward_batch import ForwardBatch
-from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.worker import OnPublish
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [7], [11, 12, 13]]
@@ -38,7 +35,7 @@ def _engine(tmp_path: Path, **options: object) -> Engine:
         "check_ownership": True,
         "debug_relay": True,
     }
-    return Engine(PlainWorker(tmp_path), limits=LIMITS, config=EngineConfig(**(base | options)))  # type: ignore[arg-type]
+    return Engine(SpyWorker.plain(tmp_path), limits=LIMITS, config=EngineConfig(**(base | options)))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -103,29 +100,12 @@ def test_stop_token_ends_the_request_including_it(
     assert req.finish is not None and req.finish.reason is FinishReason.STOP
 
 
-class _FailingWorker(PlainWorker):
-    """Raises on its ``fail_on``-th forward call."""
-
-    def __init__(self, model_dir: Path, fail_on: int) -> None:
-        super().__init__(model_dir)
-        self.fail_on = fail_on
-
-    def forward_batch_generation(
-        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
-    ) -> GenerationBatchResult:
-        """Fail once, then behave."""
-        if len(self.calls) + 1 == self.fail_on:
-            self.calls.append("boom")
-            raise RuntimeError("device lost")
-        return super().forward_batch_generation(batch, on_publish=on_publish)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_worker_failure_ends_its_batch_and_the_engine_keeps_serving(
     tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
 ) -> None:
     """The failed batch's requests end with ERROR and release KV; later requests match HF."""
-    worker = _FailingWorker(tmp_path, fail_on=3)
+    worker = SpyWorker.plain(tmp_path, fail_on=3)
     config = EngineConfig(
         overlap=overlap,
         kv_tokens=1024,

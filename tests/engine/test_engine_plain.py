@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from hf_oracle import greedy, make_checkpoint
-from plain_worker import PlainWorker
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
@@ -33,7 +33,7 @@ def test_plain_engine_matches_hf(
         debug_relay=True,
     )
     limits = RequestLimits(vocab_size=97, max_context_len=64)
-    worker = PlainWorker(tmp_path)
+    worker = SpyWorker.plain(tmp_path)
     with Engine(worker, limits=limits, config=config) as engine:
         outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))
         snap = engine.snapshot()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_oracle import make_checkpoint
-from plain_worker import PlainWorker
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, Role, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
@@ -19,7 +19,7 @@ LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
 def _running_engine(tmp_path: Path) -> Engine:
     make_checkpoint(tmp_path)
     engine = Engine(
-        PlainWorker(tmp_path),
+        SpyWorker.plain(tmp_path),
         limits=LIMITS,
         config=EngineConfig(overlap=False, kv_tokens=256, check_ownership=True),
     )
