@@ -47,6 +47,17 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.engine.engine import Engine, EngineConfig, EngineSnapshot, StepReport
+from specstate.engine.finish import resolve_finish
+from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.engine.results import AcceptMetrics
+from specstate.engine.worker import (
+    AlgorithmRegistry,
+    OnPublish,
+    WorkerCapabilities,
+    WorkerMemory,
+    WorkerProtocol,
+)
 from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
 from specstate.memory.pools import (
     ReqToTokenPool,
@@ -75,11 +86,16 @@ from specstate.relay.streams import CpuStream, Event, Stream, make_stream
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AcceptMetrics",
+    "AlgorithmRegistry",
     "AllocatorLedgerView",
     "CpuStream",
     "DecodeAllocLens",
     "DeferredReleases",
     "DoubleRelease",
+    "Engine",
+    "EngineConfig",
+    "EngineSnapshot",
     "Event",
     "FinishReason",
     "FinishState",
@@ -93,6 +109,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
+    "InvariantViolation",
     "IsolationError",
     "KvAllocator",
     "KvLedger",
@@ -103,6 +120,7 @@ __all__ = [
     "LedgerViews",
     "LedgerViolation",
     "MixedTails",
+    "OnPublish",
     "OwnershipChecker",
     "OwnershipError",
     "PenaltyAccumulator",
@@ -128,16 +146,22 @@ __all__ = [
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
+    "StepReport",
     "Stream",
     "TokenSlotAllocator",
     "Unresolved",
+    "WorkerCapabilities",
     "WorkerLedgerView",
+    "WorkerMemory",
+    "WorkerProtocol",
     "__version__",
+    "check_engine",
     "is_unresolved",
     "make_stream",
     "page_aligned_decode_alloc_lens",
     "resolve_batch_forward_inputs",
     "resolve_batch_seq_lens",
+    "resolve_finish",
     "retract_for_decode",
     "retraction_order",
 ]
