@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 from memory_harness import Memory, build_memory
 
 from specstate import OwnershipChecker
@@ -18,3 +21,12 @@ def checker() -> OwnershipChecker:
 def memory() -> Memory:
     """A memory layer with page size 1, 64 pages, 8 request slots, a chain window (L 4, R 8)."""
     return build_memory()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on 2 shared cores: one intra-op thread is faster and does not spin-wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
