@@ -146,14 +146,17 @@ class Scheduler:
             n = min(prog.target - prog.done, budget)
             rows.append((req, prog.done, prog.done + n))
             budget -= n
+        room = self._admission_room() if self.waiting else 0
         while self.waiting and budget > 0 and self._num_admitted() < self._config.max_running:
             req = self.waiting[0]
             target = req.seqlen
             if not self._config.chunked_prefill and target > budget and rows:
                 break
             n = target if not self._config.chunked_prefill else min(target, budget)
-            if not self._admit(req, target):
+            left = self._admit(req, target, room)
+            if left is None:
                 break
+            room = left
             self.waiting.popleft()
             rows.append((req, 0, n))
             budget -= n
@@ -162,27 +165,33 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running) + len(self.prefilling)
 
-    def _admit(self, req: Req, target: int) -> bool:
-        """Give ``req`` a slot if memory can hold its whole prefill and its first reservation.
-
-        Memory the running requests' next decode and the unfinished prefills will take is kept
-        back, so an admitted prefill can always complete.
-        """
-        window = self._allocator.window
+    def _admission_room(self) -> int:
+        """Free tokens not already promised to running decodes or unfinished prefills."""
         pending = sum(
             self._progress[id(r)].target - self._progress[id(r)].done for r in self.prefilling
         )
-        room = self._allocator.token_pool.available_tokens() - self._decode_need(self.running)
-        if room - pending < target + window.reserve + window.page_size:
-            return False
+        available = self._allocator.token_pool.available_tokens()
+        return available - self._decode_need(self.running) - pending
+
+    def _admit(self, req: Req, target: int, room: int) -> int | None:
+        """Give ``req`` a slot if ``room`` holds its whole prefill and first reservation.
+
+        Returns the room left, or None when ``req`` was not admitted. Memory promised to the
+        running requests' next decode and to unfinished prefills is never counted as room, so
+        an admitted prefill can always complete.
+        """
+        window = self._allocator.window
+        cost = target + window.reserve + window.page_size
+        if room < cost:
+            return None
         try:
             self._allocator.admit(req)
         except KvPoolExhausted:
-            return False
+            return None
         req.transition(ReqStatus.PREFILL)
         self._progress[id(req)] = _Progress(target=target)
         self.prefilling.append(req)
-        return True
+        return room - cost
 
     def _decode_need(self, reqs: Sequence[Req]) -> int:
         if not reqs:
