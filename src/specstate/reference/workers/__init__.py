@@ -8,14 +8,24 @@
     result = worker.forward_batch_generation(batch, on_publish=publish)
 
 =============  ==========================================================================
-``none``       `PlainWorker`: ``target``, ``device``, ``dtype``
-``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``device``, ``dtype``
-``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``device``, ``dtype``
-``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``
+``none``       `PlainWorker`: ``target``, ``device``, ``dtype``, ``seed``
+``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``device``, ``dtype``,
+               ``seed``
+``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``device``, ``dtype``, ``seed``
+``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
+               ``seed``
 =============  ==========================================================================
 
 ``target`` / ``draft`` are Hugging Face Llama checkpoint directories or in-memory `PagedLlama`
 models; ``eagle`` is a directory in the `specstate.reference.eagle_head` format.
+
+Rows with ``temperature > 0`` sample: the target and the drafters draw from their top-k / top-p
+filtered ``softmax(logits / T)`` and chains are verified by speculative sampling
+(`verify_sampled_chain`), so each emitted token follows the target's filtered distribution.
+Greedy rows stay argmax, bit-identical to an all-greedy batch. Each worker owns one
+`torch.Generator` seeded by ``seed``: for a fixed seed and the same sequence of batches (the
+same requests, batched the same way) the sampled tokens are reproducible; ``seed=None`` draws a
+fresh seed at attach.
 """
 
 from __future__ import annotations
@@ -25,18 +35,32 @@ from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.ngram import NgramWorker, TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
+from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
 from specstate.reference.workers.sources import ModelSource
+from specstate.reference.workers.verify import (
+    ChainVerdict,
+    DraftChain,
+    verify_greedy_chain,
+    verify_sampled_chain,
+)
 
 __all__ = [
     "ChainRoundWorker",
+    "ChainVerdict",
+    "DraftChain",
     "DraftModelWorker",
     "EagleWorker",
     "ModelSource",
     "NgramWorker",
     "PlainWorker",
+    "TokenChoice",
     "TokenHistory",
+    "TokenSampler",
     "VerifiedRound",
     "default_registry",
+    "filtered_probs",
+    "verify_greedy_chain",
+    "verify_sampled_chain",
 ]
 
 

@@ -6,6 +6,7 @@ engine's reservation covers the drafter too, and a retracted or finished request
 One DECODE round of row ``b`` (``S`` = frontier, ``x0`` = bonus, ``K`` = num_steps)::
 
     drafter   x0@S -> d1, d1@S+1 -> d2, ..., d(K-1)@S+K-1 -> dK      K 1-token steps
+              (argmax, or drawn from the drafter's filtered q_i for a sampled row)
     target    [x0, d1..dK] @ S..S+K -> y0..yK; accept a = m + 1; emit y0..y_m
     publish   S + a
     drafter   extend [x0, d1..dK] @ S..S+K                          (post-verify)
@@ -34,6 +35,7 @@ from specstate.reference.workers.sources import (
     read_source_config,
 )
 from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
 __all__ = ["DraftModelWorker"]
@@ -53,6 +55,7 @@ class DraftModelWorker(ChainRoundWorker):
         num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
         device: where both models live (default: the engine memory's device).
         dtype: parameter and KV dtype of both (default: each checkpoint's).
+        seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
         InvalidConfig: ``num_steps < 1``; a vocabulary mismatch (naming both checkpoints and
@@ -67,6 +70,7 @@ class DraftModelWorker(ChainRoundWorker):
         num_steps: int = 3,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ) -> None:
         if num_steps < 1:
             raise InvalidConfig(f"draft_model worker needs num_steps >= 1, got {num_steps}")
@@ -79,7 +83,7 @@ class DraftModelWorker(ChainRoundWorker):
             num_draft_tokens=num_steps + 1,
             keeps_draft_kv=True,
         )
-        super().__init__(runner, capabilities)
+        super().__init__(runner, capabilities, seed=seed)
         self._draft_source = draft
         self._dtype = dtype
         self._drafter: PagedLlama | None = None
@@ -104,16 +108,15 @@ class DraftModelWorker(ChainRoundWorker):
         self.draft_model(out.attention, logit_rows=_no_rows(out.next_tokens.device))
         return RelayPayload(bonus_tokens=out.next_tokens)
 
-    def _propose(
-        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         table = self._target.req_to_token
-        tokens, drafts = roots, []
+        tokens, steps = roots, []
         for step in range(self.capabilities.num_steps):
             chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
-            tokens = self.draft_model(chain).logits.argmax(-1)
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+            choice = self._sampler.choose(self.draft_model(chain).logits, batch.sampling_info)
+            tokens = choice.tokens
+            steps.append(choice)
+        return DraftChain.from_steps(steps)
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         # The chain steps never wrote dK at S+K: without this extend an all-accept round would

@@ -9,7 +9,9 @@ the one just before its first token, so every forward relays it to the next thro
                             with features [relayed f_(P0-1) or 0 at P0 = 0, H[P0], .., H[P1-2]]
                             relay: bonus = target token at P1, hidden = H[P1-1]
     DECODE at S             head K chain steps from x0@S with f_(S-1) (relayed), then its own h
-                            -> d1..dK; target verify -> H[S..S+K], accept a = m + 1; publish S + a
+                            -> d1..dK (argmax, or drawn from the head's filtered q_i when the
+                            row samples); target verify -> H[S..S+K], accept a = m + 1;
+                            publish S + a
                             head draft-extend [x0, d1..dK] @ S..S+K with the TRUE features
                             [f_(S-1), H[S], .., H[S+K-1]]
                             relay: bonus = y_m, hidden = H[S+m] (the feature of the new bonus)
@@ -34,6 +36,7 @@ from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
 __all__ = ["EagleWorker"]
@@ -48,6 +51,7 @@ class EagleWorker(ChainRoundWorker):
         num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
         device: where the target and head live (default: the engine memory's device).
         dtype: the target's parameter and KV dtype; the head computes in it too.
+        seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
         InvalidConfig: ``num_steps < 1``; a head whose hidden or vocab size differs from the
@@ -62,6 +66,7 @@ class EagleWorker(ChainRoundWorker):
         num_steps: int = 3,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ) -> None:
         if num_steps < 1:
             raise InvalidConfig(f"eagle worker needs num_steps >= 1, got {num_steps}")
@@ -81,7 +86,7 @@ class EagleWorker(ChainRoundWorker):
             num_draft_tokens=num_steps + 1,
             keeps_draft_kv=True,
         )
-        super().__init__(runner, capabilities)
+        super().__init__(runner, capabilities, seed=seed)
         self._eagle_dir = eagle
         self._head: EagleHead | None = None
 
@@ -133,18 +138,17 @@ class EagleWorker(ChainRoundWorker):
         self.head(attention, features, logit_rows=first_rows[:0])
         return RelayPayload(bonus_tokens=out.next_tokens, hidden_states=hidden[out.last_rows])
 
-    def _propose(
-        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         table = self._target.req_to_token
         features = self._relayed_features(batch, torch.ones_like(start, dtype=torch.bool))
-        tokens, drafts = roots, []
+        tokens, steps = roots, []
         for step in range(self.capabilities.num_steps):
             chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
             out = self.head(chain, features)
-            tokens, features = out.logits.argmax(-1), out.hidden_states
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+            choice = self._sampler.choose(out.logits, batch.sampling_info)
+            tokens, features = choice.tokens, out.hidden_states
+            steps.append(choice)
+        return DraftChain.from_steps(steps)
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         batch, hidden = verified.batch, verified.target_hidden

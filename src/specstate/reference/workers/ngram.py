@@ -12,6 +12,9 @@ holds its token at ``p``. Writes are idempotent, so a replayed or overlapped wri
                     no occurrence: the bonus repeated
     after verify    history[slot, S+1 .. S+m] = d1..dm (the accepted drafts)
 
+The drafts are deterministic, so a sampled row verifies them with a one-hot ``q``: ``d_i`` is
+accepted with probability ``p(d_i)``, and a rejection resamples from ``p`` without ``d_i``.
+
 Invariant: positions below a row's frontier hold the row's settled tokens, except those a prefix
 cache supplied without an extend (never written here). A stale position only weakens drafts:
 the verify emits the target's own tokens whatever the drafts are.
@@ -27,6 +30,7 @@ from specstate.engine.worker import WorkerCapabilities, WorkerMemory
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
 __all__ = ["NgramWorker", "TokenHistory"]
@@ -100,6 +104,7 @@ class NgramWorker(ChainRoundWorker):
         max_ngram: the longest trailing n-gram looked up (then shorter ones, down to 1).
         device: where the model and history live (default: the engine memory's device).
         dtype: parameter and KV dtype (default: the checkpoint's).
+        seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
         InvalidConfig: ``num_steps < 1`` or ``max_ngram < 1``; the loader's error.
@@ -113,6 +118,7 @@ class NgramWorker(ChainRoundWorker):
         max_ngram: int = 3,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ) -> None:
         if num_steps < 1 or max_ngram < 1:
             raise InvalidConfig(
@@ -126,7 +132,8 @@ class NgramWorker(ChainRoundWorker):
             num_draft_tokens=num_steps + 1,
             keeps_draft_kv=False,
         )
-        super().__init__(TargetRunner(target, device=device, dtype=dtype), capabilities)
+        runner = TargetRunner(target, device=device, dtype=dtype)
+        super().__init__(runner, capabilities, seed=seed)
         self._max_ngram = max_ngram
         self._history: TokenHistory | None = None
 
@@ -148,16 +155,15 @@ class NgramWorker(ChainRoundWorker):
         self.history.write(slots, attention.positions, attention.input_ids)
         return RelayPayload(bonus_tokens=out.next_tokens)
 
-    def _propose(
-        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         self.history.write(batch.req_pool_indices, start, roots)
-        return self.history.propose(
+        drafts = self.history.propose(
             batch.req_pool_indices,
             start,
             num_tokens=self.capabilities.num_steps,
             max_ngram=self._max_ngram,
         )
+        return DraftChain(tokens=drafts)
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         drafts = verified.chain[:, 1:]

@@ -11,6 +11,11 @@ only how it drafts and what it commits after a verify. Per scheduler-level mode:
 A MIXED batch is an EXTEND to the worker: a running request rides as a 1-token extend of its
 bonus, which is exactly a 1-token chunk (its relay payload row carries what a chunk needs).
 
+Rows with ``temperature > 0`` sample (target and drafter alike) and verify by speculative
+sampling (`specstate.reference.workers.verify`); greedy rows take the argmax, also when they
+share a batch with sampled rows. All randomness comes from the worker's one `TokenSampler`
+(``seed`` option): a run is reproducible for a fixed seed and batch composition.
+
 Invariant: ``on_publish`` is called exactly once per forward, after the target decided the
 frontier and before any post-verify work; the worker writes only its own caches and history,
 never a ledger counter, a request, or a batch field.
@@ -35,9 +40,10 @@ from specstate.reference.workers.layout import (
     empty_result,
     extend_result,
 )
+from specstate.reference.workers.sampler import TokenSampler
 from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.target import TargetExtend, TargetRunner
-from specstate.reference.workers.verify import ChainVerdict
+from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
 
 __all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound"]
@@ -73,11 +79,15 @@ class ChainRoundWorker(abc.ABC):
     Args:
         target: the target model runner.
         capabilities: the algorithm, steps and draft-KV flag this worker declares.
+        seed: seeds the worker's generator (None: a fresh seed per attach, not reproducible).
     """
 
-    def __init__(self, target: TargetRunner, capabilities: WorkerCapabilities) -> None:
+    def __init__(
+        self, target: TargetRunner, capabilities: WorkerCapabilities, *, seed: int | None = None
+    ) -> None:
         self._target = target
         self._capabilities = capabilities
+        self._sampler = TokenSampler(seed)
 
     @property
     def capabilities(self) -> WorkerCapabilities:
@@ -92,6 +102,7 @@ class ChainRoundWorker(abc.ABC):
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""
         self._target.attach(memory)
+        self._sampler.bind(self._target.device_for(memory))
         self._attach_draft(memory)
 
     def forward_batch_generation(
@@ -100,17 +111,12 @@ class ChainRoundWorker(abc.ABC):
         """Runs one forward of ``batch``; see `specstate.engine.worker` for the contract.
 
         Raises:
-            InvalidConfig: a worker-internal mode, non-greedy sampling, or an inconsistent batch.
+            InvalidConfig: a worker-internal mode or an inconsistent batch.
         """
         mode = batch.forward_mode
         if mode is ForwardMode.IDLE:
             _publish(on_publish, batch.seq_lens.long())
             return empty_result(batch.seq_lens.device, self._capabilities.num_draft_tokens)
-        if not batch.sampling_info.is_all_greedy:
-            raise InvalidConfig(
-                f"{self._capabilities.algorithm} worker: only greedy sampling (temperature 0) "
-                f"is supported; requests {batch.request_ids[:4]} sample"
-            )
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             return self._run_extend(batch, on_publish)
         if mode is ForwardMode.DECODE:
@@ -120,7 +126,7 @@ class ChainRoundWorker(abc.ABC):
     def _run_extend(
         self, batch: ForwardBatch, on_publish: OnPublish | None
     ) -> GenerationBatchResult:
-        out = self._target.extend(batch)
+        out = self._target.extend(batch, self._sampler)
         # NOTE: the frontier of an extend is seq_lens itself: the sampled token is the next
         # pending root, whose KV the next verify writes. Publish before the draft prefill.
         _publish(on_publish, batch.seq_lens.long())
@@ -132,10 +138,17 @@ class ChainRoundWorker(abc.ABC):
     ) -> GenerationBatchResult:
         start, roots = decode_roots(batch)
         drafts = self._propose(batch, start, roots)
-        verdict, hidden = self._target.verify(batch.req_pool_indices, start, roots, drafts)
+        verdict, hidden = self._target.verify(
+            batch.req_pool_indices,
+            start,
+            roots,
+            drafts,
+            sampling=batch.sampling_info,
+            sampler=self._sampler,
+        )
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
-        chain = torch.cat([roots[:, None], drafts], dim=1)
+        chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         verified = VerifiedRound(
             batch=batch, start=start, chain=chain, verdict=verdict, target_hidden=hidden
         )
@@ -151,10 +164,13 @@ class ChainRoundWorker(abc.ABC):
         """Bring the drafter up to the extend's tokens; return the next round's payload."""
 
     @abc.abstractmethod
-    def _propose(
-        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
-        """Draft ``[B, K]`` tokens after the bonus ``roots`` at positions ``start``."""
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
+        """Draft ``[B, K]`` tokens after the bonus ``roots`` at positions ``start``.
+
+        Greedy rows draft the drafter's argmax; sampled rows draw from the drafter's filtered
+        distribution (``batch.sampling_info``) with ``self._sampler`` and return it in
+        `DraftChain.probs` (a deterministic drafter returns None: ``q`` is one-hot).
+        """
 
     @abc.abstractmethod
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
@@ -168,6 +184,7 @@ class PlainWorker(ChainRoundWorker):
         target: checkpoint directory or in-memory `PagedLlama`.
         device: where the model lives (default: the engine memory's device).
         dtype: parameter and KV dtype (default: the checkpoint's).
+        seed: seeds the generator of sampled rows (None: not reproducible).
     """
 
     def __init__(
@@ -176,9 +193,10 @@ class PlainWorker(ChainRoundWorker):
         target: ModelSource,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ) -> None:
         runner = TargetRunner(target, device=device, dtype=dtype)
-        super().__init__(runner, WorkerCapabilities(algorithm="none"))
+        super().__init__(runner, WorkerCapabilities(algorithm="none"), seed=seed)
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         del memory  # nothing drafts
@@ -186,10 +204,8 @@ class PlainWorker(ChainRoundWorker):
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         return RelayPayload(bonus_tokens=out.next_tokens)
 
-    def _propose(
-        self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
-        return roots.new_zeros(roots.shape[0], 0)
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
+        return DraftChain(tokens=roots.new_zeros(roots.shape[0], 0))
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)

@@ -2,11 +2,13 @@
 
 `TargetRunner` owns the target `PagedLlama` (built at attach, with the engine's number of KV
 token slots) and the engine's `WorkerMemory`. It reads ``req_to_token`` and writes the target's
-own KV cache; it never writes a scheduler counter. Both forwards sample greedily::
+own KV cache; it never writes a scheduler counter. Both forwards choose tokens per row with the
+worker's `TokenSampler`: argmax for greedy rows, the filtered distribution for the others::
 
     extend(batch)        tokens at out_cache_loc          -> next token after each row's last
                                                              token, hidden states of all tokens
     verify(S, x0, d)     [x0, d1..dK] at S .. S+K         -> ChainVerdict, hidden [B, D, H]
+                                                             (greedy or speculative sampling)
 
 Invariant: the target's KV at positions below a row's frontier holds exactly the target's KV of
 that row's settled tokens; verify writes only ``[S, S + D)``, inside the engine's reservation.
@@ -18,12 +20,19 @@ import attrs
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
+from specstate.reference.workers.sampler import TokenSampler, filtered_probs
 from specstate.reference.workers.sources import ModelSource, build_model, read_source_config
-from specstate.reference.workers.verify import ChainVerdict, verify_greedy_chain
+from specstate.reference.workers.verify import (
+    ChainVerdict,
+    DraftChain,
+    verify_greedy_chain,
+    verify_sampled_chain,
+)
 
 __all__ = ["TargetExtend", "TargetRunner"]
 
@@ -34,7 +43,7 @@ class TargetExtend:
 
     Attributes:
         attention: the `AttentionBatch` it ran (drafters extend over the same tokens).
-        next_tokens: ``[B]`` greedy token after each row's last new token.
+        next_tokens: ``[B]`` token after each row's last new token (argmax, or sampled).
         hidden_states: ``[T, hidden]`` target features (before the final norm) of every token.
         last_rows: ``[B]`` index of each row's last new token in the packed layout.
     """
@@ -110,14 +119,14 @@ class TargetRunner:
         """The engine's request → token-slot table (read only)."""
         return self.memory.req_to_token
 
-    def extend(self, batch: ForwardBatch) -> TargetExtend:
-        """Runs the EXTEND / MIXED forward and samples the token after each row's last one."""
+    def extend(self, batch: ForwardBatch, sampler: TokenSampler) -> TargetExtend:
+        """Runs the EXTEND / MIXED forward and chooses the token after each row's last one."""
         attention = extend_attention(batch, self.req_to_token)
         last_rows = last_token_rows(attention.extend_lens)
         out = self.model(attention, logit_rows=last_rows)
         return TargetExtend(
             attention=attention,
-            next_tokens=out.logits.argmax(-1),
+            next_tokens=sampler.choose(out.logits, batch.sampling_info).tokens,
             hidden_states=out.hidden_states,
             last_rows=last_rows,
         )
@@ -127,17 +136,37 @@ class TargetRunner:
         req_pool_indices: torch.Tensor,
         start: torch.Tensor,
         roots: torch.Tensor,
-        drafts: torch.Tensor,
+        drafts: DraftChain,
+        *,
+        sampling: SamplingInfo,
+        sampler: TokenSampler,
     ) -> tuple[ChainVerdict, torch.Tensor]:
-        """Scores ``[roots, drafts]`` at ``start ..`` and verifies greedily.
+        """Scores ``[roots, drafts]`` at ``start ..`` and verifies each row per its sampling.
 
         Returns:
             The verdict and the target's hidden states ``[B, D, hidden]`` of the chain.
         """
-        chain = torch.cat([roots[:, None], drafts], dim=1)
+        chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
         out = self.model(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
-        verdict = verify_greedy_chain(drafts, logits)
+        verdict = _verify(drafts, logits, sampling, sampler)
         return verdict, out.hidden_states.view(num_rows, width, -1)
+
+
+def _verify(
+    drafts: DraftChain, logits: torch.Tensor, sampling: SamplingInfo, sampler: TokenSampler
+) -> ChainVerdict:
+    """Greedy rows verify by argmax (bit-identical to an all-greedy batch), the others sample."""
+    greedy = verify_greedy_chain(drafts.tokens, logits)
+    if sampling.is_all_greedy:
+        return greedy
+    probs = filtered_probs(logits, sampling)
+    sampled = verify_sampled_chain(drafts.tokens, drafts.probs, probs, sampler)
+    is_greedy = (sampling.temperatures == 0).to(logits.device)
+    return ChainVerdict(
+        run_tokens=torch.where(is_greedy[:, None], greedy.run_tokens, sampled.run_tokens),
+        accept_lens=torch.where(is_greedy, greedy.accept_lens, sampled.accept_lens),
+        bonus_tokens=torch.where(is_greedy, greedy.bonus_tokens, sampled.bonus_tokens),
+    )
