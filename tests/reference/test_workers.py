@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from spec_checkpoints import identity_head
 from transformers import LlamaConfig, LlamaForCausalLM
 from worker_harness import HarnessRun, run_worker
 
@@ -84,17 +85,6 @@ def hf_greedy(hf: LlamaForCausalLM, prompts: list[list[int]]) -> dict[str, list[
             )
         out[f"r{i}"] = full[0, len(prompt) :].tolist()
     return out
-
-
-def identity_head(target: PagedLlama) -> EagleHead:
-    """A head equal to a one-layer target: fc passes the embedding, layer and norm are copied."""
-    head = EagleHead(EagleHeadConfig.for_target(target.config), target)
-    hidden = target.config.hidden_size
-    with torch.no_grad():
-        head.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
-        head.layers[0].load_state_dict(target.layers[0].state_dict())
-        head.norm.load_state_dict(target.norm.state_dict())
-    return head
 
 
 def random_head(target: PagedLlama, seed: int) -> EagleHead:

@@ -37,10 +37,13 @@ from specstate.reference.model import ModelConfig, PagedLlama
 
 __all__ = [
     "CONFIG_FILE",
+    "DTYPES",
     "INDEX_FILE",
     "WEIGHTS_FILE",
     "from_hf_config",
     "load_paged_llama",
+    "read_float_field",
+    "read_int_field",
     "read_model_config",
     "save_paged_llama",
     "to_hf_config",
@@ -49,14 +52,16 @@ __all__ = [
 CONFIG_FILE: Final = "config.json"
 WEIGHTS_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
-_DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _IGNORED_SUFFIX: Final = ".rotary_emb.inv_freq"
 _DEFAULT_ROPE_KEYS: Final = frozenset({"rope_type", "type", "rope_theta"})
 
 StrPath = str | os.PathLike[str]
 
 
-def _number(raw: Mapping[str, object], key: str, path: StrPath, default: object = None) -> float:
+def read_float_field(
+    raw: Mapping[str, object], key: str, path: StrPath, default: object = None
+) -> float:
     """Reads an int/float field (null or absent: ``default``; None means required)."""
     value = default if raw.get(key) is None else raw[key]
     if value is None:
@@ -66,7 +71,9 @@ def _number(raw: Mapping[str, object], key: str, path: StrPath, default: object 
     return float(value)
 
 
-def _integer(raw: Mapping[str, object], key: str, path: StrPath, default: object = None) -> int:
+def read_int_field(
+    raw: Mapping[str, object], key: str, path: StrPath, default: object = None
+) -> int:
     """Reads an integer field (null or absent: ``default``; None means required)."""
     value = default if raw.get(key) is None else raw[key]
     if value is None:
@@ -91,7 +98,7 @@ def _rope_theta(raw: Mapping[str, object], path: StrPath) -> float:
     key = "rope_parameters" if params is not None else "rope_scaling"
     scaling = params if params is not None else raw.get("rope_scaling")
     if scaling is None:
-        return _number(raw, "rope_theta", path, default=10000.0)
+        return read_float_field(raw, "rope_theta", path, default=10000.0)
     if not isinstance(scaling, Mapping):
         raise InvalidConfig(f"{path}: field '{key}' must be an object, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -102,8 +109,8 @@ def _rope_theta(raw: Mapping[str, object], path: StrPath) -> float:
     unknown = sorted(set(scaling) - _DEFAULT_ROPE_KEYS)
     if unknown:  # e.g. per-layer-type parameters or a partial rotary factor: not plain RoPE
         raise InvalidConfig(f"{path}: field '{key}' has unsupported entries {unknown}")
-    outer = _number(raw, "rope_theta", path, default=10000.0)
-    return _number(scaling, "rope_theta", f"{path}: field '{key}'", default=outer)
+    outer = read_float_field(raw, "rope_theta", path, default=10000.0)
+    return read_float_field(scaling, "rope_theta", f"{path}: field '{key}'", default=outer)
 
 
 def _check_llama_shaped(raw: Mapping[str, object], path: StrPath) -> None:
@@ -134,32 +141,32 @@ def from_hf_config(raw: Mapping[str, object], path: StrPath) -> ModelConfig:
             inconsistent sizes; the message names the file and the field.
     """
     _check_llama_shaped(raw, path)
-    heads = _integer(raw, "num_attention_heads", path)
-    hidden = _integer(raw, "hidden_size", path)
+    heads = read_int_field(raw, "num_attention_heads", path)
+    hidden = read_int_field(raw, "hidden_size", path)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
-    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
-        raise InvalidConfig(
-            f"{path}: field 'dtype' is {dtype_name!r}; expected one of {[*_DTYPES]}"
-        )
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise InvalidConfig(f"{path}: field 'dtype' is {dtype_name!r}; expected one of {[*DTYPES]}")
     bos = _token_ids(raw, "bos_token_id", path)
     if len(bos) > 1:
         raise InvalidConfig(f"{path}: field 'bos_token_id' must be null or one id, got {bos}")
     try:
         return ModelConfig(
-            vocab_size=_integer(raw, "vocab_size", path),
+            vocab_size=read_int_field(raw, "vocab_size", path),
             hidden_size=hidden,
-            intermediate_size=_integer(raw, "intermediate_size", path),
-            num_hidden_layers=_integer(raw, "num_hidden_layers", path),
+            intermediate_size=read_int_field(raw, "intermediate_size", path),
+            num_hidden_layers=read_int_field(raw, "num_hidden_layers", path),
             num_attention_heads=heads,
-            num_key_value_heads=_integer(raw, "num_key_value_heads", path, default=heads),
-            head_dim=_integer(raw, "head_dim", path, default=hidden // max(heads, 1)),
-            rms_norm_eps=_number(raw, "rms_norm_eps", path, default=1e-6),
+            num_key_value_heads=read_int_field(raw, "num_key_value_heads", path, default=heads),
+            head_dim=read_int_field(raw, "head_dim", path, default=hidden // max(heads, 1)),
+            rms_norm_eps=read_float_field(raw, "rms_norm_eps", path, default=1e-6),
             rope_theta=_rope_theta(raw, path),
-            max_position_embeddings=_integer(raw, "max_position_embeddings", path, default=2048),
+            max_position_embeddings=read_int_field(
+                raw, "max_position_embeddings", path, default=2048
+            ),
             tie_word_embeddings=raw.get("tie_word_embeddings", False) is True,
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=_token_ids(raw, "eos_token_id", path),
-            dtype=_DTYPES[dtype_name],
+            dtype=DTYPES[dtype_name],
         )
     except InvalidConfig as error:
         raise InvalidConfig(f"{path}: {error}") from None

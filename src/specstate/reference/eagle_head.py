@@ -44,16 +44,22 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.reference.checkpoint import _DTYPES, CONFIG_FILE, WEIGHTS_FILE, _integer, _number
+from specstate.reference.checkpoint import (
+    CONFIG_FILE,
+    DTYPES,
+    WEIGHTS_FILE,
+    read_float_field,
+    read_int_field,
+)
 from specstate.reference.model import (
     AttentionBatch,
+    DecoderLayer,
     KvCache,
     ModelConfig,
     ModelOutput,
     PagedLlama,
-    _DecoderLayer,
-    _plan_forward,
-    _RMSNorm,
+    RMSNorm,
+    plan_forward,
 )
 
 __all__ = [
@@ -165,12 +171,10 @@ def parse_eagle_config(raw: Mapping[str, object], path: StrPath) -> EagleHeadCon
             f" expected {EAGLE_MODEL_TYPE!r}"
         )
     dtype_name = raw.get("dtype") or "float32"
-    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
-        raise InvalidConfig(
-            f"{path}: field 'dtype' is {dtype_name!r}; expected one of {[*_DTYPES]}"
-        )
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise InvalidConfig(f"{path}: field 'dtype' is {dtype_name!r}; expected one of {[*DTYPES]}")
     sizes = {
-        key: _integer(raw, key, path)
+        key: read_int_field(raw, key, path)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -182,10 +186,10 @@ def parse_eagle_config(raw: Mapping[str, object], path: StrPath) -> EagleHeadCon
     }
     config = EagleHeadConfig(
         **sizes,
-        rms_norm_eps=_number(raw, "rms_norm_eps", path, default=1e-6),
-        rope_theta=_number(raw, "rope_theta", path, default=10000.0),
-        max_position_embeddings=_integer(raw, "max_position_embeddings", path, default=2048),
-        dtype=_DTYPES[dtype_name],
+        rms_norm_eps=read_float_field(raw, "rms_norm_eps", path, default=1e-6),
+        rope_theta=read_float_field(raw, "rope_theta", path, default=10000.0),
+        max_position_embeddings=read_int_field(raw, "max_position_embeddings", path, default=2048),
+        dtype=DTYPES[dtype_name],
     )
     try:
         config.layer_config()
@@ -242,8 +246,8 @@ class EagleHead(nn.Module):
         hidden = config.hidden_size
         with torch.device(device):
             self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-            self.layers = nn.ModuleList([_DecoderLayer(self._layer_config, 0)])
-            self.norm = _RMSNorm(hidden, config.rms_norm_eps)
+            self.layers = nn.ModuleList([DecoderLayer(self._layer_config, 0)])
+            self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.to(dtype=target.config.dtype)
         self.requires_grad_(False)
         # Detached views, not parameters: they share the target's storage and are not saved
@@ -286,7 +290,7 @@ class EagleHead(nn.Module):
                 f"[{num_tokens}, {self.config.hidden_size}]"
             )
         with torch.no_grad():
-            plan = _plan_forward(batch, self._layer_config, self._kv_cache.num_token_slots)
+            plan = plan_forward(batch, self._layer_config, self._kv_cache.num_token_slots)
             embedded = F.embedding(batch.input_ids, self._embedding)
             x = self.fc(torch.cat([embedded, features.to(embedded.dtype)], dim=-1))
             x = self.layers[0](x, plan, self._kv_cache)

@@ -31,7 +31,17 @@ from torch import nn
 
 from specstate.core.errors import InvalidConfig
 
-__all__ = ["AttentionBatch", "KvCache", "ModelConfig", "ModelOutput", "PagedLlama"]
+__all__ = [
+    "AttentionBatch",
+    "DecoderLayer",
+    "ForwardPlan",
+    "KvCache",
+    "ModelConfig",
+    "ModelOutput",
+    "PagedLlama",
+    "RMSNorm",
+    "plan_forward",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +196,7 @@ class ModelOutput:
 
 
 @attrs.frozen
-class _ForwardPlan:
+class ForwardPlan:
     """Per-forward plan shared by all layers (padded ``[B, max_ext]`` query layout)."""
 
     cos: torch.Tensor  # [T, 1, head_dim] float32 RoPE angles of the new tokens
@@ -219,7 +229,7 @@ def _check_lengths(batch: AttentionBatch) -> int:
     return max_kv
 
 
-def _plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: int) -> _ForwardPlan:
+def plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: int) -> ForwardPlan:
     """Checks the batch against the tables and builds the padded gather plan."""
     device, max_kv = batch.input_ids.device, _check_lengths(batch)
     ext, pre = batch.extend_lens.long(), batch.prefix_lens.long()
@@ -239,7 +249,7 @@ def _plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: i
     mask = (cols[None, None, :] <= last_visible[:, :, None])[:, None]
     cos, sin = _rope(batch.positions, config)
     out_cache_loc = batch.out_cache_loc.long()
-    return _ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
+    return ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
 
 
 def _rope(positions: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +268,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
-class _RMSNorm(nn.Module):
+class RMSNorm(nn.Module):
     """Llama RMSNorm, computed in float32 and cast back like HF."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -286,7 +296,7 @@ class _Attention(nn.Module):
         self.shape = (heads, kv_heads, dim)
         self.layer = layer
 
-    def forward(self, x: torch.Tensor, plan: _ForwardPlan, cache: KvCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens, num_reqs = x.shape[0], plan.kv_slots.shape[0]
         q = _apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan.cos, plan.sin)
@@ -320,17 +330,17 @@ class _Mlp(nn.Module):
         return out
 
 
-class _DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = _Attention(config, layer)
         self.mlp = _Mlp(config)
-        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, plan: _ForwardPlan, cache: KvCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), plan, cache)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -357,9 +367,9 @@ class PagedLlama(nn.Module):
         with torch.device(device):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(
-                _DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+                DecoderLayer(config, i) for i in range(config.num_hidden_layers)
             )
-            self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = (
                 None
                 if config.tie_word_embeddings
@@ -388,7 +398,7 @@ class PagedLlama(nn.Module):
             InvalidConfig: The batch is inconsistent with itself or with the KV cache size.
         """
         with torch.no_grad():
-            plan = _plan_forward(batch, self.config, self._kv_cache.num_token_slots)
+            plan = plan_forward(batch, self.config, self._kv_cache.num_token_slots)
             x: torch.Tensor = self.embed_tokens(batch.input_ids)
             for layer in self.layers:
                 x = layer(x, plan, self._kv_cache)
