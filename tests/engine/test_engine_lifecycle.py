@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 from hf_oracle import greedy, make_checkpoint
 from spy_worker import SpyWorker
@@ -16,7 +17,11 @@ from specstate import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.worker import OnPublish
+from specstate.reference.workers import PlainWorker
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32], [7], [11, 12, 13]]
@@ -146,3 +151,33 @@ def test_bad_requests_are_rejected_and_change_nothing(tmp_path: Path, hf: LlamaF
     engine.run_until_idle()
     engine.close()
     assert len(live.emitted_ids) == 3
+
+
+class _Overeager(SpyWorker):
+    """Claims one more accepted token than its stride allows, on every decode."""
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Corrupt the accept lengths of decode results."""
+        result = super().forward_batch_generation(batch, on_publish=on_publish)
+        if not batch.forward_mode.is_decode():
+            return result
+        return attrs.evolve(result, accept_lens=result.accept_lens + result.stride)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_malformed_result_fails_its_batch_not_the_engine(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
+) -> None:
+    """Accept lengths past the stride are refused: the batch ends with ERROR, nothing leaks."""
+    worker = _Overeager(PlainWorker(target=tmp_path))
+    config = EngineConfig(overlap=overlap, kv_tokens=1024, check_invariants=True, debug_relay=True)
+    engine = Engine(worker, limits=LIMITS, config=config)
+    req = engine.submit("m", PROMPTS[0], SamplingParams(max_new_tokens=6))
+    engine.run_until_idle()
+    snap = engine.snapshot()
+    engine.close()
+    assert req.finish is not None and req.finish.reason is FinishReason.ERROR
+    assert "accept lengths in [2, 2]; they must lie in [1, 1]" in req.finish.detail
+    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages

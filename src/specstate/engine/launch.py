@@ -25,7 +25,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import RelayError
+from specstate.core.errors import InvalidConfig, RelayError
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -53,6 +53,18 @@ class InFlight:
         if self.result is None and self.error is None:
             self.error = RelayError(f"batch {self.batch_id} never ran")
         return self.result, self.error
+
+
+def _check_result(result: GenerationBatchResult, batch_size: int, *, decode: bool) -> None:
+    """Refuse a result that does not fit its batch (the batch then fails, not the engine)."""
+    if result.batch_size != batch_size:
+        raise InvalidConfig(f"worker returned {result.batch_size} rows for a batch of {batch_size}")
+    low, high = int(result.accept_lens.min()), int(result.accept_lens.max())
+    limit = result.stride if decode else 1
+    if batch_size and (low < 1 or high > limit):
+        raise InvalidConfig(
+            f"worker returned accept lengths in [{low}, {high}]; they must lie in [1, {limit}]"
+        )
 
 
 class _PublishOnce:
@@ -129,6 +141,7 @@ class Launcher:
                 on_publish = publish if self._overlap else None
                 result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)
+            _check_result(result, batch.batch_size, decode=flight.plan.is_decode)
             if publish.calls == 0 and result.new_seq_lens is not None:
                 publish(result.new_seq_lens)
             if result.next_draft_input is not None:
