@@ -39,6 +39,14 @@ def expected(ckpt: SpecCheckpoints) -> list[list[int]]:
     return [greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def other(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
+    """A second seed and shape: vocabulary 131, hidden 48 (head_dim 12)."""
+    return make_spec_checkpoints(
+        tmp_path_factory.mktemp("lossless2"), seed=5, vocab_size=131, hidden=48
+    )
+
+
 def _run(ckpt: SpecCheckpoints, algorithm: str, **options: object) -> tuple[list[list[int]], float]:
     config = EngineConfig(
         kv_tokens=2048,
@@ -83,3 +91,24 @@ def test_lossless_matrix(
     assert outs == expected
     if algorithm in ("draft_model", "eagle"):
         assert accept > 2.0  # runs of several tokens really happened
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algorithm", "overlap", "chunking"),
+    list(itertools.product(ALGORITHMS, [False, True], [(None, False), (3, True)])),
+)
+def test_lossless_on_a_second_seed_and_shape(
+    other: SpecCheckpoints, algorithm: str, overlap: bool, chunking: tuple[int | None, bool]
+) -> None:
+    """Another checkpoint (seed, vocabulary, width) is lossless too."""
+    want = [greedy(other.hf, p, NEW_TOKENS) for p in PROMPTS]
+    outs, _ = _run(
+        other,
+        algorithm,
+        overlap=overlap,
+        page_size=4,
+        chunked_prefill=chunking[0],
+        mixed_chunk=chunking[1],
+    )
+    assert outs == want

@@ -61,9 +61,11 @@ class SpecCheckpoints:
         return default_registry().create(algorithm, **options)
 
 
-def make_spec_checkpoints(root: Path, *, seed: int = 0, vocab_size: int = 97) -> SpecCheckpoints:
+def make_spec_checkpoints(
+    root: Path, *, seed: int = 0, vocab_size: int = 97, hidden: int = 32
+) -> SpecCheckpoints:
     """Build and save the checkpoints under ``root``."""
-    hf = make_checkpoint(root / "target", seed=seed, vocab_size=vocab_size, layers=1)
+    hf = make_checkpoint(root / "target", seed=seed, vocab_size=vocab_size, hidden=hidden, layers=1)
     make_checkpoint(root / "draft", seed=seed + 1, vocab_size=vocab_size, hidden=16, layers=1)
     head = identity_head(load_paged_llama(root / "target", num_token_slots=2))
     save_eagle_head(head, root / "eagle")
