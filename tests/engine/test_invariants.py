@@ -57,3 +57,19 @@ def test_an_unbalanced_pool(tmp_path: Path) -> None:
     with pytest.raises(InvariantViolation, match="KV pool does not balance"):
         check_engine(engine)
     engine.close()
+
+
+def test_a_prefill_chunk_that_speculates(tmp_path: Path) -> None:
+    """A request still prefilling must not hold a speculative reservation."""
+    make_checkpoint(tmp_path)
+    config = EngineConfig(overlap=False, kv_tokens=256, chunked_prefill=2, check_ownership=True)
+    engine = Engine(SpyWorker.plain(tmp_path), limits=LIMITS, config=config)
+    engine.submit("p", [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=4))
+    engine.step()
+    check_engine(engine)  # one chunk of two launched: healthy
+    req = engine.request("p")
+    with engine.checker.acting(Role.SCHEDULER):
+        engine.allocator.reserve_for_spec_decode(torch.tensor([engine.allocator.slot_of(req)]))
+    with pytest.raises(InvariantViolation, match="p: prefilling with committed 2, allocated 4"):
+        check_engine(engine)
+    engine.close()

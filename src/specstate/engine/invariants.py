@@ -7,7 +7,8 @@ the request and the numbers for the first relation that does not hold:
 2. the KV pool balances: free pages plus pages of open rows are all pages, no duplicate;
 3. every open slot belongs to exactly one request that is prefilling, running, or waiting for
    a deferred release; a waiting request holds no slot;
-4. a prefilling request's committed length equals its launched prefill progress;
+4. a prefilling request's committed length equals its launched prefill progress, and it
+   holds no speculative reservation (a chunk never speculates: allocated == committed);
 5. a running request with no result in flight is in the steady state ``seqlen == committed + 1``
    (the pending bonus), and its reservation covers its committed KV;
 6. at idle, nothing is open and every page is free.
@@ -60,6 +61,14 @@ def check_engine(engine: Engine) -> None:
     for req in sched.waiting:
         if engine.allocator.holds_slot(req):
             _fail(f"request {req.request_id}: waiting but holds a KV slot")
+    for req in sched.prefilling:
+        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
+        done = sched.prefill_progress(req)
+        if not entry.kv_committed_len == entry.kv_allocated_len == done:
+            _fail(
+                f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
+                f"allocated {entry.kv_allocated_len}, launched prefill {done}"
+            )
     in_flight = engine.in_flight
     busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
     for req in sched.running:

@@ -122,6 +122,10 @@ class Scheduler:
                 group.remove(req)
         self._progress.pop(id(req), None)
 
+    def prefill_progress(self, req: Req) -> int:
+        """Tokens of ``req``'s prefill launched so far (its committed length while it prefills)."""
+        return self._progress[id(req)].done
+
     @property
     def has_work(self) -> bool:
         """True while anything waits, prefills or runs."""
