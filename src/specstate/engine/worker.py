@@ -79,6 +79,17 @@ class WorkerCapabilities:
     supports_overlap: bool = True
     supports_mixed_chunk: bool = True
 
+    @classmethod
+    def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:
+        """A chain drafter of ``num_steps``: topk 1, verify width ``num_steps + 1``."""
+        return cls(
+            algorithm=algorithm,
+            num_steps=num_steps,
+            topk=1,
+            num_draft_tokens=num_steps + 1,
+            keeps_draft_kv=keeps_draft_kv,
+        )
+
     @property
     def speculative(self) -> bool:
         """True when the worker drafts (``num_steps >= 1``)."""

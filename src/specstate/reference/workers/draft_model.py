@@ -76,12 +76,8 @@ class DraftModelWorker(ChainRoundWorker):
             raise InvalidConfig(f"draft_model worker needs num_steps >= 1, got {num_steps}")
         runner = TargetRunner(target, device=device, dtype=dtype)
         check_same_vocab(target, runner.config, draft, read_source_config(draft, dtype=dtype))
-        capabilities = WorkerCapabilities(
-            algorithm="draft_model",
-            num_steps=num_steps,
-            topk=1,
-            num_draft_tokens=num_steps + 1,
-            keeps_draft_kv=True,
+        capabilities = WorkerCapabilities.chain(
+            "draft_model", num_steps=num_steps, keeps_draft_kv=True
         )
         super().__init__(runner, capabilities, seed=seed)
         self._draft_source = draft

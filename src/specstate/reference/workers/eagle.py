@@ -79,13 +79,7 @@ class EagleWorker(ChainRoundWorker):
                     f"EAGLE head {os.fspath(eagle)}/{CONFIG_FILE} has {name} {ours} but target "
                     f"{source_label(target)} has {name} {theirs}"
                 )
-        capabilities = WorkerCapabilities(
-            algorithm="eagle",
-            num_steps=num_steps,
-            topk=1,
-            num_draft_tokens=num_steps + 1,
-            keeps_draft_kv=True,
-        )
+        capabilities = WorkerCapabilities.chain("eagle", num_steps=num_steps, keeps_draft_kv=True)
         super().__init__(runner, capabilities, seed=seed)
         self._eagle_dir = eagle
         self._head: EagleHead | None = None

@@ -125,13 +125,7 @@ class NgramWorker(ChainRoundWorker):
                 f"ngram worker needs num_steps >= 1 and max_ngram >= 1, got {num_steps}, "
                 f"{max_ngram}"
             )
-        capabilities = WorkerCapabilities(
-            algorithm="ngram",
-            num_steps=num_steps,
-            topk=1,
-            num_draft_tokens=num_steps + 1,
-            keeps_draft_kv=False,
-        )
+        capabilities = WorkerCapabilities.chain("ngram", num_steps=num_steps, keeps_draft_kv=False)
         runner = TargetRunner(target, device=device, dtype=dtype)
         super().__init__(runner, capabilities, seed=seed)
         self._max_ngram = max_ngram
