@@ -47,6 +47,7 @@ __all__ = [
     "read_model_config",
     "save_paged_llama",
     "to_hf_config",
+    "write_safetensors",
 ]
 
 CONFIG_FILE: Final = "config.json"
@@ -337,6 +338,18 @@ def load_paged_llama(
     return model
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` to ``path`` readable like any file the user creates.
+
+    safetensors creates its files with mode 0600; a checkpoint is meant to be shared and
+    shipped, so the mode is widened to what the process umask allows for a new file.
+    """
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def save_paged_llama(model: PagedLlama, directory: StrPath) -> None:
     """Writes ``config.json`` and ``model.safetensors`` that transformers' LlamaForCausalLM loads.
 
@@ -351,4 +364,4 @@ def save_paged_llama(model: PagedLlama, directory: StrPath) -> None:
         _hf_name(name): tensor.detach().to("cpu").contiguous()
         for name, tensor in model.state_dict().items()
     }
-    save_file(tensors, str(root / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, root / WEIGHTS_FILE)

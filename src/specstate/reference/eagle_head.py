@@ -40,7 +40,6 @@ import attrs
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
@@ -50,6 +49,7 @@ from specstate.reference.checkpoint import (
     WEIGHTS_FILE,
     read_float_field,
     read_int_field,
+    write_safetensors,
 )
 from specstate.reference.model import (
     AttentionBatch,
@@ -346,4 +346,4 @@ def save_eagle_head(head: EagleHead, directory: StrPath) -> None:
     raw = attrs.evolve(head.config, dtype=dtype).to_json()
     (root / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in head.state_dict().items()}
-    save_file(tensors, str(root / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, root / WEIGHTS_FILE)

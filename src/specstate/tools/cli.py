@@ -2,6 +2,7 @@
 
 Subcommands available now:
 
+* ``specstate demo`` — the main job on the embedded model (`specstate.tools.demo`).
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
 * ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
 """
@@ -12,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specstate.tools import generate, lint
+from specstate.tools import demo, generate, lint
 
 __all__ = ["main"]
 
@@ -26,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specstate {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo.add_arguments(commands.add_parser("demo", help="the main job on the embedded model"))
     lint.build_parser(
         commands.add_parser("lint", help="report counter writes outside owner scopes")
     )
@@ -38,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specstate`` command; returns the process exit code."""
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return demo.run(args)
     if args.command == "lint":
         return lint.run(args)
     if args.command == "generate":
