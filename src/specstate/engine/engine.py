@@ -182,6 +182,7 @@ class Engine:
         self._in_flight: InFlight | None = None
         self._num_launched = 0
         self._num_retired = 0
+        self._num_generated = 0
 
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
@@ -268,7 +269,9 @@ class Engine:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
     ) -> list[tuple[int, ...]]:
         """Run ``prompts`` to completion; the emitted tokens of each, in order."""
-        reqs = [self.submit(f"gen-{i}-{id(p)}", p, sampling) for i, p in enumerate(prompts)]
+        first = self._num_generated
+        self._num_generated += len(prompts)
+        reqs = [self.submit(f"generate-{first + i}", p, sampling) for i, p in enumerate(prompts)]
         self.run_until_idle()
         return [r.emitted_ids for r in reqs]
 
