@@ -165,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         )
     say(f"speedup over baseline: {both.tokens_per_second / base.tokens_per_second:.2f}x")
     say(f"overlap gain (spec+overlap vs spec): {spec.seconds / both.seconds:.2f}x")
+    say(
+        "  (here the forward is CPU work sharing the cores with the host; on a device the overlap"
+        " loop costs max(host, device) per round, as `pytest tests/benchmarks --benchmark-enable`"
+        " shows with a timed-wait device)"
+    )
     say(f"lossless (all runs emit identical tokens): {'yes' if lossless else 'NO'}")
     say(f"invariants held after every step; KV fully released: {'yes' if clean else 'NO'}")
     say("")
