@@ -6,6 +6,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 from hf_oracle import greedy, make_checkpoint
 from spy_worker import SpyWorker
 from transformers import LlamaForCausalLM
@@ -13,6 +14,7 @@ from transformers import LlamaForCausalLM
 from specstate import (
     FinishReason,
     InvalidRequest,
+    KvLedger,
     ReqStatus,
     RequestLimits,
     SamplingParams,
@@ -20,7 +22,7 @@ from specstate import (
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.worker import OnPublish
+from specstate.engine.worker import OnPublish, WorkerMemory
 from specstate.reference.workers import PlainWorker
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
@@ -180,4 +182,47 @@ def test_a_malformed_result_fails_its_batch_not_the_engine(
     engine.close()
     assert req.finish is not None and req.finish.reason is FinishReason.ERROR
     assert "accept lengths in [2, 2]; they must lie in [1, 1]" in req.finish.detail
+    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+
+
+class _Meddler(SpyWorker):
+    """A worker that tries to commit KV itself, through the ledger view it was handed."""
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Keep the (read-only) view, and the concrete ledger behind it."""
+        super().attach(memory)
+        self.ledger = memory.ledger
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Advance committed on decode, as a buggy adapter might."""
+        if batch.forward_mode.is_decode():
+            forged = self.ledger
+            assert isinstance(forged, KvLedger)
+            forged.advance_committed(
+                batch.req_pool_indices, torch.ones_like(batch.req_pool_indices)
+            )
+        return super().forward_batch_generation(batch, on_publish=on_publish)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_worker_writing_a_counter_is_refused_at_run_time(
+    tmp_path: Path, hf: LlamaForCausalLM, overlap: bool
+) -> None:
+    """The worker acts as Role.WORKER: its commit raises OwnershipError and fails its batch."""
+    worker = _Meddler(PlainWorker(target=tmp_path))
+    config = EngineConfig(
+        overlap=overlap, kv_tokens=1024, check_invariants=True, check_ownership=True
+    )
+    engine = Engine(worker, limits=LIMITS, config=config)
+    req = engine.submit("w", PROMPTS[0], SamplingParams(max_new_tokens=6))
+    engine.run_until_idle()
+    snap = engine.snapshot()
+    engine.close()
+    assert req.finish is not None and req.finish.reason is FinishReason.ERROR
+    assert (
+        "OwnershipError: request w: role 'worker' may not write kv_committed_len"
+        in req.finish.detail
+    )
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages

@@ -168,6 +168,7 @@ class Engine:
             device=device,
             debug_relay=config.debug_relay,
             req_to_token=self.allocator.req_to_token,
+            checker=self.checker,
         )
         worker.attach(
             WorkerMemory(

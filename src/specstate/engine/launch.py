@@ -5,8 +5,9 @@ closure to the stream (overlap) or runs it at once (normal loop). The closure, i
 
 1. resolves the batch's `Unresolved` frontier and bonus tokens from the FutureMap (the publish
    fence: on a stream, everything launched before is already done when this runs);
-2. isolates the batch and calls the worker with ``on_publish`` (overlap), which must fire at
-   most once; without overlap, or when the worker did not call it, publishes after return;
+2. isolates the batch and calls the worker, acting as `Role.WORKER`, with ``on_publish``
+   (overlap), which must fire at most once; without overlap, or when the worker did not call
+   it, publishes after return;
 3. stashes the next round's inputs; the copy event recorded after the closure tells the host
    the result is readable.
 
@@ -26,6 +27,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import InvalidConfig, RelayError
+from specstate.core.ownership import OwnershipChecker, Role
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -95,8 +97,10 @@ class Launcher:
         device: torch.device,
         debug_relay: bool,
         req_to_token: torch.Tensor,
+        checker: OwnershipChecker,
     ) -> None:
         self._worker = worker
+        self._checker = checker
         self._req_to_token = req_to_token
         self._overlap = overlap
         self._speculative = speculative
@@ -139,7 +143,8 @@ class Launcher:
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
-                result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
+                with self._checker.acting(Role.WORKER):
+                    result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)
             _check_result(result, batch.batch_size, decode=flight.plan.is_decode)
             if publish.calls == 0 and result.new_seq_lens is not None:
