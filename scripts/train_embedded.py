@@ -36,10 +36,9 @@ from typing import Final
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
-from specstate.reference.checkpoint import load_paged_llama, save_paged_llama
+from specstate.reference.checkpoint import load_paged_llama, save_paged_llama, write_safetensors
 from specstate.reference.embedded import BOS_ID, EOS_ID, VOCAB_SIZE
 from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
 
@@ -526,9 +525,7 @@ def save_llama(model: TrainLlama, directory: Path) -> None:
     """Writes a HF Llama checkpoint through the repo's own `save_paged_llama`."""
     paged = PagedLlama(model.config, num_token_slots=2)
     paged.load_state_dict(model.state_dict(), strict=True)
-    save_paged_llama(paged, directory)
-    # NOTE: safetensors writes 0600 files; shipped package data must be readable by everyone.
-    (directory / "model.safetensors").chmod(0o644)
+    save_paged_llama(paged, directory)  # world-readable files: shipped package data
 
 
 def save_eagle(head: EagleHead, directory: Path) -> None:
@@ -552,8 +549,7 @@ def save_eagle(head: EagleHead, directory: Path) -> None:
     tensors = {
         name: t.detach().to(SHIP_DTYPE).contiguous() for name, t in head.state_dict().items()
     }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "model.safetensors").chmod(0o644)  # see save_llama
+    write_safetensors(tensors, directory / "model.safetensors")
 
 
 def paged_logits(model: PagedLlama, ids: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "from_hf_config",
     "load_paged_llama",
+    "read_config_json",
     "read_float_field",
     "read_int_field",
     "read_model_config",
@@ -202,21 +203,32 @@ def to_hf_config(config: ModelConfig) -> dict[str, object]:
     }
 
 
+def read_config_json(directory: StrPath, *, kind: str) -> tuple[dict[str, object], Path]:
+    """The JSON object in ``directory/config.json`` and its path.
+
+    Raises:
+        InvalidConfig: The file is missing, unreadable, or not a JSON object; ``kind`` names
+            what the directory was expected to be.
+    """
+    path = Path(directory) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidConfig(f"{path}: missing config.json (not {kind} directory?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidConfig(f"{path}: unreadable config.json: {error}") from None
+    if not isinstance(raw, dict):
+        raise InvalidConfig(f"{path}: config.json must hold a JSON object")
+    return raw, path
+
+
 def read_model_config(directory: StrPath) -> ModelConfig:
     """Reads ``directory/config.json`` into a `ModelConfig`.
 
     Raises:
         InvalidConfig: The file is missing, is not a JSON object, or fails `from_hf_config`.
     """
-    path = Path(directory) / CONFIG_FILE
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidConfig(f"{path}: missing config.json (not a checkpoint directory?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidConfig(f"{path}: unreadable config.json: {error}") from None
-    if not isinstance(raw, dict):
-        raise InvalidConfig(f"{path}: config.json must hold a JSON object")
+    raw, path = read_config_json(directory, kind="a checkpoint")
     return from_hf_config(raw, path)
 
 

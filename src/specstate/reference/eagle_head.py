@@ -47,6 +47,7 @@ from specstate.reference.checkpoint import (
     CONFIG_FILE,
     DTYPES,
     WEIGHTS_FILE,
+    read_config_json,
     read_float_field,
     read_int_field,
     write_safetensors,
@@ -200,15 +201,7 @@ def parse_eagle_config(raw: Mapping[str, object], path: StrPath) -> EagleHeadCon
 
 def read_eagle_config(directory: StrPath) -> EagleHeadConfig:
     """Reads ``directory/config.json`` of an EAGLE head (see `parse_eagle_config`)."""
-    path = Path(directory) / CONFIG_FILE
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidConfig(f"{path}: missing config.json (not an EAGLE head directory?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidConfig(f"{path}: unreadable config.json: {error}") from None
-    if not isinstance(raw, dict):
-        raise InvalidConfig(f"{path}: config.json must hold a JSON object")
+    raw, path = read_config_json(directory, kind="an EAGLE head")
     return parse_eagle_config(raw, path)
 
 
