@@ -75,6 +75,17 @@ class PrefillPart:
     tail_slots: torch.Tensor
 
 
+@attrs.frozen(kw_only=True)
+class _DecodeRows:
+    """The per-row tensors of one set of decoding requests (see `Scheduler._decode_rows`)."""
+
+    reqs: tuple[Req, ...]
+    slots: torch.Tensor
+    device_slots: torch.Tensor
+    incarnations: tuple[int, ...]
+    sampling: SamplingInfo
+
+
 @attrs.define
 class _Progress:
     """Prefill progress of one admitted request."""
@@ -104,6 +115,7 @@ class Scheduler:
         self.running: list[Req] = []  # prefilled (or last chunk launched): decode candidates
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self._progress: dict[int, _Progress] = {}
+        self._decode_cache: _DecodeRows | None = None
 
     # ------------------------------------------------------------------ queue
     def enqueue(self, req: Req, *, front: bool = False) -> None:
@@ -114,7 +126,8 @@ class Scheduler:
             self.waiting.append(req)
 
     def drop(self, req: Req) -> None:
-        """Forget ``req`` wherever it is (it ended)."""
+        """Forget ``req`` wherever it is (it ended, or was retracted)."""
+        self._decode_cache = None
         if req in self.waiting:
             self.waiting.remove(req)
         for group in (self.running, self.prefilling):
@@ -227,6 +240,7 @@ class Scheduler:
             if last:  # the last chunk is launched: the request decodes from the next batch
                 self.prefilling.remove(req)
                 self.running.append(req)
+                self._decode_cache = None
         starts = [start for _, start, _ in rows]
         lens = [stop - start for _, start, stop in rows]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
@@ -298,7 +312,8 @@ class Scheduler:
     def _schedule_decode(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
         if not self.running:
             return None, None
-        outcome = retract_for_decode(self._allocator, list(self.running))
+        rows = self._decode_rows(self.running)
+        outcome = retract_for_decode(self._allocator, rows.reqs, slots=rows.slots)
         for req in outcome.retracted:
             self.drop(req)
             req.transition(ReqStatus.WAITING)
@@ -307,23 +322,46 @@ class Scheduler:
             self.drop(req)
         if not outcome.kept:
             return None, outcome
-        reqs = list(outcome.kept)
-        slots = self._slots(reqs)
-        self._allocator.reserve_for_spec_decode(slots)
-        dev_slots = slots.to(self._device)
+        rows = self._decode_rows(list(outcome.kept))
+        self._allocator.reserve_for_spec_decode(rows.slots)
         batch = ScheduleBatch(
-            reqs=tuple(reqs),
-            incarnations=tuple(r.incarnation for r in reqs),
+            reqs=rows.reqs,
+            incarnations=rows.incarnations,
             forward_mode=ForwardMode.DECODE,
-            req_pool_indices=dev_slots,
-            seq_lens=Unresolved(dev_slots),
-            sampling_info=self._sampling(reqs),
-            input_ids=Unresolved(dev_slots),
-            future_indices=dev_slots,
+            req_pool_indices=rows.device_slots,
+            seq_lens=Unresolved(rows.device_slots),
+            sampling_info=rows.sampling,
+            input_ids=Unresolved(rows.device_slots),
+            future_indices=rows.device_slots,
         )
-        plan = LaunchPlan(batch=batch, kinds=(RowKind.DECODE,) * len(reqs), slots=slots)
+        kinds = (RowKind.DECODE,) * len(rows.reqs)
+        plan = LaunchPlan(batch=batch, kinds=kinds, slots=rows.slots)
         has_retraction = outcome.retracted or outcome.aborted
         return plan, outcome if has_retraction else None
+
+    def _decode_rows(self, reqs: Sequence[Req]) -> _DecodeRows:
+        """Per-row tensors of a decode batch, rebuilt only when its requests change.
+
+        Consecutive decode rounds usually run the same requests; their slots, incarnations and
+        sampling tensors are then reused (they are never written in place, so sharing them
+        between batches is safe). Every change of the running set (a request joins, ends or is
+        retracted) drops the cache, so a re-admitted request never reuses a stale slot or
+        incarnation.
+        """
+        key = tuple(reqs)
+        cached = self._decode_cache
+        if cached is not None and cached.reqs == key:  # Req compares by identity
+            return cached
+        slots = self._slots(key)
+        rows = _DecodeRows(
+            reqs=key,
+            slots=slots,
+            device_slots=slots.to(self._device),
+            incarnations=tuple(r.incarnation for r in key),
+            sampling=self._sampling(key),
+        )
+        self._decode_cache = rows
+        return rows
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(

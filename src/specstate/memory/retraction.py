@@ -40,16 +40,21 @@ class RetractionOutcome:
     released: tuple[ReleasedKv, ...]
 
 
-def _fits(allocator: KvAllocator, reqs: Sequence[Req]) -> bool:
-    slots = torch.tensor([allocator.slot_of(r) for r in reqs], dtype=torch.int64)
+def _fits(allocator: KvAllocator, reqs: Sequence[Req], slots: torch.Tensor | None = None) -> bool:
+    if slots is None:
+        slots = torch.tensor([allocator.slot_of(r) for r in reqs], dtype=torch.int64)
     return allocator.decode_tokens_needed(slots) <= allocator.token_pool.available_tokens()
 
 
-def retract_for_decode(allocator: KvAllocator, running: Sequence[Req]) -> RetractionOutcome:
+def retract_for_decode(
+    allocator: KvAllocator, running: Sequence[Req], *, slots: torch.Tensor | None = None
+) -> RetractionOutcome:
     """Retract running requests until the next decode reservation of the rest fits.
 
     Retracted requests move to RETRACTED (the scheduler re-queues them as WAITING); a last
     request that cannot fit alone moves to ABORTED with reason ABORT. Both have released KV.
+    ``slots`` (the slots of ``running``, if the caller has them) saves the common no-pressure
+    check from looking every slot up again.
     """
     live = (ReqStatus.RUNNING, ReqStatus.PREFILL)
     stuck = [r.request_id for r in running if r.status not in live]
@@ -59,6 +64,8 @@ def retract_for_decode(allocator: KvAllocator, running: Sequence[Req]) -> Retrac
     retracted: list[Req] = []
     aborted: list[Req] = []
     released: list[ReleasedKv] = []
+    if _fits(allocator, running, slots):
+        return RetractionOutcome(kept=tuple(running), retracted=(), aborted=(), released=())
     order = retraction_order(running)
     while kept and not _fits(allocator, kept):
         if len(kept) == 1:
