@@ -129,7 +129,6 @@ class Launcher:
         indices = batch.future_indices
         if indices is None:
             raise RelayError(f"batch {flight.batch_id} has no future indices")
-        fallback = self._fallback(batch.seq_lens, indices)
         try:
             if flight.plan.prefill is not None:
                 self._bind_mixed(batch, flight.plan.prefill)
@@ -138,7 +137,6 @@ class Launcher:
             else:
                 resolve_batch_seq_lens(self.future_map, batch)
                 resolve_batch_forward_inputs(self.future_map, batch)
-            fallback = self._fallback(batch.seq_lens, indices, batch.input_ids)
             publish = _PublishOnce(self.future_map, indices)
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
@@ -154,8 +152,10 @@ class Launcher:
             flight.result = result
         except Exception as exc:  # handed to the host; the stream goes on
             flight.error = exc
-            self.future_map.publish(indices, fallback[0])
-            self.future_map.stash(indices, RelayPayload(bonus_tokens=fallback[1]))
+            # Isolation restored the bindings, so these are the inputs as resolved (if resolved).
+            lens, ids = self._fallback(batch.seq_lens, indices, batch.input_ids)
+            self.future_map.publish(indices, lens)
+            self.future_map.stash(indices, RelayPayload(bonus_tokens=ids))
 
     def _bind_extend_relay(self, batch: ScheduleBatch) -> None:
         """Give rows that continue after a KV prefix the relay of their previous forward."""
