@@ -259,7 +259,7 @@ def test_grow_rows_exhaustion_changes_nothing() -> None:
         ([3], [0], [4], r"request slots not in use: \[3\]"),
         ([1], [4], [2], r"request slot 1: range \[4, 2\) is not within"),
         ([1], [0], [65], r"range \[0, 65\) is not within \[0, row width 64\]"),
-        ([1], [5], [6], r"position 4 maps to page 0, which is free or padding"),
+        ([1], [5], [6], r"position 4 maps to page 0 \(host mirror 0\), which is free"),
         ([1, 2], [0], [4, 4], r"slots, start, stop lengths: \[2, 1, 2\]"),
     ],
 )

@@ -14,26 +14,47 @@ SRC = Path(specstate.__file__).parent
 # listed here; a removed one fails it until it is removed from here. Keep it exact.
 OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
     {
-        # The ledger's own stores: created once, written only by the owner mutators.
+        # The ledger's own stores: created once, written only by the owner mutators. The host
+        # (NumPy) views share the tensors' memory; the hot-path mutators write through them.
         ("core/ledger.py", "KvLedger.__init__", "assign _cache_protected"): 1,
         ("core/ledger.py", "KvLedger.__init__", "assign _kv_committed"): 1,
         ("core/ledger.py", "KvLedger.__init__", "assign _kv_allocated"): 1,
+        ("core/ledger.py", "KvLedger.__init__", "assign _kv_committed_host"): 1,
+        ("core/ledger.py", "KvLedger.__init__", "assign _kv_allocated_host"): 1,
         ("core/ledger.py", "KvLedger.set_protected", "assign _cache_protected"): 1,
         ("core/ledger.py", "KvLedger.commit_extend", "mutate _kv_committed.index_copy_"): 1,
         ("core/ledger.py", "KvLedger.advance_committed", "mutate _kv_committed.index_copy_"): 1,
+        ("core/ledger.py", "KvLedger.advance_committed", "assign _kv_committed_host"): 1,
         ("core/ledger.py", "KvLedger.grow_allocated", "mutate _kv_allocated.index_copy_"): 1,
-        # Req's append-only output: created empty, extended only by the result processor.
+        ("core/ledger.py", "KvLedger.grow_allocated", "assign _kv_allocated_host"): 1,
+        ("core/ledger.py", "KvLedger.close_slots", "mutate _cache_protected.index_fill_"): 1,
+        ("core/ledger.py", "KvLedger.close_slots", "mutate _kv_committed.index_fill_"): 1,
+        ("core/ledger.py", "KvLedger.close_slots", "mutate _kv_allocated.index_fill_"): 1,
+        # Req's output: created empty, extended only by the result processor while detached,
+        # and copied back from the output table when the request leaves its slot.
         ("core/request.py", "Req.__init__", "assign _output_ids"): 1,
         ("core/request.py", "Req.append_outputs", "mutate _output_ids.extend"): 1,
+        ("core/request.py", "Req._leave_slot", "assign _output_ids"): 1,
+        # The output table: rows opened at admission, appended only by append_runs.
+        ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens"): 1,
+        ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens_flat"): 1,
+        ("engine/outputs.py", "OutputTable.__init__", "assign _output_lengths"): 1,
+        ("engine/outputs.py", "OutputTable.open_row", "assign _output_tokens"): 1,
+        ("engine/outputs.py", "OutputTable.open_row", "assign _output_lengths"): 1,
+        ("engine/outputs.py", "OutputTable.append_runs", "assign _output_tokens_flat"): 1,
+        ("engine/outputs.py", "OutputTable.append_runs", "assign _output_lengths"): 1,
         # The allocator: the only opener/closer of ledger slots and grower of allocated.
         ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
         ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
-        ("memory/allocation.py", "KvAllocator.release_many", "call close_slot"): 1,
-        # The scheduler's prepare-for-extend: committed = the end of the launched chunk.
+        ("memory/allocation.py", "KvAllocator.reserve_for_spec_decode", "call grow_allocated"): 1,
+        ("memory/allocation.py", "KvAllocator.release_many", "call close_slots"): 1,
+        # The scheduler's prepare-for-extend: committed = the end of the launched chunk; it
+        # opens a request's output row at admission.
         ("engine/scheduler.py", "Scheduler._extend_plan", "call commit_extend"): 1,
+        ("engine/scheduler.py", "Scheduler._admit", "call open_row"): 1,
         # The result processor: the only committer after prefill, and the only output writer.
         ("engine/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
-        ("engine/results.py", "ResultProcessor._append", "call append_outputs"): 1,
+        ("engine/results.py", "ResultProcessor._append", "call append_runs"): 1,
     }
 )
 

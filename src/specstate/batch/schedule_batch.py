@@ -117,6 +117,8 @@ class ScheduleBatch:
     extend_lens: tuple[int, ...] | None = None
     spec_info: RelayPayload | None = None
     future_indices: torch.Tensor | None = None
+    # The request ids, when the caller already has them (a persistent batch); else derived.
+    _ids: tuple[str, ...] | None = attrs.field(default=None, alias="ids")
 
     def __attrs_post_init__(self) -> None:
         n = len(self.reqs)
@@ -136,7 +138,9 @@ class ScheduleBatch:
     @property
     def request_ids(self) -> tuple[str, ...]:
         """The request id of every row."""
-        return tuple(r.request_id for r in self.reqs)
+        if self._ids is None:  # derived each time: reading never changes the batch
+            return tuple(r.request_id for r in self.reqs)
+        return self._ids
 
     def field_bindings(self) -> dict[str, object]:
         """Every declared field's current binding (for a shallow snapshot)."""
@@ -188,6 +192,7 @@ class ScheduleBatch:
         return self.seq_lens.device
 
     def _clear_forward_inputs(self) -> None:
+        self._ids = None  # the rows changed
         self.input_ids = None
         self.out_cache_loc = None
         self.prefix_lens = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final
+from typing import Final, Protocol
 
 import attrs
 
@@ -34,6 +34,7 @@ from specstate.core.ownership import OwnershipChecker, Role
 __all__ = [
     "FinishReason",
     "FinishState",
+    "OutputSource",
     "Req",
     "ReqSnapshot",
     "ReqStatus",
@@ -150,20 +151,52 @@ class ReqSnapshot:
         return self.prompt_len + len(self.output_ids)
 
 
+class OutputSource(Protocol):
+    """Where an admitted request's settled outputs live while it holds a slot.
+
+    The engine keeps the outputs of every admitted request in slot-indexed columns (so a round
+    settles the whole batch with a fixed number of array operations); a `Req` attached to a
+    source reads its outputs from there and copies them back when it leaves the slot.
+    """
+
+    def read_outputs(self, slot: int) -> list[int]:
+        """Every settled output token of the request in ``slot``."""
+        ...
+
+    def num_outputs(self, slot: int) -> int:
+        """How many output tokens the request in ``slot`` has settled."""
+        ...
+
+    def read_accept_lengths(self, slot: int) -> list[int]:
+        """Accept lengths of the verifies settled since the request took ``slot``."""
+        ...
+
+    def detach(self, slot: int) -> None:
+        """The request leaves ``slot``: a result launched before this for it is stale."""
+        ...
+
+
 class Req:
     """One request: prompt, sampling, lifecycle status, incarnation and settled output.
 
     Build with `Req.new`, which validates everything before any state exists.
+
+    While admitted, the settled outputs live in the engine's slot-indexed columns (an
+    `OutputSource`); ``output_ids`` reads them there. Leaving the slot (finish, abort,
+    retraction: every `transition` out of PREFILL / RUNNING) copies them back into the request.
 
     Invariant: ``output_ids`` only grows, and only while the request is live;
     ``incarnation`` increases by one each time the request is retracted.
     """
 
     __slots__ = (
+        "_accept_lengths",
         "_checker",
         "_finish",
         "_incarnation",
         "_output_ids",
+        "_slot",
+        "_source",
         "_status",
         "prompt_ids",
         "request_id",
@@ -182,6 +215,9 @@ class Req:
         self.sampling: Final = sampling
         self._checker = checker
         self._output_ids: list[int] = []
+        self._accept_lengths: list[int] = []
+        self._source: OutputSource | None = None
+        self._slot = 0
         self._status = ReqStatus.WAITING
         self._incarnation = 0
         self._finish: FinishState | None = None
@@ -224,8 +260,24 @@ class Req:
 
     @property
     def output_ids(self) -> Sequence[int]:
-        """Settled output tokens (read-only view; may extend past a stop, see `emitted_ids`)."""
-        return self._output_ids
+        """Settled output tokens (a copy; may extend past a stop, see `emitted_ids`)."""
+        if self._source is not None:
+            return self._source.read_outputs(self._slot)
+        return tuple(self._output_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        """``len(output_ids)``, without materialising them."""
+        if self._source is not None:
+            return self._source.num_outputs(self._slot)
+        return len(self._output_ids)
+
+    @property
+    def accept_lengths(self) -> tuple[int, ...]:
+        """Accept length of every settled verify of this request, in order (bonus included)."""
+        if self._source is not None:
+            return (*self._accept_lengths, *self._source.read_accept_lengths(self._slot))
+        return tuple(self._accept_lengths)
 
     @property
     def finish(self) -> FinishState | None:
@@ -235,13 +287,14 @@ class Req:
     @property
     def emitted_ids(self) -> tuple[int, ...]:
         """What the user sees: the output up to and including the stop (``finished_len``)."""
-        end = len(self._output_ids) if self._finish is None else self._finish.finished_len
-        return tuple(self._output_ids[:end])
+        outputs = self.output_ids
+        end = len(outputs) if self._finish is None else self._finish.finished_len
+        return tuple(outputs[:end])
 
     @property
     def seqlen(self) -> int:
         """Host-settled clock: ``len(prompt_ids) + len(output_ids)``."""
-        return len(self.prompt_ids) + len(self._output_ids)
+        return len(self.prompt_ids) + self.num_outputs
 
     @property
     def is_finished(self) -> bool:
@@ -255,7 +308,7 @@ class Req:
             status=self._status,
             incarnation=self._incarnation,
             prompt_len=len(self.prompt_ids),
-            output_ids=tuple(self._output_ids),
+            output_ids=tuple(self.output_ids),
             finish=self._finish,
         )
 
@@ -286,15 +339,45 @@ class Req:
         if ends != (finish is not None):
             need = "needs a" if ends else "takes no"
             raise InvalidTransition(f"request {self.request_id}: {target.value} {need} finish")
-        if finish is not None and not 0 <= finish.finished_len <= len(self._output_ids):
+        if finish is not None and not 0 <= finish.finished_len <= self.num_outputs:
             raise InvalidTransition(
                 f"request {self.request_id}: finished_len {finish.finished_len} outside "
-                f"0..{len(self._output_ids)} settled outputs"
+                f"0..{self.num_outputs} settled outputs"
             )
+        if target in (ReqStatus.FINISHED, ReqStatus.ABORTED, ReqStatus.RETRACTED):
+            self._leave_slot()
         if target is ReqStatus.RETRACTED:
             self._incarnation += 1
         self._status = target
         self._finish = finish
+
+    def attach_outputs(self, source: OutputSource, slot: int) -> None:
+        """Keep the settled outputs in ``source``'s ``slot`` from now on (admission).
+
+        The source has already copied ``output_ids`` into the slot; until the request leaves
+        the slot (`transition` to FINISHED, ABORTED or RETRACTED), outputs settle there.
+
+        Raises:
+            InvalidTransition: the request is already attached, or has ended.
+        """
+        if self._source is not None or self.is_finished:
+            raise InvalidTransition(
+                f"request {self.request_id}: cannot attach outputs to slot {slot} "
+                f"(status {self._status.value}, attached {self._source is not None})"
+            )
+        self._source = source
+        self._slot = slot
+
+    def _leave_slot(self) -> None:
+        # Copy the outputs and accept lengths back before the slot can be reused; the source
+        # marks the slot so that a result still in flight for this request is skipped.
+        source = self._source
+        if source is None:
+            return
+        self._output_ids = source.read_outputs(self._slot)
+        self._accept_lengths.extend(source.read_accept_lengths(self._slot))
+        source.detach(self._slot)
+        self._source = None
 
     def append_outputs(self, tokens: Sequence[int]) -> None:
         """Append an accepted run to the settled output (result processor only).
@@ -306,10 +389,10 @@ class Req:
         self._checker.require(
             (Role.RESULT_PROCESSOR,), counter="output_ids", request=self.request_id
         )
-        if self.is_finished:
+        if self.is_finished or self._source is not None:
+            where = "an attached" if self._source is not None else f"a {self._status.value}"
             raise StaleResult(
-                f"request {self.request_id}: {len(tokens)} tokens for a {self._status.value} "
-                f"request refused"
+                f"request {self.request_id}: {len(tokens)} tokens for {where} request refused"
             )
         self._output_ids.extend(int(t) for t in tokens)
 

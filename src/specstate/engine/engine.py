@@ -37,6 +37,7 @@ from specstate.core.request import (
 )
 from specstate.engine.invariants import check_engine
 from specstate.engine.launch import InFlight, Launcher
+from specstate.engine.outputs import OutputTable
 from specstate.engine.results import AcceptMetrics, ResultProcessor
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
@@ -129,16 +130,26 @@ class Engine:
         )
         num_pages = config.kv_tokens // config.page_size
         max_requests = config.max_running * 2  # room for requests whose release is deferred
-        self.ledger = KvLedger(max_requests, row_width, checker=self.checker)
+        self.ledger = KvLedger(
+            max_requests, row_width, checker=self.checker, validate=config.check_invariants
+        )
         views = self.ledger.views()
         self.allocator = KvAllocator(
             ledger=views.allocator,
             req_pool=ReqToTokenPool(max_requests, row_width),
             token_pool=TokenSlotAllocator(num_pages, config.page_size),
+            validate=config.check_invariants,
             window=window,
             checker=self.checker,
         )
         self.deferred = DeferredReleases(self.allocator)
+        self.outputs = OutputTable(
+            max_slots=max_requests,
+            max_outputs=limits.max_context_len,
+            max_run=caps.max_accept,
+            eos_token_ids=limits.eos_token_ids,
+            checker=self.checker,
+        )
         device = torch.device(config.device)
         budget = config.chunked_prefill or config.max_prefill_tokens
         self.scheduler = Scheduler(
@@ -151,19 +162,21 @@ class Engine:
             ),
             allocator=self.allocator,
             ledger=views.scheduler,
+            outputs=self.outputs,
             checker=self.checker,
             device=device,
         )
         self.results = ResultProcessor(
             ledger=views.result_processor,
+            outputs=self.outputs,
             checker=self.checker,
-            eos_token_ids=limits.eos_token_ids,
             num_draft_tokens=caps.num_draft_tokens,
         )
         self._launcher = Launcher(
             worker=worker,
             overlap=config.overlap,
             speculative=caps.speculative,
+            max_accept=caps.max_accept,
             max_slots=max_requests + 1,
             device=device,
             debug_relay=config.debug_relay,
@@ -297,9 +310,10 @@ class Engine:
         else:
             settlement = self.results.settle(
                 reqs=plan.batch.reqs,
-                incarnations=plan.batch.incarnations,
                 slots=plan.slots,
-                kinds=plan.kinds,
+                epochs=plan.epochs,
+                last_chunk=plan.last_chunk,
+                verifies=plan.is_decode,
                 result=result,
                 abort_reasons=self._aborts,
             )
@@ -318,7 +332,7 @@ class Engine:
                 continue
             finish = FinishState(
                 reason=FinishReason.ERROR,
-                finished_len=min(len(req.output_ids), req.sampling.max_new_tokens),
+                finished_len=min(req.num_outputs, req.sampling.max_new_tokens),
                 detail=f"{type(error).__name__}: {error}",
             )
             req.transition(ReqStatus.FINISHED, finish=finish)

@@ -57,12 +57,14 @@ class InFlight:
         return self.result, self.error
 
 
-def _check_result(result: GenerationBatchResult, batch_size: int, *, decode: bool) -> None:
+def _check_result(
+    result: GenerationBatchResult, batch_size: int, *, decode: bool, max_accept: int
+) -> None:
     """Refuse a result that does not fit its batch (the batch then fails, not the engine)."""
     if result.batch_size != batch_size:
         raise InvalidConfig(f"worker returned {result.batch_size} rows for a batch of {batch_size}")
     low, high = int(result.accept_lens.min()), int(result.accept_lens.max())
-    limit = result.stride if decode else 1
+    limit = min(result.stride, max_accept) if decode else 1
     if batch_size and (low < 1 or high > limit):
         raise InvalidConfig(
             f"worker returned accept lengths in [{low}, {high}]; they must lie in [1, {limit}]"
@@ -93,6 +95,7 @@ class Launcher:
         worker: WorkerProtocol,
         overlap: bool,
         speculative: bool,
+        max_accept: int,
         max_slots: int,
         device: torch.device,
         debug_relay: bool,
@@ -104,6 +107,7 @@ class Launcher:
         self._req_to_token = req_to_token
         self._overlap = overlap
         self._speculative = speculative
+        self._max_accept = max_accept
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
         self.isolator = ForwardIsolator(overlap=overlap)
         self._stream: Stream | None = make_stream(device) if overlap else None
@@ -144,7 +148,9 @@ class Launcher:
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)
-            _check_result(result, batch.batch_size, decode=flight.plan.is_decode)
+            _check_result(
+                result, batch.batch_size, decode=flight.plan.is_decode, max_accept=self._max_accept
+            )
             if publish.calls == 0 and result.new_seq_lens is not None:
                 publish(result.new_seq_lens)
             if result.next_draft_input is not None:

@@ -1,19 +1,22 @@
 """The ResultProcessor: the only role that settles results into the host clocks.
 
-It owns the settled clock (``Req.append_outputs``) and advances ``kv_committed_len`` by each
-accepted run, vectorized over the batch. A row is settled only if its request is still the
-incarnation the batch was launched for and has not ended: a late result for a finished, aborted
-or retracted request changes nothing (DESIGN.md §1, notes §5).
+It owns the settled clock (the `OutputTable` rows behind ``Req.output_ids``) and advances
+``kv_committed_len`` by each accepted run, both vectorized over the batch: settling a round is
+a fixed number of array operations, whatever the batch size. A row is settled only if its
+request still holds the output row the batch was launched for (the row's epoch is unchanged):
+a late result for a finished, aborted or retracted request changes nothing (docs/concepts.md).
 
-Per row, by what the batch launched:
+Rows of a launched batch, in order: first the prefill rows (chunks of requests still
+prefilling), then the decode-like rows (every row of a decode round, or the running requests
+riding a mixed batch as 1-token extends of their bonus). Per row:
 
 * a prefill chunk that is not the last: nothing (committed was set at prepare);
-* the last prefill chunk: append the sampled token (the pending bonus);
-* a mixed tail (a running request riding as a 1-token extend of its bonus): commit ``+1``
-  (its bonus's KV is now written) and append the sampled token;
-* a decode round: commit ``accept_len`` and append the accepted run
+* the last prefill chunk: append the sampled token (the pending bonus); PREFILL -> RUNNING;
+* a decode-like row: commit ``accept_len`` and append the accepted run
   ``next_token_ids[i * stride : i * stride + accept_len]`` — with the stride of the producing
-  forward.
+  forward (a mixed tail accepts exactly 1: its bonus's KV is now written).
+
+Python touches a request only when it finishes, or when its last prefill chunk settles.
 
 Invariant: for a settled decode row, ``committed_after - committed_before == accept_len ==
 len(appended run)``; a skipped row's counters and outputs are unchanged.
@@ -21,17 +24,17 @@ len(appended run)``; a skipped row's counters and outputs are unchanged.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.ledger import ResultProcessorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
-from specstate.engine.finish import resolve_finish
+from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
 
@@ -52,7 +55,6 @@ class Settlement:
     finished: tuple[Req, ...]
     num_settled_rows: int
     num_skipped_rows: int
-    emitted: tuple[tuple[Req, tuple[int, ...]], ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -80,8 +82,8 @@ class ResultProcessor:
 
     Args:
         ledger: the result processor's view of the ledger.
+        outputs: the output table (the result processor is its only appender).
         checker: the engine's ownership checker (the processor acts as RESULT_PROCESSOR).
-        eos_token_ids: the model's end-of-sequence ids.
         num_draft_tokens: verify width D, for the proposed-drafts metric.
     """
 
@@ -89,116 +91,144 @@ class ResultProcessor:
         self,
         *,
         ledger: ResultProcessorLedgerView,
+        outputs: OutputTable,
         checker: OwnershipChecker,
-        eos_token_ids: frozenset[int],
         num_draft_tokens: int,
     ) -> None:
         self._ledger = ledger
+        self._outputs = outputs
         self._checker = checker
-        self._eos = eos_token_ids
         self._drafts_per_verify = max(num_draft_tokens - 1, 0)
-        self._hist: Counter[int] = Counter()
-        self._per_request: dict[int, list[int]] = {}
 
     def accept_lengths(self, req: Req) -> tuple[int, ...]:
         """Accept length of every settled decode round of ``req``, in order."""
-        return tuple(self._per_request.get(id(req), ()))
-
-    def forget(self, req: Req) -> None:
-        """Drop ``req``'s per-request metrics (after its output was collected)."""
-        self._per_request.pop(id(req), None)
+        return req.accept_lengths
 
     def metrics(self) -> AcceptMetrics:
         """A frozen copy of the acceptance statistics."""
-        verifies = sum(self._hist.values())
+        hist = self._outputs.histogram()
+        verifies = int(hist.sum())
+        accepted = int((hist * np.arange(hist.size)).sum())
         return AcceptMetrics(
             num_verifies=verifies,
-            num_accepted_tokens=sum(k * v for k, v in self._hist.items()),
+            num_accepted_tokens=accepted,
             num_proposed_drafts=verifies * self._drafts_per_verify,
-            histogram=tuple(sorted(self._hist.items())),
+            histogram=tuple((k, int(v)) for k, v in enumerate(hist.tolist()) if v),
         )
 
     def settle(
         self,
         *,
         reqs: Sequence[Req],
-        incarnations: Sequence[int],
         slots: torch.Tensor,
-        kinds: Sequence[str],
+        epochs: IntArray,
+        last_chunk: Sequence[bool],
+        verifies: bool,
         result: GenerationBatchResult,
         abort_reasons: dict[int, str],
     ) -> Settlement:
-        """Settle one result for the batch rows ``reqs`` (see the module docstring)."""
-        live = [
-            i
-            for i, (r, inc) in enumerate(zip(reqs, incarnations, strict=True))
-            if r.incarnation == inc and not r.is_finished and r.status is not ReqStatus.WAITING
-        ]
-        stride = result.stride
-        tokens = result.next_token_ids.tolist()
-        accept = result.accept_lens.tolist()
+        """Settle one result for the batch rows ``reqs`` (see the module docstring).
+
+        Args:
+            reqs: the batch's requests, prefill rows first.
+            slots: ``[B]`` host request slots of the rows.
+            epochs: ``[B]`` each row's output-row epoch when the batch was scheduled.
+            last_chunk: one flag per prefill row: its chunk ends the prefill.
+            verifies: the decode-like rows are verifies (a decode round, not mixed tails).
+            result: the worker's result, already checked against the batch.
+            abort_reasons: pending user aborts by ``id(req)``.
+        """
+        b = len(reqs)
+        n_prefill = len(last_chunk)
+        slots_np = slots.numpy()
+        tokens = result.next_token_ids.numpy().reshape(b, result.stride)
+        accept = result.accept_lens.numpy()
+        live = self._outputs.epochs(slots_np) == epochs
+        if n_prefill == 0 and bool(live.all()):
+            decode: IntArray | None = None  # the steady round: every row, no index
+            firsts: list[int] = []
+        else:
+            decode = np.flatnonzero(live[n_prefill:]) + n_prefill
+            firsts = [i for i in range(n_prefill) if last_chunk[i] and live[i]]
         with self._checker.acting(Role.RESULT_PROCESSOR):
-            self._commit(live, slots, kinds, accept)
-            emitted, finished = self._append(
-                live, reqs, kinds, tokens, accept, stride, abort_reasons
-            )
+            self._commit(slots_np, accept, decode)
+            rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
+            ended = self._append(reqs, slots_np, tokens, accept, rows, verifies, n_prefill)
+            for i in firsts:
+                if reqs[i].status is ReqStatus.PREFILL:
+                    reqs[i].transition(ReqStatus.RUNNING)
+            finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
+        settled = int(live.sum()) - (n_prefill - len(firsts) if n_prefill else 0)
         return Settlement(
             finished=tuple(finished),
-            num_settled_rows=len(live),
-            num_skipped_rows=len(reqs) - len(live),
-            emitted=tuple(emitted),
+            num_settled_rows=max(settled, 0),
+            num_skipped_rows=int(b - live.sum()),
         )
 
-    def _commit(
-        self, live: list[int], slots: torch.Tensor, kinds: Sequence[str], accept: list[int]
-    ) -> None:
-        """Advance committed for decode rows (by the run) and mixed tails (by 1), vectorized."""
-        rows = [i for i in live if kinds[i] in (RowKind.DECODE, RowKind.MIXED_TAIL)]
-        if not rows:
-            return
-        index = torch.tensor(rows, dtype=torch.int64)
-        runs = [accept[i] if kinds[i] == RowKind.DECODE else 1 for i in rows]
-        self._ledger.advance_committed(slots.index_select(0, index), torch.tensor(runs))
+    def _commit(self, slots: IntArray, accept: IntArray, rows: IntArray | None) -> None:
+        """Advance committed of the decode-like rows by their runs (one vectorized call)."""
+        if rows is not None:
+            if rows.size == 0:
+                return
+            slots, accept = slots[rows], accept[rows]
+        self._ledger.advance_committed(torch.from_numpy(slots), torch.from_numpy(accept))
 
     def _append(
         self,
-        live: list[int],
         reqs: Sequence[Req],
-        kinds: Sequence[str],
-        tokens: list[int],
-        accept: list[int],
-        stride: int,
+        slots: IntArray,
+        tokens: IntArray,
+        accept: IntArray,
+        rows: IntArray | None,
+        verifies: bool,
+        n_prefill: int,
+    ) -> FinishedRows | None:
+        if rows is not None:
+            if rows.size == 0:
+                return None
+            slots, tokens, accept = slots[rows], tokens[rows], accept[rows]
+        # Prefill rows append one token and are never verifies; a decode round has none.
+        return self._outputs.append_runs(
+            slots, tokens, accept, verifies=verifies and n_prefill == 0
+        )
+
+    def _finish(
+        self,
+        reqs: Sequence[Req],
+        ended: FinishedRows | None,
+        rows: IntArray | None,
+        tokens: IntArray,
         abort_reasons: dict[int, str],
-    ) -> tuple[list[tuple[Req, tuple[int, ...]]], list[Req]]:
-        emitted: list[tuple[Req, tuple[int, ...]]] = []
+    ) -> list[Req]:
+        """End the rows that reached a stop or their cap, and any with a pending abort."""
         finished: list[Req] = []
-        for i in live:
-            kind, req = kinds[i], reqs[i]
-            if kind == RowKind.CHUNK:
-                continue
-            n = accept[i] if kind == RowKind.DECODE else 1
-            run = tokens[i * stride : i * stride + n]
-            if kind == RowKind.DECODE:
-                self._hist[n] += 1
-                self._per_request.setdefault(id(req), []).append(n)
-            before = len(req.output_ids)
-            req.append_outputs(run)
-            if req.status is ReqStatus.PREFILL:
-                req.transition(ReqStatus.RUNNING)
-            finish = resolve_finish(
-                run,
-                num_outputs_before=before,
-                params=req.sampling,
-                eos_token_ids=self._eos,
-                abort_reason=abort_reasons.get(id(req)),
-            )
-            end = len(req.output_ids) if finish is None else finish.finished_len
-            emitted.append((req, tuple(req.output_ids[before:end])))
-            if finish is not None:
+        if ended is not None:
+            for k, row in enumerate(ended.rows):
+                req = reqs[row if rows is None else int(rows[row])]
+                finish = _finish_state(req, ended.stop_at[k], ended.stop_token[k])
                 self._end(req, finish)
                 finished.append(req)
-        return emitted, finished
+        if abort_reasons:  # rare: a user abort that reached a request with a result in flight
+            order = range(len(reqs)) if rows is None else rows.tolist()
+            for i in order:
+                req = reqs[i]
+                reason = abort_reasons.get(id(req))
+                if reason is not None and not req.is_finished:
+                    emitted = min(req.num_outputs, req.sampling.max_new_tokens)
+                    abort = FinishState(
+                        reason=FinishReason.ABORT, finished_len=emitted, detail=reason
+                    )
+                    self._end(req, abort)
+                    finished.append(req)
+        return finished
 
     def _end(self, req: Req, finish: FinishState) -> None:
         target = ReqStatus.ABORTED if finish.reason is FinishReason.ABORT else ReqStatus.FINISHED
         req.transition(target, finish=finish)
+
+
+def _finish_state(req: Req, stop_at: int, stop_token: int) -> FinishState:
+    """The finish of a row the output table flagged: its first stop, else the length cap."""
+    if stop_at >= 0:
+        return FinishState(reason=FinishReason.STOP, finished_len=stop_at, detail=str(stop_token))
+    return FinishState(reason=FinishReason.LENGTH, finished_len=req.sampling.max_new_tokens)

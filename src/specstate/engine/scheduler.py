@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import compress
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
@@ -29,7 +31,7 @@ from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
-from specstate.engine.results import RowKind
+from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
@@ -50,11 +52,20 @@ class SchedulerConfig:
 
 @attrs.frozen(kw_only=True)
 class LaunchPlan:
-    """One batch to launch, with what each row is (for settlement)."""
+    """One batch to launch, with what settlement needs to know about its rows.
+
+    Attributes:
+        batch: the batch; its prefill rows (if any) come first, then the decode-like rows.
+        slots: ``[B]`` host request slots of the rows.
+        epochs: ``[B]`` output-row epochs at scheduling (a changed epoch marks a stale row).
+        last_chunk: one flag per prefill row: its chunk completes the prefill.
+        prefill: the host-known prefill part of a MIXED batch, else None.
+    """
 
     batch: ScheduleBatch
-    kinds: tuple[str, ...]
     slots: torch.Tensor
+    epochs: IntArray
+    last_chunk: tuple[bool, ...] = ()
     prefill: PrefillPart | None = None
 
     @property
@@ -84,6 +95,37 @@ class _DecodeRows:
     device_slots: torch.Tensor
     incarnations: tuple[int, ...]
     sampling: SamplingInfo
+    epochs: IntArray
+    request_ids: tuple[str, ...]
+
+    def filter(self, leaving: Sequence[Req]) -> _DecodeRows:
+        """These rows without ``leaving``: one keep-mask per column, order kept."""
+        position = dict(zip(self.reqs, range(len(self.reqs)), strict=True))
+        keep = np.ones(len(self.reqs), dtype=np.bool_)
+        keep[[position[r] for r in leaving]] = False
+        index = torch.from_numpy(np.flatnonzero(keep))
+        slots = self.slots.index_select(0, index)
+        return _DecodeRows(
+            reqs=tuple(compress(self.reqs, keep)),
+            slots=slots,
+            device_slots=self.device_slots.index_select(0, index.to(self.device_slots.device)),
+            incarnations=tuple(compress(self.incarnations, keep)),
+            sampling=self.sampling.select(index.to(self.sampling.temperatures.device)),
+            epochs=self.epochs[keep],
+            request_ids=tuple(compress(self.request_ids, keep)),
+        )
+
+    def merge(self, other: _DecodeRows) -> _DecodeRows:
+        """These rows followed by ``other``'s (new tensors)."""
+        return _DecodeRows(
+            reqs=self.reqs + other.reqs,
+            slots=torch.cat([self.slots, other.slots]),
+            device_slots=torch.cat([self.device_slots, other.device_slots]),
+            incarnations=self.incarnations + other.incarnations,
+            sampling=self.sampling.concat(other.sampling),
+            epochs=np.concatenate([self.epochs, other.epochs]),
+            request_ids=self.request_ids + other.request_ids,
+        )
 
 
 @attrs.define
@@ -103,19 +145,36 @@ class Scheduler:
         config: SchedulerConfig,
         allocator: KvAllocator,
         ledger: SchedulerLedgerView,
+        outputs: OutputTable,
         checker: OwnershipChecker,
         device: torch.device,
     ) -> None:
         self._config = config
         self._allocator = allocator
         self._ledger = ledger
+        self._outputs = outputs
         self._checker = checker
         self._device = device
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []  # prefilled (or last chunk launched): decode candidates
+        # Prefilled (or last chunk launched): decode candidates, in admission order. A dict
+        # (Req hashes by identity) so that ending or retracting one request is O(1).
+        self._running: dict[Req, None] = {}
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self._progress: dict[int, _Progress] = {}
         self._decode_cache: _DecodeRows | None = None
+        # Membership changes since the cache was built (applied by filter / merge).
+        self._left: list[Req] = []
+        self._joined: list[Req] = []
+
+    @property
+    def running(self) -> list[Req]:
+        """The running requests (decode candidates), in admission order (a new list)."""
+        return list(self._running)
+
+    @property
+    def num_running(self) -> int:
+        """How many requests run."""
+        return len(self._running)
 
     # ------------------------------------------------------------------ queue
     def enqueue(self, req: Req, *, front: bool = False) -> None:
@@ -127,12 +186,15 @@ class Scheduler:
 
     def drop(self, req: Req) -> None:
         """Forget ``req`` wherever it is (it ended, or was retracted)."""
-        self._decode_cache = None
-        if req in self.waiting:
+        if self._running.pop(req, False) is None:
+            if req in self._joined:
+                self._joined.remove(req)
+            else:
+                self._left.append(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+        elif req in self.waiting:
             self.waiting.remove(req)
-        for group in (self.running, self.prefilling):
-            if req in group:
-                group.remove(req)
         self._progress.pop(id(req), None)
 
     def prefill_progress(self, req: Req) -> int:
@@ -142,7 +204,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """True while anything waits, prefills or runs."""
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self._running or self.prefilling)
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
@@ -180,7 +242,7 @@ class Scheduler:
         return self._extend_plan(rows) if rows else None
 
     def _num_admitted(self) -> int:
-        return len(self.running) + len(self.prefilling)
+        return len(self._running) + len(self.prefilling)
 
     def _admission_room(self) -> int:
         """Free tokens not already promised to running decodes or unfinished prefills."""
@@ -188,7 +250,7 @@ class Scheduler:
             self._progress[id(r)].target - self._progress[id(r)].done for r in self.prefilling
         )
         available = self._allocator.token_pool.available_tokens()
-        return available - self._decode_need(self.running) - pending
+        return available - self._decode_need(list(self._running)) - pending
 
     def _admit(self, req: Req, target: int, room: int) -> int | None:
         """Give ``req`` a slot if ``room`` holds its whole prefill and first reservation.
@@ -202,9 +264,10 @@ class Scheduler:
         if room < cost:
             return None
         try:
-            self._allocator.admit(req)
+            slot = self._allocator.admit(req)
         except KvPoolExhausted:
             return None
+        self._outputs.open_row(slot, req)
         req.transition(ReqStatus.PREFILL)
         self._progress[id(req)] = _Progress(target=target)
         self.prefilling.append(req)
@@ -228,7 +291,7 @@ class Scheduler:
             return None  # memory went to decodes; try again after they settle or retract
         self._ledger.commit_extend(slots, ends)
         tails = self._reserve_tails() if self._config.mixed_chunk else []
-        kinds: list[str] = []
+        last_chunk: list[bool] = []
         ids: list[int] = []
         for req, start, stop in rows:
             prog = self._progress[id(req)]
@@ -236,18 +299,18 @@ class Scheduler:
             fill = (*req.prompt_ids, *req.output_ids)
             ids.extend(fill[start:stop])
             last = stop == prog.target
-            kinds.append(RowKind.LAST_CHUNK if last else RowKind.CHUNK)
+            last_chunk.append(last)
             if last:  # the last chunk is launched: the request decodes from the next batch
                 self.prefilling.remove(req)
-                self.running.append(req)
-                self._decode_cache = None
+                self._running[req] = None
+                self._joined.append(req)
         starts = [start for _, start, _ in rows]
         lens = [stop - start for _, start, stop in rows]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
         row_index = torch.repeat_interleave(slots, torch.tensor(lens))
         table = self._allocator.req_to_token
         if tails:
-            return self._mixed_plan(rows, kinds, ids, table[row_index, positions], tails)
+            return self._mixed_plan(rows, last_chunk, ids, table[row_index, positions], tails)
         batch = ScheduleBatch(
             reqs=tuple(reqs),
             incarnations=tuple(r.incarnation for r in reqs),
@@ -262,23 +325,24 @@ class Scheduler:
             extend_lens=tuple(lens),
             future_indices=slots.to(self._device),
         )
-        return LaunchPlan(batch=batch, kinds=tuple(kinds), slots=slots)
+        epochs = self._outputs.epochs(slots.numpy())
+        return LaunchPlan(batch=batch, slots=slots, epochs=epochs, last_chunk=tuple(last_chunk))
 
     def _reserve_tails(self) -> list[Req]:
         """Running requests that ride this prefill as 1-token extends (their KV reserved)."""
-        tails = list(self.running)
-        if not tails:
+        if not self._running:
             return []
+        rows = self._decode_rows()
         try:
-            self._allocator.reserve_for_spec_decode(self._slots(tails))
+            self._allocator.reserve_for_spec_decode(rows.slots)
         except KvPoolExhausted:
             return []  # no room to mix: they decode once the prefill settles
-        return tails
+        return list(rows.reqs)
 
     def _mixed_plan(
         self,
         rows: list[tuple[Req, int, int]],
-        kinds: list[str],
+        last_chunk: list[bool],
         ids: list[int],
         locs: torch.Tensor,
         tails: list[Req],
@@ -306,24 +370,38 @@ class Scheduler:
             input_ids=Unresolved(tail_slots),
             future_indices=dev_slots,
         )
-        all_kinds = (*kinds, *(RowKind.MIXED_TAIL,) * len(tails))
-        return LaunchPlan(batch=batch, kinds=all_kinds, slots=slots, prefill=part)
+        return LaunchPlan(
+            batch=batch,
+            slots=slots,
+            epochs=self._outputs.epochs(slots.numpy()),
+            last_chunk=tuple(last_chunk),
+            prefill=part,
+        )
 
     def _schedule_decode(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
-        if not self.running:
+        """One decode round of every running request; retract first if the pool is short.
+
+        The common case is one reservation of the persistent running batch (a fixed number
+        of array operations); the retraction pass runs only when that reservation does not fit.
+        """
+        if not self._running:
             return None, None
-        rows = self._decode_rows(self.running)
-        outcome = retract_for_decode(self._allocator, rows.reqs, slots=rows.slots)
-        for req in outcome.retracted:
-            self.drop(req)
-            req.transition(ReqStatus.WAITING)
-            self.enqueue(req, front=True)
-        for req in outcome.aborted:
-            self.drop(req)
-        if not outcome.kept:
-            return None, outcome
-        rows = self._decode_rows(list(outcome.kept))
-        self._allocator.reserve_for_spec_decode(rows.slots)
+        rows = self._decode_rows()
+        outcome = None
+        try:
+            self._allocator.reserve_for_spec_decode(rows.slots)
+        except KvPoolExhausted:  # nothing was taken: retract until the rest fit
+            outcome = retract_for_decode(self._allocator, rows.reqs, slots=rows.slots)
+            for req in outcome.retracted:
+                self.drop(req)
+                req.transition(ReqStatus.WAITING)
+                self.enqueue(req, front=True)
+            for req in outcome.aborted:
+                self.drop(req)
+            if not outcome.kept:
+                return None, outcome
+            rows = self._decode_rows()
+            self._allocator.reserve_for_spec_decode(rows.slots)
         batch = ScheduleBatch(
             reqs=rows.reqs,
             incarnations=rows.incarnations,
@@ -333,35 +411,46 @@ class Scheduler:
             sampling_info=rows.sampling,
             input_ids=Unresolved(rows.device_slots),
             future_indices=rows.device_slots,
+            ids=rows.request_ids,
         )
-        kinds = (RowKind.DECODE,) * len(rows.reqs)
-        plan = LaunchPlan(batch=batch, kinds=kinds, slots=rows.slots)
-        has_retraction = outcome.retracted or outcome.aborted
+        plan = LaunchPlan(batch=batch, slots=rows.slots, epochs=rows.epochs)
+        has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
 
-    def _decode_rows(self, reqs: Sequence[Req]) -> _DecodeRows:
-        """Per-row tensors of a decode batch, rebuilt only when its requests change.
+    def _decode_rows(self) -> _DecodeRows:
+        """The persistent running batch: its per-row tensors change only with membership.
 
-        Consecutive decode rounds usually run the same requests; their slots, incarnations and
-        sampling tensors are then reused (they are never written in place, so sharing them
-        between batches is safe). Every change of the running set (a request joins, ends or is
-        retracted) drops the cache, so a re-admitted request never reuses a stale slot or
-        incarnation.
+        Consecutive decode rounds usually run the same requests; their slots, incarnations,
+        output-row epochs and sampling tensors are then reused (never written in place, so
+        sharing them between batches is safe). When requests leave (finish, abort, retraction)
+        their rows are filtered out with one mask per column; requests that joined are built
+        alone and appended (`_DecodeRows.filter` / `_DecodeRows.merge`). A request that leaves
+        always loses its row, so a re-admitted request never reuses a stale slot or epoch.
         """
-        key = tuple(reqs)
         cached = self._decode_cache
-        if cached is not None and cached.reqs == key:  # Req compares by identity
+        if cached is not None and not self._left and not self._joined:
             return cached
-        slots = self._slots(key)
-        rows = _DecodeRows(
-            reqs=key,
-            slots=slots,
-            device_slots=slots.to(self._device),
-            incarnations=tuple(r.incarnation for r in key),
-            sampling=self._sampling(key),
-        )
+        if cached is None:
+            rows = self._build_rows(tuple(self._running))
+        else:
+            rows = cached.filter(self._left) if self._left else cached
+            if self._joined:
+                rows = rows.merge(self._build_rows(tuple(self._joined)))
+        self._left, self._joined = [], []
         self._decode_cache = rows
         return rows
+
+    def _build_rows(self, reqs: tuple[Req, ...]) -> _DecodeRows:
+        slots = self._slots(reqs)
+        return _DecodeRows(
+            reqs=reqs,
+            slots=slots,
+            device_slots=slots.to(self._device),
+            incarnations=tuple(r.incarnation for r in reqs),
+            sampling=self._sampling(reqs),
+            epochs=self._outputs.epochs(slots.numpy()),
+            request_ids=tuple(r.request_id for r in reqs),
+        )
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(
@@ -371,5 +460,5 @@ class Scheduler:
     @staticmethod
     def abort_finish(req: Req, reason: str) -> FinishState:
         """The finish state of an abort applied outside a result."""
-        emitted = min(len(req.output_ids), req.sampling.max_new_tokens)
+        emitted = min(req.num_outputs, req.sampling.max_new_tokens)
         return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=reason)

@@ -28,9 +28,11 @@ pages are all pages (``check_balance``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Final
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation
@@ -38,23 +40,25 @@ from specstate.core.ledger import AllocatorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
 from specstate.memory.pools import (
+    IntArray,
     ReqToTokenPool,
     SlotHandle,
     TokenSlotAllocator,
     free_rows,
     grow_rows,
+    host_index,
 )
 from specstate.memory.sizing import (
     DecodeAllocLens,
     SpecWindow,
     decode_tokens_needed,
-    page_aligned_decode_alloc_lens,
     spec_decode_tokens_needed,
 )
 
-__all__ = ["DeferredReleases", "KvAllocator", "ReleasedKv"]
+__all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
 
 _CALLERS = (Role.SCHEDULER, Role.ALLOCATOR)
+_NEVER = 1 << 62
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +73,44 @@ class ReleasedKv:
     num_freed_pages: int
 
 
+@attrs.frozen(kw_only=True)
+class ReleasedBatch:
+    """What one batch release returned, as columns; iterate it for `ReleasedKv` values."""
+
+    request_ids: tuple[str, ...]
+    slots: IntArray = attrs.field(eq=False)
+    cache_protected_len: IntArray = attrs.field(eq=False)
+    kv_committed_len: IntArray = attrs.field(eq=False)
+    kv_allocated_len: IntArray = attrs.field(eq=False)
+    num_freed_pages: IntArray = attrs.field(eq=False)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, i: int) -> ReleasedKv:
+        return ReleasedKv(
+            request_id=self.request_ids[i],
+            slot=int(self.slots[i]),
+            cache_protected_len=int(self.cache_protected_len[i]),
+            kv_committed_len=int(self.kv_committed_len[i]),
+            kv_allocated_len=int(self.kv_allocated_len[i]),
+            num_freed_pages=int(self.num_freed_pages[i]),
+        )
+
+    def __iter__(self) -> Iterator[ReleasedKv]:
+        return (self[i] for i in range(len(self)))
+
+
+_NOTHING_RELEASED: Final = ReleasedBatch(
+    request_ids=(),
+    slots=np.zeros(0, dtype=np.int64),
+    cache_protected_len=np.zeros(0, dtype=np.int64),
+    kv_committed_len=np.zeros(0, dtype=np.int64),
+    kv_allocated_len=np.zeros(0, dtype=np.int64),
+    num_freed_pages=np.zeros(0, dtype=np.int64),
+)
+
+
 class KvAllocator:
     """Owner of KV memory for every request: admit, reserve, release.
 
@@ -78,6 +120,8 @@ class KvAllocator:
         token_pool: the paged KV token-slot allocator.
         window: the speculative window (L, R, page size) the reservations follow.
         checker: the engine's ownership checker.
+        validate: run the per-row checks of every call (tests and ``check_invariants``);
+            off, a round's reservation is a fixed number of host array operations.
     """
 
     def __init__(
@@ -88,6 +132,7 @@ class KvAllocator:
         token_pool: TokenSlotAllocator,
         window: SpecWindow,
         checker: OwnershipChecker,
+        validate: bool = True,
     ) -> None:
         if window.page_size != token_pool.page_size:
             raise InvalidConfig(
@@ -103,6 +148,7 @@ class KvAllocator:
         self._token_pool = token_pool
         self.window = window
         self._checker = checker
+        self._validate = validate
         self._handles: dict[int, tuple[Req, SlotHandle]] = {}
         # id(req) -> slot; the Req stays alive in _handles while its id is a key here.
         self._slot_by_req: dict[int, int] = {}
@@ -184,16 +230,29 @@ class KvAllocator:
         """Grow each reservation to ``max(allocated, ceil_P(committed + R))`` (vectorized).
 
         Writes the new slots into ``req_to_token[slot, cur:nxt]``; never touches committed,
-        the batch ``seq_lens`` or ``out_cache_loc``.
+        the batch ``seq_lens`` or ``out_cache_loc``. `KvPoolExhausted` if the pool cannot
+        hold it, with nothing taken.
         """
-        lens = page_aligned_decode_alloc_lens(
-            self._ledger.allocated(slots),
-            self._ledger.committed(slots),
-            reserve=self.window.reserve,
-            page_size=self.window.page_size,
-        )
-        if lens.needed:
-            self._grow(slots, lens.cur, lens.nxt, counter="spec reserve")
+        if self._checker.enabled:
+            self._checker.require(
+                _CALLERS, counter="kv_allocated_len (spec reserve)", request=self._names(slots)
+            )
+        s = host_index(slots)
+        committed, cur = self._ledger.host_lengths(s)
+        p, r = self.window.page_size, self.window.reserve
+        nxt = np.maximum(cur, -(-(committed + r) // p) * p)
+        needed = int((nxt - cur).sum())
+        lens = DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
+        if needed:
+            if self._validate and int(nxt.max()) > self._ledger.row_width:
+                i = int(nxt.argmax())
+                raise LedgerViolation(
+                    f"request {self._name(int(s[i]))}: spec reserve to {int(nxt[i])} tokens "
+                    f"passes the row width {self._ledger.row_width}"
+                )
+            grow_rows(self._req_pool, self._token_pool, s, cur, nxt, validate=self._validate)
+            with self._checker.acting(Role.ALLOCATOR):
+                self._ledger.grow_allocated(torch.from_numpy(s), lens.nxt)
         return lens
 
     def decode_tokens_needed(self, slots: torch.Tensor) -> int:
@@ -211,9 +270,10 @@ class KvAllocator:
     def _grow(
         self, slots: torch.Tensor, cur: torch.Tensor, nxt: torch.Tensor, counter: str
     ) -> None:
-        self._checker.require(
-            _CALLERS, counter=f"kv_allocated_len ({counter})", request=self._names(slots)
-        )
+        if self._checker.enabled:
+            self._checker.require(
+                _CALLERS, counter=f"kv_allocated_len ({counter})", request=self._names(slots)
+            )
         width = self._ledger.row_width
         if slots.numel() and int(nxt.max()) > width:
             i = int(nxt.argmax())
@@ -221,7 +281,7 @@ class KvAllocator:
                 f"request {self._name(int(slots[i]))}: {counter} to {int(nxt[i])} tokens "
                 f"passes the row width {width}"
             )
-        grow_rows(self._req_pool, self._token_pool, slots, cur, nxt)
+        grow_rows(self._req_pool, self._token_pool, slots, cur, nxt, validate=self._validate)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.grow_allocated(slots, nxt)
 
@@ -234,51 +294,56 @@ class KvAllocator:
         """
         return self.release_many([req])[0]
 
-    def release_many(self, reqs: Sequence[Req]) -> list[ReleasedKv]:
-        """Release several requests with one vectorized page free (finish, abort, retract).
+    def release_many(self, reqs: Sequence[Req]) -> ReleasedBatch:
+        """Release several requests at once (finish, abort, retract): O(1) array operations.
 
         Every request is validated before anything is freed: a request that holds no slot (or
         appears twice) raises `DoubleRelease` and nothing is released.
         """
-        names = ", ".join(r.request_id for r in reqs[:4])
-        self._checker.require(_CALLERS, counter="kv release", request=names)
-        slots = [self._slot_by_req.get(id(r)) for r in reqs]
-        for req, slot in zip(reqs, slots, strict=True):
-            if slot is None:
-                raise DoubleRelease(f"request {req.request_id}: release of KV it does not hold")
-            if not self._req_pool.is_current(self._handles[slot][1]):
-                raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
-        if len(set(slots)) != len(slots):
-            raise DoubleRelease(f"requests {names}: the same request is released twice")
-        index = torch.tensor(slots, dtype=torch.int64)
-        protected = self._ledger.protected(index)
-        committed = self._ledger.committed(index)
-        allocated = self._ledger.allocated(index)
-        free_rows(self._req_pool, self._token_pool, index, protected, allocated)
-        freed = self._pages_per_row(protected, allocated)
-        released = []
+        if self._checker.enabled:
+            names = ", ".join(r.request_id for r in reqs[:4])
+            self._checker.require(_CALLERS, counter="kv release", request=names)
+        held = self._slot_by_req
+        slots = [held.get(id(r), 0) for r in reqs]
+        index = np.array(slots, dtype=np.int64)
+        if not index.all() or np.unique(index).size != index.size:
+            self._refuse_release(reqs, slots)
+        if self._validate:
+            for req, slot in zip(reqs, slots, strict=True):
+                if not self._req_pool.is_current(self._handles[slot][1]):
+                    raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
+        index_t = torch.from_numpy(index)
+        protected = self._ledger.protected(index_t).numpy()
+        committed, allocated = self._ledger.host_lengths(index)
+        free_rows(
+            self._req_pool, self._token_pool, index, protected, allocated, validate=self._validate
+        )
         with self._checker.acting(Role.ALLOCATOR):
-            for i, (req, slot) in enumerate(zip(reqs, index.tolist(), strict=True)):
-                self._ledger.close_slot(slot)
-                self._req_pool.free(self._handles.pop(slot)[1])
-                del self._slot_by_req[id(req)]
-                released.append(
-                    ReleasedKv(
-                        request_id=req.request_id,
-                        slot=slot,
-                        cache_protected_len=int(protected[i]),
-                        kv_committed_len=int(committed[i]),
-                        kv_allocated_len=int(allocated[i]),
-                        num_freed_pages=freed[i],
-                    )
-                )
-        return released
+            self._ledger.close_slots(index_t)
+        handles = self._handles
+        self._req_pool.free_many([handles.pop(slot)[1] for slot in slots])
+        for req in reqs:
+            del held[id(req)]
+        return ReleasedBatch(
+            request_ids=tuple(r.request_id for r in reqs),
+            slots=index,
+            cache_protected_len=protected,
+            kv_committed_len=committed,
+            kv_allocated_len=allocated,
+            num_freed_pages=self._pages_per_row(protected, allocated),
+        )
 
-    def _pages_per_row(self, start: torch.Tensor, stop: torch.Tensor) -> list[int]:
+    def _refuse_release(self, reqs: Sequence[Req], slots: list[int]) -> None:
+        for req, slot in zip(reqs, slots, strict=True):
+            if not slot:
+                raise DoubleRelease(f"request {req.request_id}: release of KV it does not hold")
+        names = ", ".join(r.request_id for r in reqs[:4])
+        raise DoubleRelease(f"requests {names}: the same request is released twice")
+
+    def _pages_per_row(self, start: IntArray, stop: IntArray) -> IntArray:
         p = self._token_pool.page_size
-        first = torch.div(start + p - 1, p, rounding_mode="floor")
-        end = torch.div(stop + p - 1, p, rounding_mode="floor")
-        return (end - first).clamp_min(0).tolist()
+        pages: IntArray = np.maximum(-(-stop // p) - -(-start // p), 0)
+        return pages
 
     def _name(self, slot: int) -> str:
         held = self._handles.get(slot)
@@ -303,20 +368,23 @@ class DeferredReleases:
     def __init__(self, allocator: KvAllocator) -> None:
         self._allocator = allocator
         self._pending: list[tuple[int, Req]] = []
+        self._oldest = _NEVER  # the smallest batch id in _pending
 
     def defer(self, req: Req, *, until_batch: int) -> None:
         """Release ``req`` when batch ``until_batch`` retires."""
         if any(r is req for _, r in self._pending):
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._pending.append((until_batch, req))
+        self._oldest = min(self._oldest, until_batch)
 
-    def drain(self, retired_batch: int) -> list[ReleasedKv]:
+    def drain(self, retired_batch: int) -> ReleasedBatch:
         """Release every request waiting on batches up to ``retired_batch``."""
+        if self._oldest > retired_batch:
+            return _NOTHING_RELEASED  # nothing is due (the common case): no scan
         due = [r for b, r in self._pending if b <= retired_batch]
-        if not due:
-            return []
         released = self._allocator.release_many(due)
         self._pending = [(b, r) for b, r in self._pending if b > retired_batch]
+        self._oldest = min((b for b, _ in self._pending), default=_NEVER)
         return released
 
     def pending(self) -> Sequence[str]:

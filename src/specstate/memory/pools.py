@@ -9,6 +9,12 @@ the allocation layer (owner of ``kv_allocated_len`` and friends) calls them. Tok
                        page:  [  17      ] [  4       ] [  9 ... ]  (row pages, any order)
                        slot:  68 69 70 71  16 17 18 19  36 37 ...
 
+Placement: ``req_to_token`` lives where the worker reads it (the forward's device); everything
+the host decides alone — the free-page stack, the page flags, which slots are in use and the
+page each row last mapped — is host state in NumPy arrays. Growing a batch of rows is computed
+on the host with a fixed number of array operations and written into the table with one
+indexed store; it never reads the table back (no device-to-host transfer).
+
 Invariant:
     Page 0 (token slots ``0..P-1``) and request slot 0 are padding: never handed out, so padded
     batch rows and padded positions read and write them harmlessly. Every other page is either
@@ -18,11 +24,12 @@ Invariant:
 from __future__ import annotations
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor
 
 from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted, LedgerViolation
-from specstate.memory.sizing import ceil_to_page
 
 __all__ = [
     "ReqToTokenPool",
@@ -35,6 +42,19 @@ __all__ = [
 ]
 
 _I64 = torch.int64
+IntArray = npt.NDArray[np.int64]
+Indices = Tensor | IntArray
+
+
+def host_index(values: Indices) -> IntArray:
+    """``values`` as a 1-D int64 host array (no copy for a CPU int64 tensor or array)."""
+    if isinstance(values, Tensor):
+        values = values.detach().to("cpu", _I64).numpy()
+    return np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+
+
+def _ceil_page(x: IntArray, p: int) -> IntArray:
+    return x if p == 1 else -(-x // p) * p
 
 
 @attrs.frozen
@@ -72,7 +92,9 @@ class ReqToTokenPool:
     _free_slots: list[int] = attrs.field(repr=False)
     _generation: list[int] = attrs.field(repr=False)
     _request_ids: list[str | None] = attrs.field(repr=False)
-    _in_use: Tensor = attrs.field(repr=False)  # bool [max_requests + 1], host side
+    _in_use: npt.NDArray[np.bool_] = attrs.field(repr=False)  # [max_requests + 1], host
+    _last_page: IntArray = attrs.field(repr=False)  # page of each row's last mapped position
+    _table_host: IntArray | None = attrs.field(repr=False)  # flat NumPy view of a CPU table
 
     def __init__(self, max_requests: int, row_width: int, *, device: torch.device | str = "cpu"):
         """Create ``max_requests`` usable slots with rows of ``row_width`` positions."""
@@ -84,7 +106,10 @@ class ReqToTokenPool:
         self._free_slots = list(range(max_requests, 0, -1))
         self._generation = [0] * (max_requests + 1)
         self._request_ids = [None] * (max_requests + 1)
-        self._in_use = torch.zeros(max_requests + 1, dtype=torch.bool)
+        self._in_use = np.zeros(max_requests + 1, dtype=np.bool_)
+        self._last_page = np.zeros(max_requests + 1, dtype=np.int64)
+        on_host = self._req_to_token.device.type == "cpu"
+        self._table_host = self._req_to_token.numpy().reshape(-1) if on_host else None
 
     @property
     def req_to_token(self) -> Tensor:
@@ -135,7 +160,22 @@ class ReqToTokenPool:
         self._generation[s] += 1
         self._request_ids[s] = None
         self._in_use[s] = False
+        self._last_page[s] = 0
         self._free_slots.append(s)
+
+    def free_many(self, handles: list[SlotHandle]) -> None:
+        """`free` every handle; all are checked first, so a bad one frees nothing."""
+        for handle in handles:
+            if not self.is_current(handle):
+                self.free(handle)  # raises DoubleRelease naming the slot
+        for handle in handles:
+            s = handle.slot
+            self._generation[s] += 1
+            self._request_ids[s] = None
+            self._free_slots.append(s)
+        slots = [h.slot for h in handles]
+        self._in_use[slots] = False
+        self._last_page[slots] = 0
 
     def snapshot(self) -> ReqToTokenPoolSnapshot:
         """Frozen slot statistics."""
@@ -147,23 +187,22 @@ class ReqToTokenPool:
             num_used_slots=self.max_requests - free,
         )
 
-    def _check_rows(self, slots: Tensor, lo: Tensor, hi: Tensor) -> None:
+    def _check_rows(self, slots: IntArray, lo: IntArray, hi: IntArray) -> None:
         """Raise `LedgerViolation` unless rows are distinct, in use, ``0 <= lo <= hi <= width``."""
         if not slots.shape == lo.shape == hi.shape:
             raise LedgerViolation(f"slots, start, stop lengths: {[len(slots), len(lo), len(hi)]}")
-        host = slots.cpu()
-        if host.numel() and (int(host.min()) < 1 or int(host.max()) > self.max_requests):
+        if slots.size and (int(slots.min()) < 1 or int(slots.max()) > self.max_requests):
             raise LedgerViolation(
-                f"request slots must be in [1, {self.max_requests}]: {host.tolist()}"
+                f"request slots must be in [1, {self.max_requests}]: {slots.tolist()}"
             )
-        if torch.unique(host).numel() != host.numel():
-            raise LedgerViolation(f"request slots repeat in one call: {host.tolist()}")
-        if not bool(self._in_use[host].all()):
-            unused = host[~self._in_use[host]].tolist()
+        if np.unique(slots).size != slots.size:
+            raise LedgerViolation(f"request slots repeat in one call: {slots.tolist()}")
+        if not bool(self._in_use[slots].all()):
+            unused = slots[~self._in_use[slots]].tolist()
             raise LedgerViolation(f"request slots not in use: {unused}")
         bad = (lo < 0) | (hi < lo) | (hi > self.row_width)
         if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+            i = int(np.flatnonzero(bad)[0])
             raise LedgerViolation(
                 f"request slot {int(slots[i])}: range [{int(lo[i])}, {int(hi[i])}) is not "
                 f"within [0, row width {self.row_width}] (or shrinks)"
@@ -189,6 +228,9 @@ class TokenSlotAllocatorSnapshot:
 class TokenSlotAllocator:
     """Free KV pages: an int64 stack with a top pointer plus an ``is_free`` flag per page.
 
+    Host state (NumPy): which page is free is decided by the host alone; only the token-slot
+    ids written into ``req_to_token`` reach the device.
+
     Invariant:
         ``stack[:top]`` holds exactly the pages with ``is_free`` set, each once; page 0 is
         never free. `alloc_pages` and `free_pages` are all-or-nothing and touch only the pages
@@ -196,11 +238,11 @@ class TokenSlotAllocator:
     """
 
     _page_size: int
-    _free_stack: Tensor = attrs.field(repr=False)  # int64 [num_pages - 1]
+    _free_stack: IntArray = attrs.field(repr=False)  # [num_pages - 1]
     _top: int
-    _is_free: Tensor = attrs.field(repr=False)  # bool [num_pages]
+    _is_free: npt.NDArray[np.bool_] = attrs.field(repr=False)  # [num_pages]
 
-    def __init__(self, num_pages: int, page_size: int, *, device: torch.device | str = "cpu"):
+    def __init__(self, num_pages: int, page_size: int):
         """Create ``num_pages`` pages of ``page_size`` slots; pages ``1..num_pages-1`` free."""
         if num_pages < 2 or page_size < 1:
             raise InvalidConfig(
@@ -209,15 +251,15 @@ class TokenSlotAllocator:
             )
         self._page_size = page_size
         # Highest page at the bottom, so a fresh pool hands out pages 1, 2, 3, ... in order.
-        self._free_stack = torch.arange(num_pages - 1, 0, -1, dtype=_I64, device=device)
+        self._free_stack = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
         self._top = num_pages - 1
-        self._is_free = torch.ones(num_pages, dtype=torch.bool, device=device)
+        self._is_free = np.ones(num_pages, dtype=np.bool_)
         self._is_free[0] = False
 
     @property
     def num_pages(self) -> int:
         """Pages including the padding page 0."""
-        return self._is_free.shape[0]
+        return int(self._is_free.shape[0])
 
     @property
     def page_size(self) -> int:
@@ -234,6 +276,10 @@ class TokenSlotAllocator:
 
     def alloc_pages(self, n: int) -> Tensor:
         """Take ``n`` pages (int64 [n]); `KvPoolExhausted` with nothing taken if too few."""
+        return torch.from_numpy(self.take_pages(n))
+
+    def take_pages(self, n: int) -> IntArray:
+        """`alloc_pages` as a host array (the allocation layer's hot path)."""
         if n < 0:
             raise LedgerViolation(f"cannot allocate a negative number of pages: {n}")
         if n > self._top:
@@ -241,27 +287,33 @@ class TokenSlotAllocator:
                 f"requested {n} pages ({n * self._page_size} tokens), available {self._top} "
                 f"pages ({self.available_tokens()} tokens)"
             )
-        pages = self._free_stack[self._top - n : self._top].flip(0)
+        pages = self._free_stack[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._is_free[pages] = False
         return pages
 
-    def free_pages(self, pages: Tensor) -> None:
-        """Return ``pages``; `DoubleRelease` with nothing changed on any bad page."""
-        pages = pages.to(device=self._free_stack.device, dtype=_I64).reshape(-1)
-        n = pages.numel()
+    def free_pages(self, pages: Indices, *, validate: bool = True) -> None:
+        """Return ``pages``; `DoubleRelease` with nothing changed on any bad page.
+
+        A page that is already free is always refused; ``validate`` adds the range and
+        duplicate checks (per-page work that only a caller's bug can fail).
+        """
+        pages = host_index(pages)
+        n = pages.size
         if n == 0:
             return
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 1 or hi >= self.num_pages:
-            raise DoubleRelease(
-                f"free of pages outside [1, {self.num_pages - 1}] (page 0 is padding): {lo}..{hi}"
-            )
-        if torch.unique(pages).numel() != n:
-            raise DoubleRelease(f"the same page appears twice in one free: {pages.tolist()}")
+        if validate:
+            lo, hi = int(pages.min()), int(pages.max())
+            if lo < 1 or hi >= self.num_pages:
+                raise DoubleRelease(
+                    f"free of pages outside [1, {self.num_pages - 1}] (page 0 is padding): "
+                    f"{lo}..{hi}"
+                )
+            if np.unique(pages).size != n:
+                raise DoubleRelease(f"the same page appears twice in one free: {pages.tolist()}")
         already = pages[self._is_free[pages]]
-        if already.numel():
-            raise DoubleRelease(f"free of {already.numel()} already free pages: {already.tolist()}")
+        if already.size:
+            raise DoubleRelease(f"free of {already.size} already free pages: {already.tolist()}")
         self._free_stack[self._top : self._top + n] = pages
         self._top += n
         self._is_free[pages] = True
@@ -273,7 +325,7 @@ class TokenSlotAllocator:
         """
         problems = self._stack_problems()
         if owned is not None and not problems:
-            problems = self._owned_problems(owned.to(self._free_stack.device, _I64).reshape(-1))
+            problems = self._owned_problems(host_index(owned))
         if problems:
             raise LedgerViolation("KV page balance broken: " + "; ".join(problems))
 
@@ -289,22 +341,22 @@ class TokenSlotAllocator:
     def _stack_problems(self) -> list[str]:
         """Disagreements between the stack and ``is_free``."""
         free, n_marked = self._free_stack[: self._top], int(self._is_free.sum())
-        if free.numel() and (int(free.min()) < 1 or int(free.max()) >= self.num_pages):
+        if free.size and (int(free.min()) < 1 or int(free.max()) >= self.num_pages):
             return [f"the free stack holds out-of-range pages: {free.tolist()}"]
         checks = {
             "page 0 is marked free": bool(self._is_free[0]),
-            "a page is on the free stack twice": torch.unique(free).numel() != free.numel(),
+            "a page is on the free stack twice": np.unique(free).size != free.size,
             "a page on the free stack is not marked free": not bool(self._is_free[free].all()),
             f"{n_marked} pages marked free, stack has {self._top}": n_marked != self._top,
         }
         return [problem for problem, failed in checks.items() if failed]
 
-    def _owned_problems(self, owned: Tensor) -> list[str]:
+    def _owned_problems(self, owned: IntArray) -> list[str]:
         """Ways in which ``owned`` and the free pages fail to partition pages 1.."""
-        if owned.numel() and (int(owned.min()) < 1 or int(owned.max()) >= self.num_pages):
+        if owned.size and (int(owned.min()) < 1 or int(owned.max()) >= self.num_pages):
             return [f"owned pages out of range [1, {self.num_pages - 1}]: {owned.tolist()}"]
-        uniq, counts = torch.unique(owned, return_counts=True)
-        leaked = self.num_pages - 1 - self._top - uniq.numel()
+        uniq, counts = np.unique(owned, return_counts=True)
+        leaked = self.num_pages - 1 - self._top - uniq.size
         checks = {
             f"pages owned twice: {uniq[counts > 1].tolist()}": bool((counts > 1).any()),
             f"owned pages that are free: {owned[self._is_free[owned]].tolist()}": bool(
@@ -315,45 +367,52 @@ class TokenSlotAllocator:
         return [problem for problem, failed in checks.items() if failed]
 
 
-def _as_index(req_pool: ReqToTokenPool, *ts: Tensor) -> list[Tensor]:
-    """Each of ``ts`` as a 1-D int64 tensor on the table's device."""
-    return [t.to(device=req_pool.req_to_token.device, dtype=_I64).reshape(-1) for t in ts]
+def _expand(counts: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """For ``counts[b]`` items per row: (row of each item, index within its row, row starts)."""
+    starts = np.cumsum(counts) - counts
+    rows = np.repeat(np.arange(counts.size), counts)
+    return rows, np.arange(rows.size) - starts[rows], starts
 
 
-def _expand(counts: Tensor) -> tuple[Tensor, Tensor]:
-    """For ``counts[b]`` items per row: (row index, index within the row) of each item."""
-    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    return rows, torch.arange(rows.numel(), device=counts.device) - starts[rows]
-
-
-def _tail_pages(
-    req_pool: ReqToTokenPool, allocator: TokenSlotAllocator, slots: Tensor, cur: Tensor, nxt: Tensor
-) -> Tensor:
-    """The page of position ``cur - 1`` per row; `LedgerViolation` if a reused one is not owned."""
+def _check_tail_pages(
+    req_pool: ReqToTokenPool, allocator: TokenSlotAllocator, slots: IntArray, cur: IntArray
+) -> None:
+    """Debug: the host's last-page mirror agrees with the table and names an owned page."""
     p = allocator.page_size
-    tail = torch.div(req_pool.req_to_token[slots, (cur - 1).clamp_min(0)], p, rounding_mode="floor")
-    reused = (cur % p != 0) & (nxt > cur)
-    bad = reused & ((tail == 0) | allocator._is_free[tail])
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
+    reused = cur % p != 0
+    if not reused.any():
+        return
+    s, c = slots[reused], cur[reused]
+    table = req_pool.req_to_token
+    mapped = host_index(table[torch.from_numpy(s).to(table.device), torch.from_numpy(c - 1)])
+    tail = req_pool._last_page[s]
+    bad = (mapped // p != tail) | (tail == 0) | allocator._is_free[tail]
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise LedgerViolation(
-            f"request slot {int(slots[i])}: position {int(cur[i]) - 1} maps to page "
-            f"{int(tail[i])}, which is free or padding; allocated length {int(cur[i])} is wrong"
+            f"request slot {int(s[i])}: position {int(c[i]) - 1} maps to page "
+            f"{int(mapped[i]) // p} (host mirror {int(tail[i])}), which is free, padding or "
+            f"disagrees; allocated length {int(c[i])} is wrong"
         )
-    return tail
 
 
 def grow_rows(
-    req_pool: ReqToTokenPool, allocator: TokenSlotAllocator, slots: Tensor, cur: Tensor, nxt: Tensor
+    req_pool: ReqToTokenPool,
+    allocator: TokenSlotAllocator,
+    slots: Indices,
+    cur: Indices,
+    nxt: Indices,
+    *,
+    validate: bool = True,
 ) -> int:
     """Map positions ``[cur, nxt)`` of each row to token slots; return the new pages taken.
 
     Positions in the page a row already started (the page of position ``cur - 1`` when ``cur``
-    is not a multiple of P) reuse that page; the rest take ``ceil_P(nxt)/P - ceil_P(cur)/P``
-    new pages per row. A fixed number of tensor ops, whatever the batch size. Raises
-    `LedgerViolation` (bad rows, ``nxt < cur``, past the row width) or `KvPoolExhausted` with
-    nothing changed.
+    is not a multiple of P, known from the host's last-page mirror) reuse that page; the rest
+    take ``ceil_P(nxt)/P - ceil_P(cur)/P`` new pages per row. A fixed number of host array
+    operations and one indexed store into the table, whatever the batch size. Raises
+    `KvPoolExhausted` with nothing changed; with ``validate``, also `LedgerViolation` for bad
+    rows, ``nxt < cur``, a range past the row width, or a tail page that is not the row's.
 
     NOTE: writes ``req_to_token`` in place: it is this pool's own table, not a scheduler-owned
     batch tensor; on a device the write must be ordered after the previous forward's reads.
@@ -362,30 +421,54 @@ def grow_rows(
         Row contents outside ``[cur, nxt)`` are never written.
     """
     p = allocator.page_size
-    slots, cur, nxt = _as_index(req_pool, slots, cur, nxt)
-    req_pool._check_rows(slots, cur, nxt)
-    first_new = ceil_to_page(cur, p)  # first position that needs a new page
-    n_new = torch.div(ceil_to_page(nxt, p) - first_new, p, rounding_mode="floor")
+    s, c, n = host_index(slots), host_index(cur), host_index(nxt)
+    if validate:
+        req_pool._check_rows(s, c, n)
+        _check_tail_pages(req_pool, allocator, s, c)
+    counts = n - c
+    grows = counts > 0
+    if not grows.all():  # rows with nothing to map take no part
+        s, c, n, counts = s[grows], c[grows], n[grows], counts[grows]
+    first_new = _ceil_page(c, p)  # first position that needs a new page
+    n_new = (_ceil_page(n, p) - first_new) // p
     num_new = int(n_new.sum())
-    tail_page = _tail_pages(req_pool, allocator, slots, cur, nxt)
-    pages = allocator.alloc_pages(num_new).to(cur.device)  # raises before any change
-    rows, j = _expand(nxt - cur)
-    pos = cur[rows] + j
-    page = tail_page[rows]
-    if num_new:
-        k = torch.div(pos - first_new[rows], p, rounding_mode="floor").clamp_min(0)
-        new_page = pages[((torch.cumsum(n_new, 0) - n_new)[rows] + k).clamp_max(num_new - 1)]
-        page = torch.where(pos >= first_new[rows], new_page, page)
-    req_pool._req_to_token[slots[rows], pos] = page * p + pos % p
+    pages = allocator.take_pages(num_new)  # raises before any change
+    if s.size == 0:
+        return 0
+    rows, j, starts = _expand(counts)
+    pos = c[rows] + j
+    if p == 1:  # every position is a new page, taken in row order
+        values = pages
+    else:
+        k = (pos - first_new[rows]) // p + (np.cumsum(n_new) - n_new)[rows]
+        fresh = pos >= first_new[rows]
+        page = np.where(
+            fresh,
+            pages[np.clip(k, 0, max(num_new - 1, 0))] if num_new else 0,
+            req_pool._last_page[s][rows],
+        )
+        values = page * p + pos % p
+    flat = (s * req_pool.row_width)[rows] + pos
+    if req_pool._table_host is not None:
+        req_pool._table_host[flat] = values
+    else:  # one host-to-device copy of the indices and values, one indexed store
+        table = req_pool._req_to_token
+        dev = table.device
+        table.view(-1).index_copy_(
+            0, torch.from_numpy(flat).to(dev), torch.from_numpy(values).to(dev)
+        )
+    req_pool._last_page[s] = values[starts + counts - 1] // p
     return num_new
 
 
 def free_rows(
     req_pool: ReqToTokenPool,
     allocator: TokenSlotAllocator,
-    slots: Tensor,
-    start: Tensor,
-    stop: Tensor,
+    slots: Indices,
+    start: Indices,
+    stop: Indices,
+    *,
+    validate: bool = True,
 ) -> int:
     """Free the pages that hold positions ``[ceil_P(start), stop)`` of each row.
 
@@ -393,16 +476,21 @@ def free_rows(
     rounded UP to a page, because a page holding any position below ``start`` belongs to the
     prefix cache. ``stop`` is the allocated length; its partial last page is freed whole. Call
     before `ReqToTokenPool.free`; the row contents are left as they are (stale, never read).
-    Returns the number of pages freed. Raises `LedgerViolation` (bad rows or ranges) or
-    `DoubleRelease` (a page already free or listed twice) with nothing changed.
+    Returns the number of pages freed. Raises `DoubleRelease` (a page already free; with
+    ``validate`` also one listed twice) or, with ``validate``, `LedgerViolation` (bad rows or
+    ranges), with nothing changed.
     """
     p = allocator.page_size
-    slots, start, stop = _as_index(req_pool, slots, start, stop)
-    req_pool._check_rows(slots, start, stop)
-    first = torch.div(ceil_to_page(start, p), p, rounding_mode="floor")
-    end = torch.div(ceil_to_page(stop, p), p, rounding_mode="floor")
-    rows, j = _expand((end - first).clamp_min(0))
-    token_slots = req_pool.req_to_token[slots[rows], (first[rows] + j) * p]
-    pages = torch.div(token_slots, p, rounding_mode="floor")
-    allocator.free_pages(pages)
-    return int(pages.numel())
+    s, lo, hi = host_index(slots), host_index(start), host_index(stop)
+    if validate:
+        req_pool._check_rows(s, lo, hi)
+    first = _ceil_page(lo, p) // p
+    end = _ceil_page(hi, p) // p
+    rows, j, _ = _expand(np.maximum(end - first, 0))
+    table = req_pool.req_to_token
+    dev = table.device
+    positions = torch.from_numpy((first[rows] + j) * p).to(dev)
+    token_slots = host_index(table[torch.from_numpy(s[rows]).to(dev), positions])
+    pages = token_slots // p
+    allocator.free_pages(pages, validate=validate)
+    return int(pages.size)

@@ -27,7 +27,7 @@ __all__ = ["RetractionOutcome", "retract_for_decode", "retraction_order"]
 
 def retraction_order(reqs: Sequence[Req]) -> list[Req]:
     """``reqs`` in retraction order: fewest output tokens first, ties → longer prompt first."""
-    return sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+    return sorted(reqs, key=lambda r: (r.num_outputs, -len(r.prompt_ids)))
 
 
 @attrs.frozen(kw_only=True)
@@ -78,7 +78,7 @@ def retract_for_decode(
                 ReqStatus.ABORTED,
                 finish=FinishState(
                     reason=FinishReason.ABORT,
-                    finished_len=len(victim.output_ids),
+                    finished_len=victim.num_outputs,
                     detail=f"KV pool cannot hold its next decode ({needed} tokens)",
                 ),
             )

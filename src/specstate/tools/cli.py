@@ -5,6 +5,7 @@ Subcommands available now:
 * ``specstate demo`` — the main job on the embedded model (`specstate.tools.demo`).
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
 * ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
+* ``specstate bench {host,compare,engine,overlap}`` — host time per round (`specstate.tools.bench`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specstate.tools import demo, generate, lint
+from specstate.tools import bench, demo, generate, lint
 
 __all__ = ["main"]
 
@@ -34,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_arguments(
         commands.add_parser("generate", help="run a JSONL of requests on a checkpoint")
     )
+    bench.add_arguments(
+        commands.add_parser("bench", help="measure host time per round; compare with a peer")
+    )
     return parser
 
 
@@ -46,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return lint.run(args)
     if args.command == "generate":
         return generate.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects others
 
 

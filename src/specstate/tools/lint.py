@@ -48,6 +48,12 @@ TRACKED_COUNTERS: Final[frozenset[str]] = frozenset(
         "_kv_allocated",
         "_cache_protected",
         "_output_ids",
+        # Their host (NumPy) views, and the output table's columns.
+        "_kv_committed_host",
+        "_kv_allocated_host",
+        "_output_tokens",
+        "_output_tokens_flat",
+        "_output_lengths",
     }
 )
 """Attribute names whose writes are sites."""
@@ -60,7 +66,10 @@ OWNER_MUTATORS: Final[frozenset[str]] = frozenset(
         "set_protected",
         "open_slot",
         "close_slot",
+        "close_slots",
         "append_outputs",
+        "append_runs",
+        "open_row",
     }
 )
 """Owner methods whose every call is a site (they write tracked counters)."""

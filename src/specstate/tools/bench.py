@@ -1,0 +1,533 @@
+"""``specstate bench``: the engine's host time per round, alone and beside a peer's numbers.
+
+Subcommands:
+
+* ``bench host``: the host bookkeeping of one speculative decode iteration (reserve, relay,
+  settle) on a fixed workload; its JSON report has the shape a peer's report has.
+* ``bench compare OURS.json PEER.json``: two such reports side by side, as ratios ours / peer.
+* ``bench engine``: `Engine.step` wall time per steady decode round with a zero-cost worker.
+* ``bench overlap``: how close the overlap loop comes to max(host, device) per round against
+  a timed-wait device (`specstate.tools.timed_worker.TimedWaitWorker`).
+
+Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
+A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
+
+    submit B -> prefill (untimed) -> first decode of all B -> 3 decode rounds (untimed)
+             -> N decode rounds, each `Engine.step` timed alone; no request finishes in them
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final, TypeVar
+
+import attrs
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+_T = TypeVar("_T", int, float)
+
+_PROMPT_LEN: Final = 8
+"""Prompt tokens of every request of ``bench engine`` / ``bench overlap``."""
+_WARMUP_DECODE_ROUNDS: Final = 3
+"""Untimed decode rounds between the first full decode and the timed window."""
+_BATCH_SIZES: Final = (1, 64, 256, 1024)
+"""Default batch sizes: the peer workload's."""
+_PARTS: Final = ("reserve", "relay", "settle")
+"""The parts of a host iteration, in the order they run."""
+
+
+# ---------------------------------------------------------------- argument types
+def _comma_list(text: str, convert: Callable[[str], _T], minimum: _T) -> tuple[_T, ...]:
+    try:
+        values = tuple(convert(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers"
+        ) from None
+    if not all(minimum <= v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every item must be at least {minimum}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} names an item twice")
+    return values
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    return _comma_list(text, int, 1)
+
+
+def _milliseconds(text: str) -> tuple[float, ...]:
+    return _comma_list(text, float, 0.0)
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}")
+        return value
+
+    return parse
+
+
+def _list_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    parse: Callable[[str], Sequence[float]],
+    default: Sequence[float],
+) -> None:
+    shown = ",".join(f"{v:g}" for v in default)
+    parser.add_argument(flag, type=parse, default=default, metavar="LIST", help=f"default {shown}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` command's arguments: one subcommand per measurement."""
+    parser.description = "Measure the engine's host time per round; compare with a peer."
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    host = benches.add_parser("host", help="host bookkeeping per decode iteration (peer format)")
+    _list_option(host, "--page-sizes", _positive_ints, (1, 16))
+    _list_option(host, "--batch-sizes", _positive_ints, _BATCH_SIZES)
+    host.add_argument("--iters", type=_count(1), default=300, help="measured iterations per run")
+    host.add_argument("--warmup", type=_count(0), default=20, help="untimed iterations per run")
+    host.add_argument("--repeats", type=_count(1), default=5, help="fresh runs per configuration")
+    host.add_argument("--json", action="store_true", help="print the JSON report, not a table")
+    host.add_argument("--output", type=Path, metavar="FILE", help="also write the JSON report")
+    compare = benches.add_parser("compare", help="two host reports side by side")
+    compare.add_argument("ours", type=Path, metavar="OURS.json")
+    compare.add_argument("peer", type=Path, metavar="PEER.json")
+    compare.add_argument("--json", action="store_true", help="print JSON, not a table")
+    engine = benches.add_parser("engine", help="Engine.step time per steady decode round")
+    _list_option(engine, "--batch-sizes", _positive_ints, _BATCH_SIZES)
+    engine.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per size")
+    engine.add_argument("--page-size", type=_count(1), default=16)
+    engine.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--json", action="store_true", help="print JSON, not a table")
+    overlap = benches.add_parser("overlap", help="overlap efficiency against a timed device")
+    _list_option(overlap, "--device-ms", _milliseconds, (1.0, 2.0, 5.0, 10.0))
+    overlap.add_argument("--batch-size", type=_count(1), default=64)
+    overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
+    overlap.add_argument("--page-size", type=_count(1), default=16)
+    overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one bench; 0 on success, 2 on a bad or unwritable file."""
+    benches: Mapping[str, Callable[[argparse.Namespace], int]] = {
+        "host": _run_host,
+        "compare": _run_compare,
+        "engine": _run_engine,
+        "overlap": _run_overlap,
+    }
+    return benches[args.bench](args)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _fail(bench: str, message: str) -> int:
+    print(f"specstate bench {bench}: {message}", file=sys.stderr)
+    return 2
+
+
+def _header(bench: str) -> dict[str, object]:
+    from specstate import __version__
+
+    return {"peer": "specstate", "version": __version__, "torch": torch.__version__, "bench": bench}
+
+
+# -------------------------------------------------------------------- host reports
+class _BadReport(ValueError):
+    """A file or object that is not a host report."""
+
+
+@attrs.frozen(kw_only=True)
+class _HostRow:
+    """One (page size, batch size) row of a host report; medians in µs per iteration."""
+
+    page_size: int
+    bs: int
+    total: float
+    total_p90: float
+    parts: Mapping[str, float]
+    best_repeat: float
+
+
+def _number(item: Mapping[str, object], key: str, where: str, stat: str = "median") -> float:
+    """``item[key]`` as a number, or ``item[key][stat]`` when it is a ``{median, p90}`` object."""
+    value = item.get(key)
+    if isinstance(value, Mapping):
+        value = value.get(stat)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _BadReport(f"{where}: {key!r} has no finite {stat}")
+    return float(value)
+
+
+def _whole(item: Mapping[str, object], key: str, where: str) -> int:
+    value = _number(item, key, where)
+    if value < 1 or value != int(value):
+        raise _BadReport(f"{where}: {key!r} is not a positive integer")
+    return int(value)
+
+
+def _host_rows(report: object, source: str) -> dict[tuple[int, int], _HostRow]:
+    """The rows of a host report keyed by (page size, batch size), in report order."""
+    results = report.get("results") if isinstance(report, Mapping) else None
+    if not isinstance(results, list):
+        raise _BadReport(f"{source}: not a host report (no 'results' list)")
+    rows: dict[tuple[int, int], _HostRow] = {}
+    for i, item in enumerate(results):
+        where = f"{source}: results[{i}]"
+        if not isinstance(item, Mapping):
+            raise _BadReport(f"{where} is not an object")
+        key = (_whole(item, "page_size", where), _whole(item, "bs", where))
+        if key in rows:
+            raise _BadReport(f"{where} repeats page_size {key[0]}, bs {key[1]}")
+        rows[key] = _HostRow(
+            page_size=key[0],
+            bs=key[1],
+            total=_number(item, "total_us", where),
+            total_p90=_number(item, "total_us", where, "p90"),
+            parts={part: _number(item, f"{part}_us", where) for part in _PARTS},
+            best_repeat=_number(item, "total_us_best_repeat_median", where),
+        )
+    return rows
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    # NOTE: imported here so that the other benches (and `--version`) never load it. The ignore
+    # covers a tree without the module yet; `unused-ignore` keeps mypy quiet once it is there.
+    from specstate.tools import bench_host  # type: ignore[attr-defined,unused-ignore]
+
+    report: dict[str, object] = bench_host.host_benchmark(
+        page_sizes=args.page_sizes,
+        batch_sizes=args.batch_sizes,
+        iters=args.iters,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        progress=_progress,
+    )
+    text = json.dumps(report, indent=2)
+    if args.output is not None:
+        try:
+            args.output.write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            return _fail("host", f"cannot write {args.output}: {exc}")
+    if args.json:
+        print(text)
+        return 0
+    try:
+        rows = _host_rows(report, "host_benchmark()")
+    except _BadReport as exc:
+        return _fail("host", str(exc))
+    print("host bookkeeping per decode iteration, µs (medians unless named)")
+    print(f"{'P':>3} {'bs':>5} {'total':>9} {'p90':>9} {'µs/req':>8} "
+          f"{'reserve':>8} {'relay':>8} {'settle':>8} {'best rep':>9}")  # fmt: skip
+    for row in rows.values():
+        print(
+            f"{row.page_size:>3} {row.bs:>5} {row.total:>9.1f} {row.total_p90:>9.1f} "
+            f"{row.total / row.bs:>8.2f} {row.parts['reserve']:>8.1f} "
+            f"{row.parts['relay']:>8.1f} {row.parts['settle']:>8.1f} {row.best_repeat:>9.1f}"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------ compare
+@attrs.frozen(kw_only=True)
+class _CompareRow:
+    """One (page size, batch size) present in both reports; ratios are ours / peer."""
+
+    page_size: int
+    bs: int
+    peer_total_us: float
+    ours_total_us: float
+    ratio_total: float | None
+    ratio_reserve: float | None
+    ratio_relay: float | None
+    ratio_settle: float | None
+    ratio_best_repeat: float | None
+
+
+@attrs.frozen(kw_only=True)
+class _Comparison:
+    """Two host reports side by side: who they are, matched rows, unmatched rows."""
+
+    ours: Mapping[str, object]
+    peer: Mapping[str, object]
+    rows: tuple[_CompareRow, ...]
+    missing: tuple[Mapping[str, object], ...]
+
+
+def _read_report(path: Path) -> tuple[Mapping[str, object], dict[tuple[int, int], _HostRow]]:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8 or bad JSON
+        raise _BadReport(f"{path}: cannot read a JSON report ({exc})") from None
+    rows = _host_rows(report, str(path))
+    return {k: report.get(k) for k in ("peer", "version", "torch")}, rows
+
+
+def _ratio(ours: float, peer: float) -> float | None:
+    """ours / peer, or None where the peer measured nothing."""
+    return round(ours / peer, 4) if peer > 0 else None
+
+
+def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
+    ours, ours_rows = _read_report(ours_path)
+    peer, peer_rows = _read_report(peer_path)
+    rows, missing = [], []
+    for key in sorted(ours_rows.keys() | peer_rows.keys()):
+        a, b = ours_rows.get(key), peer_rows.get(key)
+        if a is None or b is None:
+            only_in = "peer" if a is None else "ours"
+            missing.append({"page_size": key[0], "bs": key[1], "only_in": only_in})
+            continue
+        rows.append(
+            _CompareRow(
+                page_size=key[0],
+                bs=key[1],
+                peer_total_us=b.total,
+                ours_total_us=a.total,
+                ratio_total=_ratio(a.total, b.total),
+                ratio_reserve=_ratio(a.parts["reserve"], b.parts["reserve"]),
+                ratio_relay=_ratio(a.parts["relay"], b.parts["relay"]),
+                ratio_settle=_ratio(a.parts["settle"], b.parts["settle"]),
+                ratio_best_repeat=_ratio(a.best_repeat, b.best_repeat),
+            )
+        )
+    return _Comparison(ours=ours, peer=peer, rows=tuple(rows), missing=tuple(missing))
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    try:
+        result = _compare(args.ours, args.peer)
+    except _BadReport as exc:
+        return _fail("compare", str(exc))
+    if args.json:
+        print(json.dumps(attrs.asdict(result), indent=2))
+        return 0
+    for side, who in (("ours", result.ours), ("peer", result.peer)):
+        print(f"{side}: {who['peer']} {who['version']} (torch {who['torch']})")
+    print("median µs per iteration; ratios are ours / peer, below 1 means ours is faster")
+    print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'total':>7} "
+          f"{'reserve':>8} {'relay':>7} {'settle':>7} {'best rep':>9}")  # fmt: skip
+    for r in result.rows:
+        print(
+            f"{r.page_size:>3} {r.bs:>5} {r.peer_total_us:>9.1f} {r.ours_total_us:>9.1f} "
+            f"{_times(r.ratio_total):>7} {_times(r.ratio_reserve):>8} "
+            f"{_times(r.ratio_relay):>7} {_times(r.ratio_settle):>7} "
+            f"{_times(r.ratio_best_repeat):>9}"
+        )
+    for m in result.missing:
+        print(f"missing: P {m['page_size']} bs {m['bs']} is only in {m['only_in']}")
+    return 0
+
+
+# ------------------------------------------------------------------ engine rounds
+@attrs.frozen
+class _Stat:
+    """Median and nearest-rank p90 of a sample, in µs."""
+
+    median: float
+    p90: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> _Stat:
+        ordered = sorted(seconds)
+        p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+        return cls(round(statistics.median(ordered) * 1e6, 2), round(p90 * 1e6, 2))
+
+
+@contextmanager
+def _quiet_heap() -> Iterator[None]:
+    """One torch thread and a collected, frozen heap while a timed window runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
+
+
+def _decode_step_seconds(
+    batch_size: int, *, rounds: int, page_size: int, overlap: bool, device_seconds: float
+) -> list[float]:
+    """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests.
+
+    Raises:
+        RuntimeError: the batch never decoded whole, or a request finished in the window
+            (the sizing below is meant to prevent both).
+    """
+    from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+    from specstate.tools.timed_worker import TimedWaitWorker
+
+    worker = TimedWaitWorker(device_seconds=device_seconds)
+    # Every round before and in the window, plus slack for the overlap loop's lookahead.
+    max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
+    context = _PROMPT_LEN + max_new
+    reserve = worker.capabilities.spec_window(page_size).reserve
+    per_request = -(-(context + reserve) // page_size) * page_size + 2 * page_size
+    config = EngineConfig(
+        overlap=overlap,
+        page_size=page_size,
+        kv_tokens=batch_size * per_request + 2 * page_size,
+        max_running=batch_size,
+        max_prefill_tokens=max(4096, batch_size * _PROMPT_LEN),
+        check_invariants=False,
+        check_ownership=False,
+    )
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    prompt = range(1, _PROMPT_LEN + 1)
+    with Engine(
+        worker, limits=RequestLimits(vocab_size=32, max_context_len=context), config=config
+    ) as engine:
+        reqs = [engine.submit(f"bench-{i}", prompt, params) for i in range(batch_size)]
+        for _ in range(64 + batch_size):
+            report = engine.step()
+            if report.launched_mode == "decode" and report.launched_size == batch_size:
+                break
+        else:
+            raise RuntimeError(f"bs {batch_size}: the batch never decoded whole")
+        for _ in range(_WARMUP_DECODE_ROUNDS):
+            engine.step()
+        samples = []
+        with _quiet_heap():
+            for _ in range(rounds):
+                start = time.perf_counter()
+                engine.step()
+                samples.append(time.perf_counter() - start)
+        if any(r.is_finished for r in reqs):
+            raise RuntimeError(f"bs {batch_size}: a request finished inside the timed window")
+    return samples
+
+
+@attrs.frozen(kw_only=True)
+class _EngineRow:
+    """`Engine.step` time per steady decode round for one batch size."""
+
+    bs: int
+    rounds: int
+    step_us: _Stat
+    step_us_per_req: float
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    rows = []
+    for bs in args.batch_sizes:
+        _progress(f"bench engine: bs {bs}, {args.rounds} timed rounds")
+        seconds = _decode_step_seconds(
+            bs,
+            rounds=args.rounds,
+            page_size=args.page_size,
+            overlap=args.overlap,
+            device_seconds=0.0,
+        )
+        step = _Stat.of(seconds)
+        per_req = round(step.median / bs, 3)
+        rows.append(_EngineRow(bs=bs, rounds=args.rounds, step_us=step, step_us_per_req=per_req))
+    if args.json:
+        config = {"page_size": args.page_size, "overlap": args.overlap, "prompt_len": _PROMPT_LEN}
+        report = {**_header("engine"), "config": config, "results": [attrs.asdict(r) for r in rows]}
+        print(json.dumps(report, indent=2))
+        return 0
+    loop = "overlap" if args.overlap else "normal"
+    print(f"Engine.step per steady decode round, µs ({loop} loop, page {args.page_size})")
+    print(f"{'bs':>5} {'median':>10} {'p90':>10} {'µs/req':>8}")
+    for r in rows:
+        step = r.step_us
+        print(f"{r.bs:>5} {step.median:>10.1f} {step.p90:>10.1f} {r.step_us_per_req:>8.3f}")
+    return 0
+
+
+# ------------------------------------------------------------------------ overlap
+@attrs.frozen(kw_only=True)
+class _OverlapRow:
+    """One device time: medians per round in µs, and what overlap achieved.
+
+    ``efficiency = max(host, device) / overlap`` (1 is a perfect overlap);
+    ``gain = normal / overlap`` (measured); ``ideal_gain = (host + device) / max(host, device)``.
+    """
+
+    device_us: float
+    host_us: float
+    normal_us: float
+    overlap_us: float
+    efficiency: float
+    gain: float
+    ideal_gain: float
+
+
+def _overlap_row(args: argparse.Namespace, device_ms: float) -> _OverlapRow:
+    d = device_ms * 1e-3
+
+    def median_round(overlap: bool, device_seconds: float) -> float:
+        return statistics.median(
+            _decode_step_seconds(
+                args.batch_size,
+                rounds=args.rounds,
+                page_size=args.page_size,
+                overlap=overlap,
+                device_seconds=device_seconds,
+            )
+        )
+
+    host = median_round(True, 0.0)  # the host's own time per round: no device wait
+    with_overlap = median_round(True, d)
+    normal = median_round(False, d)
+    bound = max(host, d)
+    return _OverlapRow(
+        device_us=round(d * 1e6, 2),
+        host_us=round(host * 1e6, 2),
+        normal_us=round(normal * 1e6, 2),
+        overlap_us=round(with_overlap * 1e6, 2),
+        efficiency=round(bound / with_overlap, 4),
+        gain=round(normal / with_overlap, 4),
+        ideal_gain=round((host + d) / bound, 4),
+    )
+
+
+def _run_overlap(args: argparse.Namespace) -> int:
+    rows = []
+    for ms in args.device_ms:
+        _progress(
+            f"bench overlap: device {ms:g} ms, bs {args.batch_size}, 3 runs of {args.rounds} rounds"
+        )
+        rows.append(_overlap_row(args, ms))
+    if args.json:
+        config = {"batch_size": args.batch_size, "page_size": args.page_size, "rounds": args.rounds}
+        report = {
+            **_header("overlap"),
+            "config": config,
+            "results": [attrs.asdict(r) for r in rows],
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"per-round medians, µs, bs {args.batch_size}; efficiency = max(host, device) / overlap")
+    print(f"{'device':>9} {'host':>9} {'normal':>9} {'overlap':>9} {'efficiency':>10} "
+          f"{'gain':>6} {'ideal':>6}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r.device_us:>9.1f} {r.host_us:>9.1f} {r.normal_us:>9.1f} {r.overlap_us:>9.1f} "
+            f"{r.efficiency:>10.2f} {r.gain:>5.2f}x {r.ideal_gain:>5.2f}x"
+        )
+    return 0

@@ -1,0 +1,110 @@
+"""`TimedWaitWorker`: a worker whose device work is a timed wait, to measure the host path.
+
+A forward sleeps ``device_seconds`` and returns a well-formed result. A sleep releases the GIL
+and uses no CPU, as a GPU forward would, so the normal loop costs host + device per round and
+the overlap loop about max(host, device). With ``device_seconds=0`` the worker does no waiting
+at all, and a step's wall time is the engine's host work plus building a tiny result.
+
+Its tokens are a constant (the engine's bookkeeping does not depend on their values) and every
+decode row accepts the same run length, so a workload's growth is known in advance::
+
+    round k (decode):  S  ->  S + accept      (one publish of the new frontier per forward)
+
+Invariant: every result satisfies the forward contract of `specstate.engine.worker`: EXTEND
+returns stride 1, accept 1 and ``new_seq_lens == seq_lens``; DECODE returns stride
+``num_steps + 1``, ``accept`` per row and ``new_seq_lens == seq_lens + accept``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+import torch
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvalidConfig
+from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.relay.future_map import RelayPayload
+
+__all__ = ["TimedWaitWorker"]
+
+_TOKEN_ID: Final = 7
+"""The token every forward samples; any id below the vocabulary size would do."""
+
+
+class TimedWaitWorker:
+    """A chain drafter of ``num_steps`` whose forward is a ``device_seconds`` wait.
+
+    Args:
+        device_seconds: wall time of one forward; 0 means no wait at all.
+        num_steps: draft steps per round (the verify width is ``num_steps + 1``).
+        accept: tokens every decode row accepts per round, bonus included,
+            ``1 <= accept <= num_steps + 1``.
+
+    Raises:
+        InvalidConfig: a negative wait, fewer than one draft step, or ``accept`` outside
+            ``[1, num_steps + 1]``.
+    """
+
+    def __init__(self, *, device_seconds: float, num_steps: int = 3, accept: int = 2) -> None:
+        if not device_seconds >= 0.0:  # also rejects NaN
+            raise InvalidConfig(f"device_seconds must be >= 0, got {device_seconds}")
+        if num_steps < 1:
+            raise InvalidConfig(f"num_steps must be >= 1, got {num_steps}")
+        if not 1 <= accept <= num_steps + 1:
+            raise InvalidConfig(f"accept must be in [1, {num_steps + 1}], got {accept}")
+        self._device_seconds = device_seconds
+        self._num_steps = num_steps
+        self._accept = accept
+
+    @property
+    def device_seconds(self) -> float:
+        """Wall time of one forward, in seconds."""
+        return self._device_seconds
+
+    @property
+    def accept(self) -> int:
+        """Tokens every decode row accepts per round (bonus included)."""
+        return self._accept
+
+    @property
+    def capabilities(self) -> WorkerCapabilities:
+        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap."""
+        return WorkerCapabilities.chain(
+            "timed_wait", num_steps=self._num_steps, keeps_draft_kv=True
+        )
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Nothing to build: the worker keeps no KV of its own."""
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Wait ``device_seconds``, publish the new frontier, return a fresh result.
+
+        Postcondition: the returned tensors are new and never written again by the worker.
+        """
+        if self._device_seconds > 0.0:
+            time.sleep(self._device_seconds)
+        rows = batch.batch_size
+        if batch.forward_mode.is_decode():
+            stride = self._num_steps + 1
+            accept_lens = torch.full((rows,), self._accept, dtype=torch.int64)
+            new_seq_lens = batch.seq_lens + accept_lens
+        else:
+            stride = 1
+            accept_lens = torch.ones(rows, dtype=torch.int64)
+            new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            next_token_ids=torch.full((rows * stride,), _TOKEN_ID, dtype=torch.int64),
+            accept_lens=accept_lens,
+            stride=stride,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=RelayPayload(
+                bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64)
+            ),
+        )

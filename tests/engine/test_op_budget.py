@@ -1,0 +1,103 @@
+"""A steady decode round costs a fixed number of operations, whatever the batch size.
+
+Counted, not timed: Python-level calls (function calls and calls into C, through
+``sys.setprofile``) and torch operations (through a ``TorchFunctionMode``) made by one
+`Engine.step` of a steady decode round — schedule (reserve), launch (relay, isolation, the
+worker, publish, stash) and settle. The normal loop runs the whole round on this thread, so
+every call is seen. Equal counts at batch 4 and 64 prove there is no per-request Python or
+per-request torch work on the round's hot path; the torch count is also pinned.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate.engine.invariants import check_engine
+from specstate.tools.timed_worker import TimedWaitWorker
+
+TORCH_OPS_PER_ROUND = {1: 47, 16: 42}
+"""Torch calls of one steady decode round, by page size (engine and the timed-wait worker).
+
+Most are metadata reads (``shape``, ``numel``, ``numpy()``); the host bookkeeping itself runs
+on NumPy views, and a page size of 1 maps new pages every round (16 does not, in the counted
+round)."""
+
+
+class _CountTorch(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _steady_engine(batch_size: int, page_size: int) -> Engine:
+    """An engine whose whole batch decodes (no request can finish for many rounds)."""
+    config = EngineConfig(
+        overlap=False,
+        page_size=page_size,
+        kv_tokens=batch_size * 512 + 64,
+        max_running=batch_size,
+        check_invariants=False,
+    )
+    worker = TimedWaitWorker(device_seconds=0.0, accept=2)
+    engine = Engine(worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config)
+    for i in range(batch_size):
+        engine.submit(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    for _ in range(4):  # prefill, then decode rounds until the running batch is steady
+        engine.step()
+        check_engine(engine)
+    return engine
+
+
+def _count_round(engine: Engine) -> tuple[int, int]:
+    """(Python calls, torch operations) of one `Engine.step`."""
+    python_calls = 0
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal python_calls
+        if event in ("call", "c_call"):
+            python_calls += 1
+
+    counter = _CountTorch()
+    with counter:
+        sys.setprofile(profile)
+        try:
+            report = engine.step()
+        finally:
+            sys.setprofile(None)
+    assert report.launched_mode == "decode"
+    check_engine(engine)
+    return python_calls, counter.calls
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_steady_round_cost_does_not_grow_with_the_batch(page_size: int) -> None:
+    """Batch 4 and batch 64 make exactly the same calls in a steady decode round."""
+    counts = []
+    for batch_size in (4, 64):
+        engine = _steady_engine(batch_size, page_size)
+        try:
+            _count_round(engine)  # page-boundary effects settle after one more round
+            counts.append(_count_round(engine))
+        finally:
+            engine.close()
+    (small_py, small_torch), (large_py, large_torch) = counts
+    assert small_torch == large_torch == TORCH_OPS_PER_ROUND[page_size]
+    assert small_py == large_py

@@ -1,0 +1,267 @@
+"""`specstate bench`: argument parsing, host dispatch, compare, and the engine / overlap runs.
+
+No test asserts a speed: the timed benches run a few rounds and only their shape is checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from specstate import InvalidConfig
+from specstate.tools.cli import main
+from specstate.tools.timed_worker import TimedWaitWorker
+
+Row = tuple[int, int, float, float, float, float, float]
+"""page_size, bs, total, reserve, relay, settle, best repeat (µs medians)."""
+
+
+def _report(peer: str, rows: Sequence[Row]) -> dict[str, object]:
+    results = [
+        {
+            "page_size": p,
+            "bs": bs,
+            "reserve_us": {"median": reserve, "p90": reserve * 1.5},
+            "relay_us": {"median": relay, "p90": relay * 1.5},
+            "settle_us": {"median": settle, "p90": settle * 1.5},
+            "total_us": {"median": total, "p90": total * 1.5},
+            "total_us_per_req": {"median": total / bs, "p90": total * 1.5 / bs},
+            "total_us_median_per_repeat": [best, total],
+            "total_us_best_repeat_median": best,
+        }
+        for p, bs, total, reserve, relay, settle, best in rows
+    ]
+    return {"peer": peer, "version": "9.9", "torch": "2.13.0+cpu", "config": {}, "results": results}
+
+
+OURS = _report(
+    "specstate",
+    [
+        (1, 1, 100.0, 20.0, 60.0, 20.0, 81.0),
+        (1, 64, 400.0, 100.0, 100.0, 200.0, 360.0),
+        (16, 1, 50.0, 10.0, 20.0, 20.0, 45.0),
+    ],
+)
+PEER = _report(
+    "sglang",
+    [
+        (1, 1, 200.0, 100.0, 50.0, 50.0, 180.0),
+        (1, 64, 400.0, 0.0, 200.0, 200.0, 400.0),  # a zero part: its ratio is n/a
+        (16, 64, 600.0, 400.0, 100.0, 100.0, 590.0),
+    ],
+)
+
+
+@pytest.fixture
+def reports(tmp_path: Path) -> tuple[Path, Path]:
+    """OURS and PEER written as JSON files."""
+    ours, peer = tmp_path / "ours.json", tmp_path / "peer.json"
+    ours.write_text(json.dumps(OURS))
+    peer.write_text(json.dumps(PEER))
+    return ours, peer
+
+
+def test_compare_json_ratios_and_missing_rows(
+    reports: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows match by (page, bs); each ratio is ours / peer; a zero peer part gives null."""
+    assert main(["bench", "compare", *map(str, reports), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ours"]["peer"] == "specstate" and out["peer"]["peer"] == "sglang"
+    first, second = out["rows"]
+    assert (first["page_size"], first["bs"]) == (1, 1)
+    assert (first["ours_total_us"], first["peer_total_us"]) == (100.0, 200.0)
+    ratios = [first[f"ratio_{k}"] for k in ("total", "reserve", "relay", "settle", "best_repeat")]
+    assert ratios == [0.5, 0.2, 1.2, 0.4, 0.45]
+    assert (second["bs"], second["ratio_total"], second["ratio_reserve"]) == (64, 1.0, None)
+    assert second["ratio_best_repeat"] == 0.9
+    assert out["missing"] == [
+        {"page_size": 16, "bs": 1, "only_in": "ours"},
+        {"page_size": 16, "bs": 64, "only_in": "peer"},
+    ]
+
+
+def test_compare_table(reports: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The table shows both totals and the five ratios per row, then the unmatched rows."""
+    assert main(["bench", "compare", *map(str, reports)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "ours: specstate 9.9 (torch 2.13.0+cpu)"
+    row = next(line.split() for line in lines if line.split()[:2] == ["1", "1"])
+    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.20x", "1.20x", "0.40x", "0.45x"]
+    row = next(line.split() for line in lines if line.split()[:2] == ["1", "64"])
+    assert row[5] == "n/a"
+    assert "missing: P 16 bs 1 is only in ours" in lines
+    assert "missing: P 16 bs 64 is only in peer" in lines
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read a JSON report"),
+        ("{not json", "cannot read a JSON report"),
+        ('{"peer": "x"}', "not a host report"),
+        ('{"results": [1]}', "results[0] is not an object"),
+        ('{"results": [{"page_size": 1, "bs": 1}]}', "'total_us' has no finite median"),
+        ('{"results": [{"page_size": 1.5, "bs": 1}]}', "'page_size' is not a positive integer"),
+        (json.dumps(_report("x", [(1, 1, 1, 1, 1, 1, 1)] * 2)), "repeats page_size 1, bs 1"),
+    ],
+)
+def test_compare_bad_file_exits_2(
+    tmp_path: Path,
+    reports: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    content: str | None,
+    message: str,
+) -> None:
+    """A missing, unparsable or misshapen report: exit 2, the file and the fault on stderr."""
+    bad = tmp_path / "bad.json"
+    if content is not None:
+        bad.write_text(content)
+    assert main(["bench", "compare", str(reports[0]), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"specstate bench compare: {bad}")
+    assert message in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["engine", "--batch-sizes", "0"],
+        ["engine", "--batch-sizes", "abc"],
+        ["engine", "--batch-sizes", "1,,4"],
+        ["engine", "--batch-sizes", "4,4"],
+        ["engine", "--rounds", "0"],
+        ["host", "--page-sizes", "1.5"],
+        ["host", "--warmup", "-1"],
+        ["overlap", "--device-ms", "-1"],
+        ["overlap", "--device-ms", "nan"],
+    ],
+)
+def test_bad_list_is_an_argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad number or comma list is rejected by argparse (exit 2) naming the option."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert f"argument {argv[1]}: {argv[2]!r}" in capsys.readouterr().err
+
+
+def _fake_host(calls: list[dict[str, object]]) -> Callable[..., dict[str, object]]:
+    def host_benchmark(
+        *,
+        page_sizes: Sequence[int],
+        batch_sizes: Sequence[int],
+        iters: int,
+        warmup: int,
+        repeats: int,
+        progress: Callable[[str], None] | None = None,
+    ) -> dict[str, object]:
+        calls.append(
+            {"page_sizes": tuple(page_sizes), "batch_sizes": tuple(batch_sizes)}
+            | {"iters": iters, "warmup": warmup, "repeats": repeats}
+        )
+        if progress is not None:
+            progress("fake: measuring")
+        return OURS
+
+    return host_benchmark
+
+
+def test_host_dispatch_table_and_output_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench host` passes the parsed options on, prints one row per config, writes --output."""
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr("specstate.tools.bench_host.host_benchmark", _fake_host(calls))
+    out_file = tmp_path / "ours.json"
+    argv = ["bench", "host", "--page-sizes", "1,16", "--batch-sizes", "1,64", "--iters", "7"]
+    assert main([*argv, "--warmup", "0", "--repeats", "2", "--output", str(out_file)]) == 0
+    assert calls == [
+        {"page_sizes": (1, 16), "batch_sizes": (1, 64), "iters": 7, "warmup": 0, "repeats": 2}
+    ]
+    captured = capsys.readouterr()
+    assert "fake: measuring" in captured.err and "fake" not in captured.out
+    rows = [line.split() for line in captured.out.splitlines()[2:]]
+    assert rows[1] == ["1", "64", "400.0", "600.0", "6.25", "100.0", "100.0", "200.0", "360.0"]
+    assert len(rows) == 3
+    assert json.loads(out_file.read_text()) == OURS
+
+
+def test_host_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench host --json` prints exactly the report host_benchmark returned, with defaults."""
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr("specstate.tools.bench_host.host_benchmark", _fake_host(calls))
+    assert main(["bench", "host", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == OURS
+    assert calls == [
+        {"page_sizes": (1, 16), "batch_sizes": (1, 64, 256, 1024)}
+        | {"iters": 300, "warmup": 20, "repeats": 5}
+    ]
+
+
+def test_host_benchmark_takes_the_keywords_the_cli_passes() -> None:
+    """The measuring module offers host_benchmark with the keyword-only parameters used."""
+    from specstate.tools import bench_host
+
+    params = inspect.signature(bench_host.host_benchmark).parameters
+    wanted = ["page_sizes", "batch_sizes", "iters", "warmup", "repeats", "progress"]
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in wanted)
+
+
+@pytest.mark.parametrize("loop", ["--overlap", "--no-overlap"])
+def test_engine_bench_reports_each_batch_size(
+    loop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench engine --json` times steady decode rounds and reports positive µs per size."""
+    argv = ["bench", "engine", "--batch-sizes", "1,4", "--rounds", "5", loop, "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["overlap"] is (loop == "--overlap")
+    assert [r["bs"] for r in out["results"]] == [1, 4]
+    for row in out["results"]:
+        assert row["rounds"] == 5
+        assert 0 < row["step_us"]["median"] <= row["step_us"]["p90"]
+        assert row["step_us_per_req"] > 0
+
+
+def test_engine_bench_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --json, one table row per batch size."""
+    assert main(["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--page-size", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "(overlap loop, page 1)" in lines[0]
+    assert [line.split()[0] for line in lines[2:]] == ["2"]
+
+
+def test_overlap_bench_efficiency(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench overlap --json` reports the three round times and an efficiency in (0, 2]."""
+    argv = ["bench", "overlap", "--device-ms", "2", "--batch-size", "4", "--rounds", "5"]
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["device_us"] == 2000.0
+    assert all(row[k] > 0 for k in ("host_us", "normal_us", "overlap_us", "gain", "ideal_gain"))
+    assert isinstance(row["efficiency"], float) and 0 < row["efficiency"] <= 2
+    assert row["efficiency"] == pytest.approx(
+        max(row["host_us"], row["device_us"]) / row["overlap_us"], rel=1e-3
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "steps", "accept", "match"),
+    [
+        (-0.001, 3, 2, "device_seconds must be >= 0"),
+        (float("nan"), 3, 2, "device_seconds must be >= 0"),
+        (0.0, 0, 1, "num_steps must be >= 1"),
+        (0.0, 3, 5, r"accept must be in \[1, 4\], got 5"),
+        (0.0, 3, 0, r"accept must be in \[1, 4\], got 0"),
+    ],
+)
+def test_timed_wait_worker_rejects_bad_settings(
+    seconds: float, steps: int, accept: int, match: str
+) -> None:
+    """The shipped worker refuses a negative wait, no draft step, or an accept outside [1, D]."""
+    with pytest.raises(InvalidConfig, match=match):
+        TimedWaitWorker(device_seconds=seconds, num_steps=steps, accept=accept)
