@@ -16,7 +16,6 @@ from types import FrameType
 from typing import Any
 
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams

@@ -324,3 +324,65 @@ def test_cuda_publish_fence_round_trip() -> None:
         forward.submit(lambda: torch.cuda._sleep(20_000_000))  # type: ignore[no-untyped-call]
         fm.publish(slots, torch.tensor([5, 6], device=device), stream=forward)
         assert fm.resolve_seq_lens(slots, host_mirror=True).seq_lens_cpu == [5, 6]
+
+
+# ------------------------------------------------------------ relay by reference
+def _payload(bonus: list[int], hidden: float | None = None) -> RelayPayload:
+    n = len(bonus)
+    return RelayPayload(
+        bonus_tokens=torch.tensor(bonus),
+        hidden_states=None if hidden is None else torch.full((n, 3), hidden),
+    )
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_persistent_batch_resolves_its_own_writes_by_reference(debug: bool) -> None:
+    """The same index tensor resolves the written tensors themselves: no scatter, no gather."""
+    fm = FutureMap(MAX_SLOTS, device=CPU, debug=debug)
+    rows = _idx(4, 1, 7)
+    lens, payload = torch.tensor([10, 11, 12]), _payload([5, 6, 7], hidden=0.5)
+    fm.publish(rows, lens)
+    fm.stash(rows, payload)
+    got_lens = fm.resolve_seq_lens(rows).seq_lens
+    got = fm.resolve_forward_inputs(rows)
+    assert got_lens is lens and got.bonus_tokens is payload.bonus_tokens
+    assert got.hidden_states is payload.hidden_states
+
+
+def test_a_read_of_other_rows_sees_what_eager_writes_would_leave() -> None:
+    """Pending writes reach the buffers before any read or write of other rows."""
+    fm = FutureMap(MAX_SLOTS, device=CPU)
+    first, second = _idx(1, 2), _idx(3)
+    fm.publish(first, torch.tensor([20, 21]))
+    fm.stash(first, _payload([8, 9], hidden=1.0))
+    fm.publish(second, torch.tensor([30]))  # another batch's rows: flushes the first write
+    fm.stash(second, _payload([4], hidden=2.0))
+    assert fm.resolve_seq_lens(_idx(2, 1, 3)).seq_lens.tolist() == [21, 20, 30]
+    got = fm.resolve_forward_inputs(_idx(3, 1))  # a new tensor with other rows: a gather
+    assert got.bonus_tokens.tolist() == [4, 8]
+    assert got.hidden_states is not None and got.hidden_states[:, 0].tolist() == [2.0, 1.0]
+
+
+def test_a_rewrite_without_an_extra_keeps_the_extra_written_before() -> None:
+    """Rewriting the same rows without hidden states leaves the earlier ones readable."""
+    fm = FutureMap(MAX_SLOTS, device=CPU)
+    rows = _idx(5, 6)
+    fm.stash(rows, _payload([1, 2], hidden=3.0))
+    fm.stash(rows, _payload([7, 8]))
+    got = fm.resolve_forward_inputs(rows)
+    assert got.bonus_tokens.tolist() == [7, 8]
+    assert got.hidden_states is not None and got.hidden_states[:, 0].tolist() == [3.0, 3.0]
+
+
+def test_consume_once_holds_for_writes_kept_by_reference() -> None:
+    """Debug mode: a second resolve of the same rows without a new write still raises."""
+    fm = FutureMap(MAX_SLOTS, device=CPU, debug=True)
+    rows = _idx(2, 3)
+    fm.publish(rows, torch.tensor([4, 5]))
+    fm.stash(rows, _payload([1, 1]))
+    fm.resolve_seq_lens(rows)
+    fm.resolve_forward_inputs(rows)
+    with pytest.raises(RelayError, match=r"consume once: slots \[2, 3\] have no publish"):
+        fm.resolve_seq_lens(rows)
+    with pytest.raises(RelayError, match=r"consume once: slots \[2, 3\] have no stash"):
+        fm.resolve_forward_inputs(rows)

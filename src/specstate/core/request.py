@@ -262,7 +262,7 @@ class Req:
     def output_ids(self) -> Sequence[int]:
         """Settled output tokens (a copy; may extend past a stop, see `emitted_ids`)."""
         if self._source is not None:
-            return self._source.read_outputs(self._slot)
+            return tuple(self._source.read_outputs(self._slot))
         return tuple(self._output_ids)
 
     @property

@@ -1,0 +1,157 @@
+"""The output table: batch-wide settlement agrees with the one finish resolver, row by row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specstate import OwnershipChecker, Req, RequestLimits, Role, SamplingParams
+from specstate.core.errors import LedgerViolation
+from specstate.core.request import FinishReason, ReqStatus
+from specstate.engine.finish import resolve_finish
+from specstate.engine.outputs import OutputTable
+
+VOCAB = 12
+EOS = frozenset({11})
+RUN = 4
+
+
+def _table(slots: int = 8, max_outputs: int = 64) -> tuple[OutputTable, OwnershipChecker]:
+    checker = OwnershipChecker(enabled=True)
+    table = OutputTable(
+        max_slots=slots, max_outputs=max_outputs, max_run=RUN, eos_token_ids=EOS, checker=checker
+    )
+    return table, checker
+
+
+def _req(name: str, params: SamplingParams, checker: OwnershipChecker) -> Req:
+    limits = RequestLimits(vocab_size=VOCAB, max_context_len=128, eos_token_ids=EOS)
+    return Req.new(name, [1, 2, 3], params, limits, checker=checker)
+
+
+def _open(table: OutputTable, checker: OwnershipChecker, slot: int, req: Req) -> None:
+    with checker.acting(Role.SCHEDULER):
+        table.open_row(slot, req)
+
+
+def test_rows_hold_outputs_until_the_request_leaves() -> None:
+    """Outputs settle in the row; leaving copies them back and bumps the slot's epoch."""
+    table, checker = _table()
+    req = _req("a", SamplingParams(max_new_tokens=50), checker)
+    _open(table, checker, 3, req)
+    slots = np.array([3])
+    with checker.acting(Role.RESULT_PROCESSOR):
+        ended = table.append_runs(slots, np.array([[4, 5, 6, 7]]), np.array([3]), verifies=True)
+    assert ended is None
+    assert req.output_ids == (4, 5, 6) and req.seqlen == 6 and req.accept_lengths == (3,)
+    before = table.epochs(slots).copy()
+    req.transition(ReqStatus.PREFILL)
+    req.transition(ReqStatus.RETRACTED)
+    assert not table.is_open(3) and (table.epochs(slots) == before + 1).all()
+    assert req.output_ids == (4, 5, 6) and req.accept_lengths == (3,)
+    again = _req("b", SamplingParams(max_new_tokens=50), checker)
+    _open(table, checker, 3, again)  # a new request reuses the row from an empty start
+    assert again.output_ids == () and again.accept_lengths == ()
+
+
+def test_a_reopened_request_brings_its_outputs() -> None:
+    """Re-admission copies the outputs settled before into the new row."""
+    table, checker = _table()
+    req = _req("a", SamplingParams(max_new_tokens=50), checker)
+    with checker.acting(Role.RESULT_PROCESSOR):
+        req.append_outputs([9, 8])
+    _open(table, checker, 2, req)
+    assert req.output_ids == (9, 8) and req.num_outputs == 2
+
+
+def test_a_held_row_cannot_be_opened_again() -> None:
+    """Opening a row that another request holds raises and changes nothing."""
+    table, checker = _table()
+    _open(table, checker, 1, _req("a", SamplingParams(), checker))
+    with pytest.raises(LedgerViolation, match="output row 1 is out of range or held by a"):
+        _open(table, checker, 1, _req("b", SamplingParams(), checker))
+
+
+def test_a_stop_token_past_the_accepted_run_does_not_end_the_request() -> None:
+    """Only the accepted prefix of a run counts: a stop in a rejected draft is ignored."""
+    table, checker = _table()
+    req = _req("a", SamplingParams(max_new_tokens=50, stop_token_ids=[9]), checker)
+    _open(table, checker, 1, req)
+    with checker.acting(Role.RESULT_PROCESSOR):
+        assert (
+            table.append_runs(np.array([1]), np.array([[4, 5, 9, 9]]), np.array([2]), verifies=True)
+            is None
+        )
+        ended = table.append_runs(
+            np.array([1]), np.array([[6, 9, 7, 7]]), np.array([3]), verifies=True
+        )
+    assert ended is not None and ended.rows == (0,)
+    assert ended.stop_at == (4,) and ended.stop_token == (9,)
+
+
+RUNS = st.lists(
+    st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=RUN, max_size=RUN), st.integers(1, RUN)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(1, 12),  # max_new_tokens
+            st.frozensets(st.integers(0, VOCAB - 1), max_size=3),  # stop ids
+            st.booleans(),  # ignore_eos
+            RUNS,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_batch_settlement_matches_the_finish_resolver(
+    rows: list[tuple[int, frozenset[int], bool, list[tuple[list[int], int]]]],
+) -> None:
+    """Every row ends exactly where `resolve_finish` says, with the same reason and length."""
+    table, checker = _table()
+    reqs = []
+    for i, (cap, stops, ignore_eos, _) in enumerate(rows):
+        params = SamplingParams(max_new_tokens=cap, stop_token_ids=stops, ignore_eos=ignore_eos)
+        req = _req(f"r{i}", params, checker)
+        _open(table, checker, i + 1, req)
+        req.transition(ReqStatus.PREFILL)
+        req.transition(ReqStatus.RUNNING)
+        reqs.append(req)
+    for k in range(max(len(r[3]) for r in rows)):
+        live = [i for i, r in enumerate(rows) if k < len(r[3]) and not reqs[i].is_finished]
+        if not live:
+            break
+        tokens = np.array([rows[i][3][k][0] for i in live])
+        accept = np.array([rows[i][3][k][1] for i in live])
+        want = {
+            i: resolve_finish(
+                rows[i][3][k][0][: rows[i][3][k][1]],
+                num_outputs_before=reqs[i].num_outputs,
+                params=reqs[i].sampling,
+                eos_token_ids=EOS,
+            )
+            for i in live
+        }
+        with checker.acting(Role.RESULT_PROCESSOR):
+            ended = table.append_runs(np.array(live) + 1, tokens, accept, verifies=True)
+        got = {}
+        if ended is not None:
+            for j, row in enumerate(ended.rows):
+                stop_at = ended.stop_at[j]
+                got[live[row]] = (
+                    (FinishReason.STOP, stop_at)
+                    if stop_at >= 0
+                    else (FinishReason.LENGTH, reqs[live[row]].sampling.max_new_tokens)
+                )
+        for i in live:
+            expect = want[i]
+            assert got.get(i) == (None if expect is None else (expect.reason, expect.finished_len))
+            if expect is not None:
+                reqs[i].transition(ReqStatus.FINISHED, finish=expect)
