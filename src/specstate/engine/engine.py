@@ -302,6 +302,12 @@ class Engine:
     # ----------------------------------------------------------------- settle
     def _settle(self, flight: InFlight) -> tuple[str, ...]:
         result, error = flight.wait()
+        if self._in_flight is not None and self._in_flight is not flight:
+            # Overlap: the next forward's launch runs on the stream now; let it reach the
+            # worker before this thread's settlement competes with it for the interpreter.
+            self._in_flight.wait_started()
+        if result is not None:
+            result.wait_copied()  # the device-to-host copy of the result (a no-op when sync)
         plan = flight.plan
         self._num_retired = flight.batch_id
         if error is not None or result is None:

@@ -19,6 +19,8 @@ requests are skipped at settlement because the requests ended with an error).
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import torch
 
@@ -47,6 +49,20 @@ class InFlight:
     result: GenerationBatchResult | None = None
     error: BaseException | None = None
     done: Event | None = None
+    # Set once the forward's host-side preparation (resolve, isolation, the ForwardBatch) is
+    # done and the worker is called, or the closure ended early.
+    started: threading.Event = attrs.field(factory=threading.Event)
+
+    def wait_started(self) -> None:
+        """Block until the worker of this batch was called (or the launch ended early).
+
+        Under overlap on a CPU stream the launch's preparation is Python on the stream thread:
+        letting it run before the host settles the previous batch keeps the two from
+        contending for the interpreter lock while the forward has not started yet.
+        """
+        while not self.started.wait(0.01):
+            if self.done is None or self.done.query():
+                return  # the closure ended without calling the worker
 
     def wait(self) -> tuple[GenerationBatchResult | None, BaseException | None]:
         """Block until the batch ran (the result copy event); its result or its error."""
@@ -129,6 +145,12 @@ class Launcher:
             self._stream = None
 
     def _run(self, flight: InFlight) -> None:
+        try:
+            self._launch_on_stream(flight)
+        finally:
+            flight.started.set()
+
+    def _launch_on_stream(self, flight: InFlight) -> None:
         batch = flight.plan.batch
         indices = batch.future_indices
         if indices is None:
@@ -145,6 +167,7 @@ class Launcher:
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
+                flight.started.set()
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)

@@ -120,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overlap.add_argument("--batch-size", type=_count(1), default=64)
     overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
     overlap.add_argument("--page-size", type=_count(1), default=16)
+    overlap.add_argument(
+        "--device-model",
+        choices=("async", "blocking"),
+        default="async",
+        help="async: the forward is enqueued and the result's copy event completes after the "
+        "device time, as on a GPU; blocking: the forward stream's thread sleeps",
+    )
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
 
 
@@ -370,7 +377,13 @@ def _quiet_heap() -> Iterator[None]:
 
 
 def _decode_step_seconds(
-    batch_size: int, *, rounds: int, page_size: int, overlap: bool, device_seconds: float
+    batch_size: int,
+    *,
+    rounds: int,
+    page_size: int,
+    overlap: bool,
+    device_seconds: float,
+    asynchronous: bool = False,
 ) -> list[float]:
     """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests.
 
@@ -381,7 +394,7 @@ def _decode_step_seconds(
     from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
     from specstate.tools.timed_worker import TimedWaitWorker
 
-    worker = TimedWaitWorker(device_seconds=device_seconds)
+    worker = TimedWaitWorker(device_seconds=device_seconds, asynchronous=asynchronous)
     # Every round before and in the window, plus slack for the overlap loop's lookahead.
     max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
     context = _PROMPT_LEN + max_new
@@ -488,6 +501,7 @@ def _overlap_row(args: argparse.Namespace, device_ms: float) -> _OverlapRow:
                 page_size=args.page_size,
                 overlap=overlap,
                 device_seconds=device_seconds,
+                asynchronous=args.device_model == "async",
             )
         )
 
@@ -514,7 +528,12 @@ def _run_overlap(args: argparse.Namespace) -> int:
         )
         rows.append(_overlap_row(args, ms))
     if args.json:
-        config = {"batch_size": args.batch_size, "page_size": args.page_size, "rounds": args.rounds}
+        config = {
+            "batch_size": args.batch_size,
+            "page_size": args.page_size,
+            "rounds": args.rounds,
+            "device_model": args.device_model,
+        }
         report = {
             **_header("overlap"),
             "config": config,
@@ -522,7 +541,10 @@ def _run_overlap(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=2))
         return 0
-    print(f"per-round medians, µs, bs {args.batch_size}; efficiency = max(host, device) / overlap")
+    print(
+        f"per-round medians, µs, bs {args.batch_size}, {args.device_model} device; "
+        "efficiency = max(host, device) / overlap"
+    )
     print(f"{'device':>9} {'host':>9} {'normal':>9} {'overlap':>9} {'efficiency':>10} "
           f"{'gain':>6} {'ideal':>6}")  # fmt: skip
     for r in rows:

@@ -5,6 +5,15 @@ and uses no CPU, as a GPU forward would, so the normal loop costs host + device 
 the overlap loop about max(host, device). With ``device_seconds=0`` the worker does no waiting
 at all, and a step's wall time is the engine's host work plus building a tiny result.
 
+Two device models:
+
+* blocking (default): the forward sleeps on the forward stream's thread, so the stream's own
+  Python (resolve, isolation, publish, stash) runs in series with the wait;
+* asynchronous (``asynchronous=True``): like a GPU, the forward is *enqueued*: it returns at
+  once, the device is busy until ``max(now, end of the previous forward) + device_seconds``,
+  and the result's ``copy_done`` event completes then. Host Python — the stream's included —
+  overlaps the device time; a round costs max(host, device).
+
 Its tokens are a constant (the engine's bookkeeping does not depend on their values) and every
 decode row accepts the same run length, so a workload's growth is known in advance::
 
@@ -27,8 +36,9 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.relay.future_map import RelayPayload
+from specstate.relay.streams import Stream
 
-__all__ = ["TimedWaitWorker"]
+__all__ = ["DeadlineEvent", "TimedWaitWorker"]
 
 _TOKEN_ID: Final = 7
 """The token every forward samples; any id below the vocabulary size would do."""
@@ -42,13 +52,21 @@ class TimedWaitWorker:
         num_steps: draft steps per round (the verify width is ``num_steps + 1``).
         accept: tokens every decode row accepts per round, bonus included,
             ``1 <= accept <= num_steps + 1``.
+        asynchronous: model an asynchronous device (see the module docstring).
 
     Raises:
         InvalidConfig: a negative wait, fewer than one draft step, or ``accept`` outside
             ``[1, num_steps + 1]``.
     """
 
-    def __init__(self, *, device_seconds: float, num_steps: int = 3, accept: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        device_seconds: float,
+        num_steps: int = 3,
+        accept: int = 2,
+        asynchronous: bool = False,
+    ) -> None:
         if not device_seconds >= 0.0:  # also rejects NaN
             raise InvalidConfig(f"device_seconds must be >= 0, got {device_seconds}")
         if num_steps < 1:
@@ -56,6 +74,8 @@ class TimedWaitWorker:
         if not 1 <= accept <= num_steps + 1:
             raise InvalidConfig(f"accept must be in [1, {num_steps + 1}], got {accept}")
         self._device_seconds = device_seconds
+        self._asynchronous = asynchronous
+        self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
         self._num_steps = num_steps
         self._accept = accept
 
@@ -86,7 +106,12 @@ class TimedWaitWorker:
 
         Postcondition: the returned tensors are new and never written again by the worker.
         """
-        if self._device_seconds > 0.0:
+        copy_done = None
+        if self._asynchronous:
+            start = max(time.perf_counter(), self._device_free_at)
+            self._device_free_at = start + self._device_seconds
+            copy_done = DeadlineEvent(self._device_free_at)
+        elif self._device_seconds > 0.0:
             time.sleep(self._device_seconds)
         rows = batch.batch_size
         if batch.forward_mode.is_decode():
@@ -107,4 +132,30 @@ class TimedWaitWorker:
             next_draft_input=RelayPayload(
                 bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64)
             ),
+            copy_done=copy_done,
         )
+
+
+class DeadlineEvent:
+    """An `Event` that completes at a wall-clock deadline (``time.perf_counter`` seconds)."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+
+    def query(self) -> bool:
+        """Whether the deadline has passed."""
+        return time.perf_counter() >= self._deadline
+
+    def synchronize(self) -> None:
+        """Sleep until the deadline (releases the interpreter lock, uses no CPU)."""
+        left = self._deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def wait(self, stream: Stream) -> None:
+        """Make later work on ``stream`` wait for the deadline."""
+        stream.submit(self.synchronize)
+
+    def wait_current(self) -> None:
+        """Block the calling thread until the deadline."""
+        self.synchronize()
