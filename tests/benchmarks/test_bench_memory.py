@@ -1,7 +1,8 @@
 """Benchmarks of the memory layer's per-iteration work: reserve and release, by batch size.
 
 Run with ``python -m pytest tests/benchmarks --benchmark-enable``; without that flag each case
-runs once as a smoke test. No assertion is made on time.
+runs once as a smoke test. No assertion is made on time. The memory layer runs as in production
+(no ownership checks, no per-row validation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _running(batch_size: int, page_size: int) -> tuple[Memory, list[Req]]:
         num_pages=batch_size * 96 // page_size + 8,
         max_requests=batch_size,
         row_width=128,
+        production=True,
     )
     reqs = [mem.new_req(f"r{i}", 8 + i % 16) for i in range(batch_size)]
     with mem.checker.acting(Role.SCHEDULER):

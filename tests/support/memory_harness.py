@@ -48,9 +48,14 @@ def build_memory(
     max_requests: int = 8,
     row_width: int = 64,
     window: SpecWindow | None = None,
+    production: bool = False,
 ) -> Memory:
-    """Build a memory layer: page size, pages, request slots, row width, speculative window."""
-    checker = OwnershipChecker(enabled=True)
+    """Build a memory layer: page size, pages, request slots, row width, speculative window.
+
+    ``production`` turns the ownership checks and the per-row validation off, as an engine
+    without ``check_invariants`` runs (the benchmarks measure that mode).
+    """
+    checker = OwnershipChecker(enabled=not production)
     window = window or SpecWindow(
         speculative=True,
         num_steps=3,
@@ -59,13 +64,14 @@ def build_memory(
         keeps_draft_kv=True,
         page_size=page_size,
     )
-    ledger = KvLedger(max_requests, row_width, checker=checker)
+    ledger = KvLedger(max_requests, row_width, checker=checker, validate=not production)
     allocator = KvAllocator(
         ledger=ledger.views().allocator,
         req_pool=ReqToTokenPool(max_requests, row_width),
         token_pool=TokenSlotAllocator(num_pages, page_size),
         window=window,
         checker=checker,
+        validate=not production,
     )
     limits = RequestLimits(vocab_size=50, max_context_len=row_width)
     return Memory(checker, ledger, allocator, limits)

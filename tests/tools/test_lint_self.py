@@ -27,9 +27,7 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         ("core/ledger.py", "KvLedger.advance_committed", "assign _kv_committed_host"): 1,
         ("core/ledger.py", "KvLedger.grow_allocated", "mutate _kv_allocated.index_copy_"): 1,
         ("core/ledger.py", "KvLedger.grow_allocated", "assign _kv_allocated_host"): 1,
-        ("core/ledger.py", "KvLedger.close_slots", "mutate _cache_protected.index_fill_"): 1,
-        ("core/ledger.py", "KvLedger.close_slots", "mutate _kv_committed.index_fill_"): 1,
-        ("core/ledger.py", "KvLedger.close_slots", "mutate _kv_allocated.index_fill_"): 1,
+        ("core/ledger.py", "KvLedger.__init__", "assign _cache_protected_host"): 1,
         # Req's output: created empty, extended only by the result processor while detached,
         # and copied back from the output table when the request leaves its slot.
         ("core/request.py", "Req.__init__", "assign _output_ids"): 1,

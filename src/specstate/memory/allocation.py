@@ -28,7 +28,9 @@ pages are all pages (``check_balance``).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Final
 
 import attrs
@@ -46,6 +48,7 @@ from specstate.memory.pools import (
     TokenSlotAllocator,
     free_rows,
     grow_rows,
+    has_duplicates,
     host_index,
 )
 from specstate.memory.sizing import (
@@ -58,6 +61,7 @@ from specstate.memory.sizing import (
 __all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
 
 _CALLERS = (Role.SCHEDULER, Role.ALLOCATOR)
+_REQUEST_ID = attrgetter("request_id")
 _NEVER = 1 << 62
 
 
@@ -77,19 +81,24 @@ class ReleasedKv:
 class ReleasedBatch:
     """What one batch release returned, as columns; iterate it for `ReleasedKv` values."""
 
-    request_ids: tuple[str, ...]
+    reqs: tuple[Req, ...]
     slots: IntArray = attrs.field(eq=False)
     cache_protected_len: IntArray = attrs.field(eq=False)
     kv_committed_len: IntArray = attrs.field(eq=False)
     kv_allocated_len: IntArray = attrs.field(eq=False)
     num_freed_pages: IntArray = attrs.field(eq=False)
 
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The released requests' ids, in release order."""
+        return tuple(map(_REQUEST_ID, self.reqs))
+
     def __len__(self) -> int:
-        return len(self.request_ids)
+        return len(self.reqs)
 
     def __getitem__(self, i: int) -> ReleasedKv:
         return ReleasedKv(
-            request_id=self.request_ids[i],
+            request_id=self.reqs[i].request_id,
             slot=int(self.slots[i]),
             cache_protected_len=int(self.cache_protected_len[i]),
             kv_committed_len=int(self.kv_committed_len[i]),
@@ -102,7 +111,7 @@ class ReleasedBatch:
 
 
 _NOTHING_RELEASED: Final = ReleasedBatch(
-    request_ids=(),
+    reqs=(),
     slots=np.zeros(0, dtype=np.int64),
     cache_protected_len=np.zeros(0, dtype=np.int64),
     kv_committed_len=np.zeros(0, dtype=np.int64),
@@ -149,9 +158,11 @@ class KvAllocator:
         self.window = window
         self._checker = checker
         self._validate = validate
-        self._handles: dict[int, tuple[Req, SlotHandle]] = {}
-        # id(req) -> slot; the Req stays alive in _handles while its id is a key here.
-        self._slot_by_req: dict[int, int] = {}
+        # Per request slot: its holder and the pool generation it was admitted at (the handle).
+        self._holders: dict[int, Req] = {}
+        self._admitted_generation = np.zeros(req_pool.max_requests + 1, dtype=np.int64)
+        # Req -> slot (a Req hashes by identity).
+        self._slot_by_req: dict[Req, int] = {}
 
     # ------------------------------------------------------------------ reads
     @property
@@ -166,21 +177,21 @@ class KvAllocator:
 
     def slot_of(self, req: Req) -> int:
         """The request slot ``req`` holds; `LedgerViolation` if it holds none."""
-        slot = self._slot_by_req.get(id(req))
+        slot = self._slot_by_req.get(req)
         if slot is None:
             raise LedgerViolation(f"request {req.request_id} holds no KV slot")
         return slot
 
     def holds_slot(self, req: Req) -> bool:
         """True while ``req`` holds a request slot (admitted and not yet released)."""
-        return id(req) in self._slot_by_req
+        return req in self._slot_by_req
 
     def owned_pages(self) -> torch.Tensor:
         """Every page mapped by an open row (for ``TokenSlotAllocator.check_balance``)."""
         p = self._token_pool.page_size
-        if not self._handles:
+        if not self._holders:
             return torch.zeros(0, dtype=torch.int64)
-        slots = torch.tensor(sorted(self._handles), dtype=torch.int64)
+        slots = torch.tensor(sorted(self._holders), dtype=torch.int64)
         first = torch.div(self._ledger.protected(slots) + p - 1, p, rounding_mode="floor")
         end = torch.div(self._ledger.allocated(slots) + p - 1, p, rounding_mode="floor")
         counts = (end - first).clamp_min(0)
@@ -198,15 +209,16 @@ class KvAllocator:
     def admit(self, req: Req) -> int:
         """Give ``req`` a request slot and open its ledger entry (all counters 0)."""
         self._checker.require(_CALLERS, counter="request slot", request=req.request_id)
-        if id(req) in self._slot_by_req:
+        if req in self._slot_by_req:
             raise LedgerViolation(
-                f"request {req.request_id} already holds slot {self._slot_by_req[id(req)]}"
+                f"request {req.request_id} already holds slot {self._slot_by_req[req]}"
             )
         handle = self._req_pool.alloc(req.request_id)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.open_slot(handle.slot, req.request_id)
-        self._handles[handle.slot] = (req, handle)
-        self._slot_by_req[id(req)] = handle.slot
+        self._holders[handle.slot] = req
+        self._admitted_generation[handle.slot] = handle.generation
+        self._slot_by_req[req] = handle.slot
         return handle.slot
 
     # ------------------------------------------------------------- allocation
@@ -304,13 +316,18 @@ class KvAllocator:
             names = ", ".join(r.request_id for r in reqs[:4])
             self._checker.require(_CALLERS, counter="kv release", request=names)
         held = self._slot_by_req
-        slots = [held.get(id(r), 0) for r in reqs]
+        try:
+            slots = list(map(held.__getitem__, reqs))
+        except KeyError:
+            self._refuse_release(reqs, [held.get(r, 0) for r in reqs])
+            raise  # _refuse_release always raises
         index = np.array(slots, dtype=np.int64)
-        if not index.all() or np.unique(index).size != index.size:
+        if has_duplicates(index):
             self._refuse_release(reqs, slots)
+        generations = self._admitted_generation[index]
         if self._validate:
-            for req, slot in zip(reqs, slots, strict=True):
-                if not self._req_pool.is_current(self._handles[slot][1]):
+            for req, slot, gen in zip(reqs, slots, generations.tolist(), strict=True):
+                if not self._req_pool.is_current(SlotHandle(slot, gen)):
                     raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
         index_t = torch.from_numpy(index)
         protected = self._ledger.protected(index_t).numpy()
@@ -320,12 +337,11 @@ class KvAllocator:
         )
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.close_slots(index_t)
-        handles = self._handles
-        self._req_pool.free_many([handles.pop(slot)[1] for slot in slots])
-        for req in reqs:
-            del held[id(req)]
+        self._req_pool.free_slots(index, generations)
+        deque(map(self._holders.pop, slots), maxlen=0)  # C loops: no Python per request
+        deque(map(held.pop, reqs), maxlen=0)
         return ReleasedBatch(
-            request_ids=tuple(r.request_id for r in reqs),
+            reqs=tuple(reqs),
             slots=index,
             cache_protected_len=protected,
             kv_committed_len=committed,
@@ -346,8 +362,8 @@ class KvAllocator:
         return pages
 
     def _name(self, slot: int) -> str:
-        held = self._handles.get(slot)
-        return held[0].request_id if held else f"<slot {slot}>"
+        holder = self._holders.get(slot)
+        return holder.request_id if holder is not None else f"<slot {slot}>"
 
     def _names(self, slots: torch.Tensor) -> str:
         names = [self._name(s) for s in slots.tolist()[:4]]

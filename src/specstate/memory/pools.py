@@ -39,6 +39,7 @@ __all__ = [
     "TokenSlotAllocatorSnapshot",
     "free_rows",
     "grow_rows",
+    "has_duplicates",
 ]
 
 _I64 = torch.int64
@@ -51,6 +52,14 @@ def host_index(values: Indices) -> IntArray:
     if isinstance(values, Tensor):
         values = values.detach().to("cpu", _I64).numpy()
     return np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+
+
+def has_duplicates(values: IntArray) -> bool:
+    """Whether any value repeats (a sort: NumPy's hash-based ``unique`` is far slower here)."""
+    if values.size < 2:
+        return False
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _ceil_page(x: IntArray, p: int) -> IntArray:
@@ -90,7 +99,7 @@ class ReqToTokenPool:
 
     _req_to_token: Tensor = attrs.field(repr=False)
     _free_slots: list[int] = attrs.field(repr=False)
-    _generation: list[int] = attrs.field(repr=False)
+    _generation: IntArray = attrs.field(repr=False)
     _request_ids: list[str | None] = attrs.field(repr=False)
     _in_use: npt.NDArray[np.bool_] = attrs.field(repr=False)  # [max_requests + 1], host
     _last_page: IntArray = attrs.field(repr=False)  # page of each row's last mapped position
@@ -104,7 +113,7 @@ class ReqToTokenPool:
             )
         self._req_to_token = torch.zeros(max_requests + 1, row_width, dtype=_I64, device=device)
         self._free_slots = list(range(max_requests, 0, -1))
-        self._generation = [0] * (max_requests + 1)
+        self._generation = np.zeros(max_requests + 1, dtype=np.int64)
         self._request_ids = [None] * (max_requests + 1)
         self._in_use = np.zeros(max_requests + 1, dtype=np.bool_)
         self._last_page = np.zeros(max_requests + 1, dtype=np.int64)
@@ -135,7 +144,7 @@ class ReqToTokenPool:
         slot = self._free_slots.pop()
         self._request_ids[slot] = request_id
         self._in_use[slot] = True
-        return SlotHandle(slot, self._generation[slot])
+        return SlotHandle(slot, int(self._generation[slot]))
 
     def is_current(self, handle: SlotHandle) -> bool:
         """Whether ``handle`` still owns its slot (in use, same generation)."""
@@ -164,18 +173,33 @@ class ReqToTokenPool:
         self._free_slots.append(s)
 
     def free_many(self, handles: list[SlotHandle]) -> None:
-        """`free` every handle; all are checked first, so a bad one frees nothing."""
-        for handle in handles:
-            if not self.is_current(handle):
-                self.free(handle)  # raises DoubleRelease naming the slot
-        for handle in handles:
-            s = handle.slot
-            self._generation[s] += 1
-            self._request_ids[s] = None
-            self._free_slots.append(s)
-        slots = [h.slot for h in handles]
+        """`free` every handle; see `free_slots`."""
+        slots = np.fromiter((h.slot for h in handles), dtype=np.int64, count=len(handles))
+        gens = np.fromiter((h.generation for h in handles), dtype=np.int64, count=len(handles))
+        self.free_slots(slots, gens)
+
+    def free_slots(self, slots: IntArray, gens: IntArray) -> None:
+        """Free the handles ``(slots[i], gens[i])`` with a fixed number of array operations.
+
+        All are checked first (in use, current generation, no slot twice), so a bad handle
+        frees nothing: `DoubleRelease` names it.
+        """
+        if slots.size == 0:
+            return
+        in_range = (slots >= 1) & (slots <= self.max_requests)
+        ok = in_range.all() and not has_duplicates(slots)
+        if not (ok and self._in_use[slots].all() and (self._generation[slots] == gens).all()):
+            for s, g in zip(slots.tolist(), gens.tolist(), strict=True):
+                if not self.is_current(SlotHandle(s, g)):
+                    self.free(SlotHandle(s, g))  # raises DoubleRelease naming the slot
+            raise DoubleRelease(f"request slots {slots.tolist()}: a slot is freed twice")
+        self._generation[slots] += 1
         self._in_use[slots] = False
         self._last_page[slots] = 0
+        ids = self._request_ids
+        for slot in slots.tolist():
+            ids[slot] = None
+        self._free_slots.extend(slots.tolist())
 
     def snapshot(self) -> ReqToTokenPoolSnapshot:
         """Frozen slot statistics."""
@@ -195,7 +219,7 @@ class ReqToTokenPool:
             raise LedgerViolation(
                 f"request slots must be in [1, {self.max_requests}]: {slots.tolist()}"
             )
-        if np.unique(slots).size != slots.size:
+        if has_duplicates(slots):
             raise LedgerViolation(f"request slots repeat in one call: {slots.tolist()}")
         if not bool(self._in_use[slots].all()):
             unused = slots[~self._in_use[slots]].tolist()
@@ -309,7 +333,7 @@ class TokenSlotAllocator:
                     f"free of pages outside [1, {self.num_pages - 1}] (page 0 is padding): "
                     f"{lo}..{hi}"
                 )
-            if np.unique(pages).size != n:
+            if has_duplicates(pages):
                 raise DoubleRelease(f"the same page appears twice in one free: {pages.tolist()}")
         already = pages[self._is_free[pages]]
         if already.size:
@@ -345,7 +369,7 @@ class TokenSlotAllocator:
             return [f"the free stack holds out-of-range pages: {free.tolist()}"]
         checks = {
             "page 0 is marked free": bool(self._is_free[0]),
-            "a page is on the free stack twice": np.unique(free).size != free.size,
+            "a page is on the free stack twice": has_duplicates(free),
             "a page on the free stack is not marked free": not bool(self._is_free[free].all()),
             f"{n_marked} pages marked free, stack has {self._top}": n_marked != self._top,
         }
@@ -487,10 +511,12 @@ def free_rows(
     first = _ceil_page(lo, p) // p
     end = _ceil_page(hi, p) // p
     rows, j, _ = _expand(np.maximum(end - first, 0))
-    table = req_pool.req_to_token
-    dev = table.device
-    positions = torch.from_numpy((first[rows] + j) * p).to(dev)
-    token_slots = host_index(table[torch.from_numpy(s[rows]).to(dev), positions])
+    flat = (s * req_pool.row_width)[rows] + (first[rows] + j) * p
+    if req_pool._table_host is not None:
+        token_slots = req_pool._table_host[flat]
+    else:  # NOTE: a device-to-host read of the pages to free (release time, not the launch)
+        table = req_pool.req_to_token
+        token_slots = host_index(table.view(-1)[torch.from_numpy(flat).to(table.device)])
     pages = token_slots // p
     allocator.free_pages(pages, validate=validate)
     return int(pages.size)

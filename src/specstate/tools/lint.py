@@ -51,6 +51,7 @@ TRACKED_COUNTERS: Final[frozenset[str]] = frozenset(
         # Their host (NumPy) views, and the output table's columns.
         "_kv_committed_host",
         "_kv_allocated_host",
+        "_cache_protected_host",
         "_output_tokens",
         "_output_tokens_flat",
         "_output_lengths",
