@@ -52,6 +52,17 @@ __all__ = [
 ]
 
 _INDEX_DTYPE: Final = torch.int64
+HostArray = npt.NDArray[np.int64]
+Counts = torch.Tensor | HostArray
+"""Slots or lengths: a CPU int64 tensor, or a host int64 array (the per-round hot path)."""
+
+
+def _host(x: Counts) -> HostArray:
+    return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def _tensor(x: Counts) -> torch.Tensor:
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
 @attrs.frozen(kw_only=True)
@@ -149,7 +160,7 @@ class AllocatorLedgerView(LedgerReader, Protocol):
         """Start the entry of ``request_id`` in a closed slot, all counters 0."""
         ...
 
-    def grow_allocated(self, slots: torch.Tensor, new_allocated: torch.Tensor) -> None:
+    def grow_allocated(self, slots: Counts, new_allocated: Counts) -> None:
         """Raise ``kv_allocated_len`` of ``slots`` to ``new_allocated`` (never lowers it)."""
         ...
 
@@ -165,7 +176,7 @@ class AllocatorLedgerView(LedgerReader, Protocol):
 class ResultProcessorLedgerView(LedgerReader, Protocol):
     """The result processor's view: the only way to advance ``kv_committed_len``."""
 
-    def advance_committed(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    def advance_committed(self, slots: Counts, num_tokens: Counts) -> None:
         """Add each accepted run's length to ``kv_committed_len`` (vectorized)."""
         ...
 
@@ -361,7 +372,7 @@ class KvLedger:
         self._check_order(slots, committed=extend_ends)
         self._kv_committed.index_copy_(0, slots, extend_ends)
 
-    def advance_committed(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    def advance_committed(self, slots: Counts, num_tokens: Counts) -> None:
         """Add each accepted run's length to ``kv_committed_len`` (result processor only).
 
         Raises:
@@ -370,15 +381,19 @@ class KvLedger:
         """
         if self._checker.enabled:
             self._checker.require(
-                (Role.RESULT_PROCESSOR,), counter="kv_committed_len", request=self._names(slots)
+                (Role.RESULT_PROCESSOR,),
+                counter="kv_committed_len",
+                request=self._names(_tensor(slots)),
             )
-        if not self._validate and slots.shape == num_tokens.shape:
-            s, n = slots.numpy(), num_tokens.numpy()
-            new_host = self._kv_committed_host[s] + n
-            # A closed slot has allocated 0, so it fails this check too.
-            if (n >= 0).all() and (new_host <= self._kv_allocated_host[s]).all():
-                self._kv_committed_host[s] = new_host
-                return
+        if not self._validate:
+            s, n = _host(slots), _host(num_tokens)
+            if s.shape == n.shape:
+                new_host = self._kv_committed_host[s] + n
+                # A closed slot has allocated 0, so it fails this check too.
+                if not np.count_nonzero((n < 0) | (new_host > self._kv_allocated_host[s])):
+                    self._kv_committed_host[s] = new_host
+                    return
+        slots, num_tokens = _tensor(slots), _tensor(num_tokens)
         self._require_open(slots, num_tokens)
         zeros = torch.zeros_like(num_tokens)
         self._check_not_below(slots, num_tokens, zeros, "committed run length")
@@ -386,22 +401,23 @@ class KvLedger:
         self._check_order(slots, committed=new, delta=num_tokens)
         self._kv_committed.index_copy_(0, slots, new)
 
-    def grow_allocated(self, slots: torch.Tensor, new_allocated: torch.Tensor) -> None:
+    def grow_allocated(self, slots: Counts, new_allocated: Counts) -> None:
         """Raise ``kv_allocated_len`` of ``slots`` to ``new_allocated`` (allocator only).
 
         The reservation never shrinks while the request lives; equal values are a no-op.
         """
         if self._checker.enabled:
             self._checker.require(
-                (Role.ALLOCATOR,), counter="kv_allocated_len", request=self._names(slots)
+                (Role.ALLOCATOR,), counter="kv_allocated_len", request=self._names(_tensor(slots))
             )
-        if not self._validate and slots.shape == new_allocated.shape:
-            s, new_host = slots.numpy(), new_allocated.numpy()
-            if (new_host >= self._kv_allocated_host[s]).all() and (
-                new_host <= self._row_width
-            ).all():
-                self._kv_allocated_host[s] = new_host
-                return
+        if not self._validate:
+            s, new_host = _host(slots), _host(new_allocated)
+            if s.shape == new_host.shape:
+                bad = (new_host < self._kv_allocated_host[s]) | (new_host > self._row_width)
+                if not np.count_nonzero(bad):
+                    self._kv_allocated_host[s] = new_host
+                    return
+        slots, new_allocated = _tensor(slots), _tensor(new_allocated)
         self._require_open(slots, new_allocated)
         old = self._kv_allocated.index_select(0, slots)
         self._check_not_below(slots, new_allocated, old, "kv_allocated_len")

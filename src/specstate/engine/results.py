@@ -144,7 +144,8 @@ class ResultProcessor:
         tokens = result.next_token_ids.numpy().reshape(b, result.stride)
         accept = result.accept_lens.numpy()
         live = self._outputs.epochs(slots_np) == epochs
-        if n_prefill == 0 and bool(live.all()):
+        num_live = int(np.count_nonzero(live))
+        if n_prefill == 0 and num_live == b:
             decode: IntArray | None = None  # the steady round: every row, no index
             firsts: list[int] = []
         else:
@@ -158,11 +159,11 @@ class ResultProcessor:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
             finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
-        settled = int(live.sum()) - (n_prefill - len(firsts) if n_prefill else 0)
+        settled = num_live - (n_prefill - len(firsts) if n_prefill else 0)
         return Settlement(
             finished=tuple(finished),
             num_settled_rows=max(settled, 0),
-            num_skipped_rows=int(b - live.sum()),
+            num_skipped_rows=b - num_live,
         )
 
     def _commit(self, slots: IntArray, accept: IntArray, rows: IntArray | None) -> None:
@@ -171,7 +172,7 @@ class ResultProcessor:
             if rows.size == 0:
                 return
             slots, accept = slots[rows], accept[rows]
-        self._ledger.advance_committed(torch.from_numpy(slots), torch.from_numpy(accept))
+        self._ledger.advance_committed(slots, accept)
 
     def _append(
         self,

@@ -264,7 +264,7 @@ class KvAllocator:
                 )
             grow_rows(self._req_pool, self._token_pool, s, cur, nxt, validate=self._validate)
             with self._checker.acting(Role.ALLOCATOR):
-                self._ledger.grow_allocated(torch.from_numpy(s), lens.nxt)
+                self._ledger.grow_allocated(s, nxt)
         return lens
 
     def decode_tokens_needed(self, slots: torch.Tensor) -> int:
