@@ -28,7 +28,9 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
+from typing import Final
 
 import attrs
 
@@ -79,8 +81,14 @@ class OwnershipChecker:
         roles = self._stack.roles
         return roles[-1] if roles else None
 
-    def acting(self, role: Role) -> RoleScope:
-        """A single-use context manager in which the calling thread acts as ``role``."""
+    def acting(self, role: Role) -> AbstractContextManager[object]:
+        """A single-use context manager in which the calling thread acts as ``role``.
+
+        With checking off nothing is recorded: a shared no-op context is returned (the
+        per-round hot path enters several scopes, and every check passes anyway).
+        """
+        if not self.enabled:
+            return _NO_SCOPE
         return RoleScope(self, role)
 
     def require(self, owners: Iterable[Role], *, counter: str, request: str) -> None:
@@ -143,3 +151,7 @@ class RoleScope:
     ) -> None:
         self._state = "closed"
         self._checker._pop(self._role)
+
+
+_NO_SCOPE: Final[AbstractContextManager[object]] = nullcontext()
+"""The scope `OwnershipChecker.acting` returns with checking off (nullcontext is reusable)."""

@@ -316,7 +316,7 @@ class Engine:
         else:
             settlement = self.results.settle(
                 reqs=plan.batch.reqs,
-                slots=plan.slots,
+                slots=plan.slots_host,
                 epochs=plan.epochs,
                 last_chunk=plan.last_chunk,
                 verifies=plan.is_decode,

@@ -120,7 +120,7 @@ class ResultProcessor:
         self,
         *,
         reqs: Sequence[Req],
-        slots: torch.Tensor,
+        slots: torch.Tensor | IntArray,
         epochs: IntArray,
         last_chunk: Sequence[bool],
         verifies: bool,
@@ -140,7 +140,7 @@ class ResultProcessor:
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
-        slots_np = slots.numpy()
+        slots_np = slots if isinstance(slots, np.ndarray) else slots.numpy()
         tokens = result.next_token_ids.numpy().reshape(b, result.stride)
         accept = result.accept_lens.numpy()
         live = self._outputs.epochs(slots_np) == epochs

@@ -67,6 +67,10 @@ class LaunchPlan:
     epochs: IntArray
     last_chunk: tuple[bool, ...] = ()
     prefill: PrefillPart | None = None
+    slots_host: IntArray = attrs.field(
+        default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
+    )
+    """``slots`` as a host array (the same memory)."""
 
     @property
     def is_decode(self) -> bool:
@@ -92,6 +96,7 @@ class _DecodeRows:
 
     reqs: tuple[Req, ...]
     slots: torch.Tensor
+    slots_host: IntArray  # the same memory as ``slots``
     device_slots: torch.Tensor
     incarnations: tuple[int, ...]
     sampling: SamplingInfo
@@ -108,6 +113,7 @@ class _DecodeRows:
         return _DecodeRows(
             reqs=tuple(compress(self.reqs, keep)),
             slots=slots,
+            slots_host=slots.numpy(),
             device_slots=self.device_slots.index_select(0, index.to(self.device_slots.device)),
             incarnations=tuple(compress(self.incarnations, keep)),
             sampling=self.sampling.select(index.to(self.sampling.temperatures.device)),
@@ -117,9 +123,11 @@ class _DecodeRows:
 
     def merge(self, other: _DecodeRows) -> _DecodeRows:
         """These rows followed by ``other``'s (new tensors)."""
+        slots = torch.cat([self.slots, other.slots])
         return _DecodeRows(
             reqs=self.reqs + other.reqs,
-            slots=torch.cat([self.slots, other.slots]),
+            slots=slots,
+            slots_host=slots.numpy(),
             device_slots=torch.cat([self.device_slots, other.device_slots]),
             incarnations=self.incarnations + other.incarnations,
             sampling=self.sampling.concat(other.sampling),
@@ -334,7 +342,7 @@ class Scheduler:
             return []
         rows = self._decode_rows()
         try:
-            self._allocator.reserve_for_spec_decode(rows.slots)
+            self._allocator.reserve_for_spec_decode(rows.slots_host)
         except KvPoolExhausted:
             return []  # no room to mix: they decode once the prefill settles
         return list(rows.reqs)
@@ -389,7 +397,7 @@ class Scheduler:
         rows = self._decode_rows()
         outcome = None
         try:
-            self._allocator.reserve_for_spec_decode(rows.slots)
+            self._allocator.reserve_for_spec_decode(rows.slots_host)
         except KvPoolExhausted:  # nothing was taken: retract until the rest fit
             outcome = retract_for_decode(self._allocator, rows.reqs, slots=rows.slots)
             for req in outcome.retracted:
@@ -401,7 +409,7 @@ class Scheduler:
             if not outcome.kept:
                 return None, outcome
             rows = self._decode_rows()
-            self._allocator.reserve_for_spec_decode(rows.slots)
+            self._allocator.reserve_for_spec_decode(rows.slots_host)
         batch = ScheduleBatch(
             reqs=rows.reqs,
             incarnations=rows.incarnations,
@@ -413,7 +421,9 @@ class Scheduler:
             future_indices=rows.device_slots,
             ids=rows.request_ids,
         )
-        plan = LaunchPlan(batch=batch, slots=rows.slots, epochs=rows.epochs)
+        plan = LaunchPlan(
+            batch=batch, slots=rows.slots, epochs=rows.epochs, slots_host=rows.slots_host
+        )
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
 
@@ -445,6 +455,7 @@ class Scheduler:
         return _DecodeRows(
             reqs=reqs,
             slots=slots,
+            slots_host=slots.numpy(),
             device_slots=slots.to(self._device),
             incarnations=tuple(r.incarnation for r in reqs),
             sampling=self._sampling(reqs),

@@ -238,18 +238,20 @@ class KvAllocator:
         table = self._req_pool.req_to_token
         return table[slots.to(table.device), cur.to(table.device)]
 
-    def reserve_for_spec_decode(self, slots: torch.Tensor) -> DecodeAllocLens:
+    def reserve_for_spec_decode(self, slots: torch.Tensor | IntArray) -> DecodeAllocLens:
         """Grow each reservation to ``max(allocated, ceil_P(committed + R))`` (vectorized).
 
         Writes the new slots into ``req_to_token[slot, cur:nxt]``; never touches committed,
         the batch ``seq_lens`` or ``out_cache_loc``. `KvPoolExhausted` if the pool cannot
         hold it, with nothing taken.
         """
+        s = host_index(slots)
         if self._checker.enabled:
             self._checker.require(
-                _CALLERS, counter="kv_allocated_len (spec reserve)", request=self._names(slots)
+                _CALLERS,
+                counter="kv_allocated_len (spec reserve)",
+                request=self._names(torch.from_numpy(s)),
             )
-        s = host_index(slots)
         committed, cur = self._ledger.host_lengths(s)
         p, r = self.window.page_size, self.window.reserve
         nxt = np.maximum(cur, -(-(committed + r) // p) * p)
