@@ -459,6 +459,10 @@ def grow_rows(
     pages = allocator.take_pages(num_new)  # raises before any change
     if s.size == 0:
         return 0
+    if p > 1 and not np.count_nonzero((c % p) | (n % p)):
+        # Whole pages only (every decode reservation): expand per page, not per position.
+        _map_whole_pages(req_pool, s, c, n_new, pages, p)
+        return num_new
     rows, j, starts = _expand(counts)
     pos = c[rows] + j
     if p == 1:  # every position is a new page, taken in row order
@@ -473,16 +477,34 @@ def grow_rows(
         )
         values = page * p + pos % p
     flat = (s * req_pool.row_width)[rows] + pos
+    _store(req_pool, flat, values)
+    req_pool._last_page[s] = values[starts + counts - 1] // p
+    return num_new
+
+
+def _map_whole_pages(
+    req_pool: ReqToTokenPool, s: IntArray, c: IntArray, n_new: IntArray, pages: IntArray, p: int
+) -> None:
+    """Map ``n_new[i]`` whole new pages after the page-aligned position ``c[i]`` of row ``s[i]``."""
+    rows, k, starts = _expand(n_new)  # one item per new page
+    first = (s * req_pool.row_width + c)[rows] + k * p  # flat index of each page's first slot
+    offsets = np.arange(p, dtype=np.int64)
+    _store(
+        req_pool, (first[:, None] + offsets).reshape(-1), (pages[:, None] * p + offsets).reshape(-1)
+    )
+    req_pool._last_page[s] = pages[starts + n_new - 1]
+
+
+def _store(req_pool: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
+    """Write ``values`` at flat positions of ``req_to_token``: one indexed store."""
     if req_pool._table_host is not None:
         req_pool._table_host[flat] = values
-    else:  # one host-to-device copy of the indices and values, one indexed store
+    else:  # one host-to-device copy of the indices and values
         table = req_pool._req_to_token
         dev = table.device
         table.view(-1).index_copy_(
             0, torch.from_numpy(flat).to(dev), torch.from_numpy(values).to(dev)
         )
-    req_pool._last_page[s] = values[starts + counts - 1] // p
-    return num_new
 
 
 def free_rows(
