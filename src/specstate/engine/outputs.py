@@ -8,7 +8,8 @@ retracted::
     tokens                 | settled outputs ...  | (scratch: a run may be written past
                                                    |  the length; it is never read)
     caps[s]                max_new_tokens           stops[s, :]  stop ids, EOS, -1 padding
-    accepts[s, :rounds[s]] accept length of every verify settled in this slot
+    accepts[:rounds[s], s] accept length of every verify settled in this slot (stored
+                           round-major, so one round's writes for a batch are close)
     epochs[s]              bumped when the request leaves the slot: a batch launched before
                            that carries the old epoch and its row is skipped at settlement
 
@@ -94,11 +95,12 @@ class OutputTable:
         self._checker = checker
         # np.zeros maps untouched pages lazily: a wide table costs only the rows it uses.
         self._output_tokens = np.zeros((size, self._width), dtype=np.int64)
-        self._accepts = np.zeros((size, self._width), dtype=np.int64)
+        # Accept lengths by round, transposed ([round, slot], int16): the rows of a persistent
+        # batch are at similar rounds, so one round's writes land close together.
+        self._accepts = np.zeros((self._width, size), dtype=np.int16)
         self._output_tokens_flat = self._output_tokens.reshape(
             -1
         )  # views: flat indices are the fast path
-        self._accepts_flat = self._accepts.reshape(-1)
         self._output_lengths = np.zeros(size, dtype=np.int64)
         self._rounds = np.zeros(size, dtype=np.int64)
         self._caps = np.zeros(size, dtype=np.int64)
@@ -121,7 +123,7 @@ class OutputTable:
 
     def read_accept_lengths(self, slot: int) -> list[int]:
         """Accept lengths of the verifies settled in ``slot`` since it opened."""
-        out: list[int] = self._accepts[slot, : int(self._rounds[slot])].tolist()
+        out: list[int] = self._accepts[: int(self._rounds[slot]), slot].tolist()
         return out
 
     def epochs(self, slots: IntArray) -> IntArray:
@@ -197,7 +199,7 @@ class OutputTable:
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
-            self._accepts_flat[base + rounds] = accept
+            self._accepts[rounds, slots] = accept
             self._rounds[slots] = rounds + 1
             self._histogram += np.bincount(accept, minlength=self._histogram.size)
         stops = self._stops[slots]
