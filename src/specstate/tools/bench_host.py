@@ -35,7 +35,6 @@ import torch
 import specstate
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.ownership import Role
 from specstate.core.request import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
@@ -43,7 +42,7 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["HostWorkload", "host_benchmark"]
+__all__ = ["HostWorkload", "accept_lengths", "host_benchmark", "prompt_lengths"]
 
 VOCAB = 32000
 EOS = 31999
@@ -133,16 +132,26 @@ class _Run:
     loop_s: float = 0.0
 
 
+def prompt_lengths(bs: int) -> list[int]:
+    """Request ``r``'s prompt length: draw ``r`` of ``random.Random(1234)``, 100..2000."""
+    rng = random.Random(1234)
+    return [rng.randint(100, 2000) for _ in range(bs)]
+
+
+def accept_lengths(bs: int, iterations: int) -> list[torch.Tensor]:
+    """Iteration ``i``'s accept lengths: draws ``i * bs + r`` of ``random.Random(5678)``, 1..4."""
+    rng = random.Random(5678)
+    return [
+        torch.tensor([rng.randint(1, 4) for _ in range(bs)], dtype=torch.int64)
+        for _ in range(iterations)
+    ]
+
+
 def _one_run(page: int, bs: int, workload: HostWorkload) -> _Run:
     """One run from a fresh engine: prefill (untimed), then warm-up + measured iterations."""
-    rng = random.Random(1234)
-    prompt_lens = [rng.randint(100, 2000) for _ in range(bs)]
+    prompt_lens = prompt_lengths(bs)
     total_iters = workload.warmup + workload.iters
-    arng = random.Random(5678)
-    accepts = [
-        torch.tensor([arng.randint(1, 4) for _ in range(bs)], dtype=torch.int64)
-        for _ in range(total_iters)
-    ]
+    accepts = accept_lengths(bs, total_iters)
     gen = torch.Generator().manual_seed(9012)
     config = EngineConfig(
         overlap=False,
@@ -258,7 +267,6 @@ def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) 
         p = engine.allocator.window.page_size
         if entry.kv_allocated_len % p or entry.kv_allocated_len < want:
             raise InvariantViolation(f"request r{r}: allocated {entry.kv_allocated_len}")
-    _ = Role
 
 
 def host_benchmark(
