@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
-from sleep_worker import SleepWorker
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate.tools.timed_worker import TimedWaitWorker
 
 LIMITS = RequestLimits(vocab_size=32, max_context_len=256)
 
@@ -20,7 +20,7 @@ def _decode_run(batch_size: int, *, overlap: bool, device_seconds: float) -> Non
     config = EngineConfig(
         overlap=overlap, page_size=16, kv_tokens=batch_size * 256 + 1024, max_running=batch_size
     )
-    worker = SleepWorker(device_seconds=device_seconds)
+    worker = TimedWaitWorker(device_seconds=device_seconds)
     with Engine(worker, limits=LIMITS, config=config) as engine:
         params = SamplingParams(max_new_tokens=40, ignore_eos=True)
         for i in range(batch_size):

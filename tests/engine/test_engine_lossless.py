@@ -12,18 +12,12 @@ import itertools
 
 import pytest
 from hf_oracle import greedy
-from spec_checkpoints import ALGORITHMS, SpecCheckpoints, make_spec_checkpoints
+from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 
-PROMPTS = [
-    [3, 14, 15, 92, 65, 35, 89],
-    [79, 32],
-    [38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93],
-    [7],
-    [5, 5, 5, 5, 5, 5],
-]
+PROMPTS = [list(p) for p in MIXED_PROMPTS]
 NEW_TOKENS = 14
 
 

@@ -25,6 +25,15 @@ from specstate.reference.workers import default_registry
 
 ALGORITHMS = ("none", "draft_model", "eagle", "ngram")
 
+MIXED_PROMPTS = (
+    (3, 14, 15, 92, 65, 35, 89),
+    (79, 32),
+    (38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93),
+    (7,),
+    (5, 5, 5, 5, 5, 5),
+)
+"""Concurrent prompts of mixed lengths (1 to 15 tokens) for the engine's lossless tests."""
+
 
 def identity_head(target: PagedLlama) -> EagleHead:
     """An EAGLE head that computes exactly what a one-layer ``target`` computes."""

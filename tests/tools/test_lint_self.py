@@ -44,7 +44,6 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         # The allocator: the only opener/closer of ledger slots and grower of allocated.
         ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
         ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
-        ("memory/allocation.py", "KvAllocator.reserve_for_spec_decode", "call grow_allocated"): 1,
         ("memory/allocation.py", "KvAllocator.release_many", "call close_slots"): 1,
         # The scheduler's prepare-for-extend: committed = the end of the launched chunk; it
         # opens a request's output row at admission.

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig, InvalidRequest
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
@@ -38,8 +39,8 @@ from specstate.core.request import (
 from specstate.engine.invariants import check_engine
 from specstate.engine.launch import InFlight, Launcher
 from specstate.engine.outputs import OutputTable
-from specstate.engine.results import AcceptMetrics, ResultProcessor
-from specstate.engine.scheduler import Scheduler, SchedulerConfig
+from specstate.engine.results import AcceptMetrics, ResultProcessor, Settlement
+from specstate.engine.scheduler import LaunchPlan, Scheduler, SchedulerConfig
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
@@ -314,20 +315,23 @@ class Engine:
             failure = error if error is not None else RuntimeError("no result")
             ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
         else:
-            settlement = self.results.settle(
-                reqs=plan.batch.reqs,
-                slots=plan.slots_host,
-                epochs=plan.epochs,
-                last_chunk=plan.last_chunk,
-                verifies=plan.is_decode,
-                result=result,
-                abort_reasons=self._aborts,
-            )
-            ended = list(settlement.finished)
+            ended = list(self._settle_result(plan, result).finished)
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)
         return tuple(r.request_id for r in ended)
+
+    def _settle_result(self, plan: LaunchPlan, result: GenerationBatchResult) -> Settlement:
+        """The result processor's settlement of one launched batch's result."""
+        return self.results.settle(
+            reqs=plan.batch.reqs,
+            slots=plan.slots_host,
+            epochs=plan.epochs,
+            last_chunk=plan.last_chunk,
+            verifies=plan.is_decode,
+            result=result,
+            abort_reasons=self._aborts,
+        )
 
     def _fail_batch(
         self, reqs: Sequence[Req], incarnations: Sequence[int], error: BaseException

@@ -246,28 +246,13 @@ class KvAllocator:
         hold it, with nothing taken.
         """
         s = host_index(slots)
-        if self._checker.enabled:
-            self._checker.require(
-                _CALLERS,
-                counter="kv_allocated_len (spec reserve)",
-                request=self._names(torch.from_numpy(s)),
-            )
         committed, cur = self._ledger.host_lengths(s)
         p, r = self.window.page_size, self.window.reserve
         nxt = np.maximum(cur, -(-(committed + r) // p) * p)
         needed = int((nxt - cur).sum())
-        lens = DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
         if needed:
-            if self._validate and int(nxt.max()) > self._ledger.row_width:
-                i = int(nxt.argmax())
-                raise LedgerViolation(
-                    f"request {self._name(int(s[i]))}: spec reserve to {int(nxt[i])} tokens "
-                    f"passes the row width {self._ledger.row_width}"
-                )
-            grow_rows(self._req_pool, self._token_pool, s, cur, nxt, validate=self._validate)
-            with self._checker.acting(Role.ALLOCATOR):
-                self._ledger.grow_allocated(s, nxt)
-        return lens
+            self._grow(s, cur, nxt, counter="spec reserve")
+        return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
     def decode_tokens_needed(self, slots: torch.Tensor) -> int:
         """Free tokens the next decode prepare of ``slots`` will take, page for page."""
@@ -282,22 +267,33 @@ class KvAllocator:
         )
 
     def _grow(
-        self, slots: torch.Tensor, cur: torch.Tensor, nxt: torch.Tensor, counter: str
+        self,
+        slots: torch.Tensor | IntArray,
+        cur: torch.Tensor | IntArray,
+        nxt: torch.Tensor | IntArray,
+        counter: str,
     ) -> None:
+        """Map ``[cur, nxt)`` of each row and raise ``kv_allocated_len`` to ``nxt``.
+
+        The row-width check always runs: a range past the row would land in the next row.
+        """
+        s, c, n = host_index(slots), host_index(cur), host_index(nxt)
         if self._checker.enabled:
             self._checker.require(
-                _CALLERS, counter=f"kv_allocated_len ({counter})", request=self._names(slots)
+                _CALLERS,
+                counter=f"kv_allocated_len ({counter})",
+                request=self._names(torch.from_numpy(s)),
             )
         width = self._ledger.row_width
-        if slots.numel() and int(nxt.max()) > width:
-            i = int(nxt.argmax())
+        if s.size and int(n.max()) > width:
+            i = int(n.argmax())
             raise LedgerViolation(
-                f"request {self._name(int(slots[i]))}: {counter} to {int(nxt[i])} tokens "
+                f"request {self._name(int(s[i]))}: {counter} to {int(n[i])} tokens "
                 f"passes the row width {width}"
             )
-        grow_rows(self._req_pool, self._token_pool, slots, cur, nxt, validate=self._validate)
+        grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
         with self._checker.acting(Role.ALLOCATOR):
-            self._ledger.grow_allocated(slots, nxt)
+            self._ledger.grow_allocated(s, n)
 
     # ---------------------------------------------------------------- release
     def release(self, req: Req) -> ReleasedKv:

@@ -38,6 +38,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.engine.scheduler import LaunchPlan
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import RelayPayload
@@ -189,7 +190,7 @@ def _loop(
     fm = engine._launcher.future_map
     scheduler = engine.scheduler
     run = _Run()
-    previous: tuple[object, GenerationBatchResult] | None = None
+    previous: tuple[LaunchPlan, GenerationBatchResult] | None = None
     clock = time.perf_counter_ns
     gc.collect()
     gc.freeze()
@@ -235,20 +236,8 @@ def _loop(
     return run
 
 
-def _settle(engine: Engine, flight: tuple[object, GenerationBatchResult]) -> None:
-    plan, result = flight
-    from specstate.engine.scheduler import LaunchPlan
-
-    assert isinstance(plan, LaunchPlan)
-    engine.results.settle(
-        reqs=plan.batch.reqs,
-        slots=plan.slots,
-        epochs=plan.epochs,
-        last_chunk=plan.last_chunk,
-        verifies=plan.is_decode,
-        result=result,
-        abort_reasons={},
-    )
+def _settle(engine: Engine, flight: tuple[LaunchPlan, GenerationBatchResult]) -> None:
+    engine._settle_result(*flight)
 
 
 def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) -> None:
