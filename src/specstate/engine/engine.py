@@ -387,7 +387,7 @@ class Engine:
         return EngineSnapshot(
             num_waiting=len(self.scheduler.waiting),
             num_prefilling=len(self.scheduler.prefilling),
-            num_running=len(self.scheduler.running),
+            num_running=self.scheduler.num_running,
             num_in_flight=int(self._in_flight is not None),
             num_open_slots=len(self.ledger.batch_snapshot().entries),
             num_free_pages=pool.available_pages(),

@@ -258,7 +258,7 @@ class Scheduler:
             self._progress[id(r)].target - self._progress[id(r)].done for r in self.prefilling
         )
         available = self._allocator.token_pool.available_tokens()
-        return available - self._decode_need(list(self._running)) - pending
+        return available - self._decode_need() - pending
 
     def _admit(self, req: Req, target: int, room: int) -> int | None:
         """Give ``req`` a slot if ``room`` holds its whole prefill and first reservation.
@@ -281,10 +281,11 @@ class Scheduler:
         self.prefilling.append(req)
         return room - cost
 
-    def _decode_need(self, reqs: Sequence[Req]) -> int:
-        if not reqs:
+    def _decode_need(self) -> int:
+        """What the running requests' next decode reservation takes (the persistent rows)."""
+        if not self._running:
             return 0
-        return self._allocator.decode_tokens_needed(self._slots(reqs))
+        return self._allocator.decode_tokens_needed(self._decode_rows().slots)
 
     def _slots(self, reqs: Sequence[Req]) -> torch.Tensor:
         return torch.tensor([self._allocator.slot_of(r) for r in reqs], dtype=torch.int64)
