@@ -73,3 +73,13 @@ def test_a_prefill_chunk_that_speculates(tmp_path: Path) -> None:
     with pytest.raises(InvariantViolation, match="p: prefilling with committed 2, allocated 4"):
         check_engine(engine)
     engine.close()
+
+
+def test_an_output_row_that_lost_its_request(tmp_path: Path) -> None:
+    """A running request whose output row was closed behind its back is reported."""
+    engine = _running_engine(tmp_path)
+    slot = engine.allocator.slot_of(engine.request("r"))
+    engine.outputs.detach(slot)  # the row closes while the request still runs
+    with pytest.raises(InvariantViolation, match=f"request r: slot {slot}'s output row"):
+        check_engine(engine)
+    engine.close()

@@ -11,7 +11,9 @@ the request and the numbers for the first relation that does not hold:
    holds no speculative reservation (a chunk never speculates: allocated == committed);
 5. a running request with no result in flight is in the steady state ``seqlen == committed + 1``
    (the pending bonus), and its reservation covers its committed KV;
-6. at idle, nothing is open and every page is free.
+6. at idle, nothing is open and every page is free;
+7. every prefilling or running request holds the output row of its KV slot, and every open
+   output row belongs to such a request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specstate.core.errors import SpecStateError
-from specstate.core.request import ReqStatus
+from specstate.core.request import Req, ReqStatus
 
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine
@@ -80,6 +82,7 @@ def check_engine(engine: Engine) -> None:
                 f"request {req.request_id}: seqlen {req.seqlen} != committed "
                 f"{entry.kv_committed_len} + 1 with no result in flight"
             )
+    _check_output_rows(engine, [*sched.prefilling, *sched.running])
     if engine.is_idle:
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:
@@ -87,3 +90,15 @@ def check_engine(engine: Engine) -> None:
                 f"idle engine holds {len(entries)} slots and "
                 f"{pool.num_pages - 1 - pool.available_pages()} pages"
             )
+
+
+def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
+    """Invariant 7: output rows and admitted requests correspond one to one."""
+    rows = set(engine.outputs.open_rows())
+    for req in admitted:
+        slot = engine.allocator.slot_of(req)
+        if engine.outputs.holder(slot) is not req:
+            _fail(f"request {req.request_id}: slot {slot}'s output row is not its own")
+        rows.discard(slot)
+    if rows:
+        _fail(f"output rows {sorted(rows)} are open without an admitted request")

@@ -138,6 +138,14 @@ class OutputTable:
         """True while a request is attached to ``slot``."""
         return self._holders[slot] is not None
 
+    def holder(self, slot: int) -> Req | None:
+        """The request attached to ``slot``, if any."""
+        return self._holders[slot]
+
+    def open_rows(self) -> list[int]:
+        """Every slot with an attached request (debug and the invariant checker)."""
+        return [s for s, req in enumerate(self._holders) if req is not None]
+
     # --------------------------------------------------------------- mutators
     def open_row(self, slot: int, req: Req) -> None:
         """Attach ``req`` to ``slot`` at admission: copy its outputs, cap and stop ids in.
