@@ -181,7 +181,7 @@ def test_a_malformed_result_fails_its_batch_not_the_engine(
     snap = engine.snapshot()
     engine.close()
     assert req.finish is not None and req.finish.reason is FinishReason.ERROR
-    assert "accept lengths in [2, 2]; they must lie in [1, 1]" in req.finish.detail
+    assert "request m: accept length 2 outside [1, 1]" in req.finish.detail
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
 
 

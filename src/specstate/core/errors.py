@@ -18,7 +18,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── KvPoolExhausted         the KV pool cannot satisfy an allocation (nothing was taken)
     ├── DoubleRelease           KV or a request slot released twice, or by a stale generation
     ├── StaleResult             a result for an old incarnation of a request (refused)
-    └── RelayError              FutureMap misuse: consume-once violation, unresolved read
+    ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
+    └── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "ReservationExceeded",
     "SpecStateError",
     "StaleResult",
+    "WorkerResultError",
 ]
 
 
@@ -80,3 +82,7 @@ class StaleResult(SpecStateError):
 
 class RelayError(SpecStateError):
     """FutureMap misuse: a consume-once violation or a read of an unresolved entry."""
+
+
+class WorkerResultError(SpecStateError):
+    """A worker result broke the forward contract; its batch fails, the engine keeps serving."""

@@ -178,6 +178,7 @@ class Engine:
             overlap=config.overlap,
             speculative=caps.speculative,
             max_accept=caps.max_accept,
+            vocab_size=limits.vocab_size,
             max_slots=max_requests + 1,
             device=device,
             debug_relay=config.debug_relay,

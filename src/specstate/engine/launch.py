@@ -28,8 +28,9 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import InvalidConfig, RelayError
+from specstate.core.errors import RelayError
 from specstate.core.ownership import OwnershipChecker, Role
+from specstate.engine.result_check import check_result
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -73,20 +74,6 @@ class InFlight:
         return self.result, self.error
 
 
-def _check_result(
-    result: GenerationBatchResult, batch_size: int, *, decode: bool, max_accept: int
-) -> None:
-    """Refuse a result that does not fit its batch (the batch then fails, not the engine)."""
-    if result.batch_size != batch_size:
-        raise InvalidConfig(f"worker returned {result.batch_size} rows for a batch of {batch_size}")
-    low, high = int(result.accept_lens.min()), int(result.accept_lens.max())
-    limit = min(result.stride, max_accept) if decode else 1
-    if batch_size and (low < 1 or high > limit):
-        raise InvalidConfig(
-            f"worker returned accept lengths in [{low}, {high}]; they must lie in [1, {limit}]"
-        )
-
-
 class _PublishOnce:
     """The ``on_publish`` handed to a worker: one publish per forward, recorded."""
 
@@ -94,11 +81,13 @@ class _PublishOnce:
         self._future_map = future_map
         self._indices = indices
         self.calls = 0
+        self.published: torch.Tensor | None = None  # what the worker published, for the check
 
     def __call__(self, new_seq_lens: torch.Tensor) -> None:
         self.calls += 1
         if self.calls > 1:
             raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
+        self.published = new_seq_lens
         self._future_map.publish(self._indices, new_seq_lens)
 
 
@@ -112,6 +101,7 @@ class Launcher:
         overlap: bool,
         speculative: bool,
         max_accept: int,
+        vocab_size: int,
         max_slots: int,
         device: torch.device,
         debug_relay: bool,
@@ -124,6 +114,7 @@ class Launcher:
         self._overlap = overlap
         self._speculative = speculative
         self._max_accept = max_accept
+        self._vocab_size = vocab_size
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
         self.isolator = ForwardIsolator(overlap=overlap)
         self._stream: Stream | None = make_stream(device) if overlap else None
@@ -171,8 +162,17 @@ class Launcher:
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)
-            _check_result(
-                result, batch.batch_size, decode=flight.plan.is_decode, max_accept=self._max_accept
+            seq_lens = batch.seq_lens
+            if isinstance(seq_lens, Unresolved):  # isolation restored a resolved batch
+                raise RelayError(f"batch {flight.batch_id}: frontier still unresolved")
+            check_result(
+                result,
+                request_ids=batch.request_ids,
+                seq_lens=seq_lens,
+                published=publish.published,
+                decode=flight.plan.is_decode,
+                max_accept=self._max_accept,
+                vocab_size=self._vocab_size,
             )
             if publish.calls == 0 and result.new_seq_lens is not None:
                 publish(result.new_seq_lens)

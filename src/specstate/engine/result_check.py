@@ -1,0 +1,122 @@
+"""The trust boundary for worker results: one vectorized check before a result touches state.
+
+A worker is the engine's adapter to someone else's model runner, so its result is untrusted.
+`check_result` runs on the forward stream right after the worker returns, before the launcher
+publishes or stashes anything and long before the result processor settles it. A result that
+breaks a rule raises `WorkerResultError` naming the rule, the row's request and the numbers;
+the launcher then republishes the batch's own inputs (undoing anything the worker published
+through ``on_publish``) and the batch's requests end with `FinishReason.ERROR`. The engine keeps
+serving, and no counter, output or KV row of any other request is touched.
+
+Always on (a fixed number of tensor operations per round, whatever the batch size):
+
+* shapes and dtypes: ``next_token_ids`` ``[B * stride]`` and ``accept_lens`` ``[B]``, both
+  integer (not bool, not floating point);
+* accept lengths in ``[1, min(stride, max_accept)]`` for a decode round, exactly 1 otherwise;
+* every *accepted* token id inside the vocabulary ``[0, vocab_size)``;
+* the published frontier — the value handed to ``on_publish``, else ``new_seq_lens`` — equal to
+  the host's expectation: ``seq_lens + accept_lens`` for a decode round, ``seq_lens`` (the
+  extend end) otherwise. A frontier that disagrees with the accept lengths would make the next
+  round read and write KV at the wrong positions, possibly in pages another request owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import WorkerResultError
+
+__all__ = ["check_result"]
+
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def check_result(
+    result: GenerationBatchResult,
+    *,
+    request_ids: tuple[str, ...],
+    seq_lens: torch.Tensor,
+    published: torch.Tensor | None,
+    decode: bool,
+    max_accept: int,
+    vocab_size: int,
+) -> None:
+    """Raise `WorkerResultError` unless ``result`` fits its batch (see the module docstring).
+
+    Args:
+        result: what the worker returned.
+        request_ids: the batch's request ids, one per row.
+        seq_lens: the frontier the forward ran from (resolved, one per row).
+        published: the frontier the worker handed to ``on_publish``, if it did.
+        decode: the batch was a decode round (multi-token runs allowed).
+        max_accept: the worker's declared longest run.
+        vocab_size: the model's vocabulary size.
+    """
+    b = len(request_ids)
+    tokens, accept = result.next_token_ids, result.accept_lens
+    for name, t in (("next_token_ids", tokens), ("accept_lens", accept)):
+        if t.dtype not in _INTEGER_DTYPES or t.dim() != 1:
+            raise WorkerResultError(
+                f"worker returned {name} of dtype {t.dtype} and shape {tuple(t.shape)}; "
+                "it must be a 1-D integer tensor"
+            )
+    if result.batch_size != b:
+        raise WorkerResultError(f"worker returned {result.batch_size} rows for a batch of {b}")
+    if b == 0:
+        return
+    limit = min(result.stride, max_accept) if decode else 1
+    accept = accept.to(torch.int64)
+    low, high = int(accept.min()), int(accept.max())
+    if low < 1 or high > limit:
+        row = int(((accept < 1) | (accept > limit)).nonzero()[0, 0])
+        raise WorkerResultError(
+            f"request {request_ids[row]}: accept length {int(accept[row])} outside [1, {limit}] "
+            f"(stride {result.stride}, max_accept {max_accept})"
+        )
+    _check_tokens(tokens.view(b, result.stride), accept, request_ids, vocab_size)
+    _check_frontier(result, request_ids, seq_lens, published, accept, decode)
+
+
+def _check_tokens(
+    tokens: torch.Tensor, accept: torch.Tensor, request_ids: tuple[str, ...], vocab_size: int
+) -> None:
+    """Every accepted token id lies in the vocabulary (rejected drafts may hold anything)."""
+    steps = torch.arange(tokens.shape[1], device=tokens.device)
+    accepted = steps < accept.to(tokens.device)[:, None]
+    bad = ((tokens < 0) | (tokens >= vocab_size)) & accepted
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise WorkerResultError(
+            f"request {request_ids[row]}: accepted token {int(tokens[row, col])} at run "
+            f"position {col} is outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def _check_frontier(
+    result: GenerationBatchResult,
+    request_ids: tuple[str, ...],
+    seq_lens: torch.Tensor,
+    published: torch.Tensor | None,
+    accept: torch.Tensor,
+    decode: bool,
+) -> None:
+    """The published frontier is where the accepted runs end."""
+    frontier = published if published is not None else result.new_seq_lens
+    if frontier is None:
+        raise WorkerResultError("worker published no frontier (no on_publish, no new_seq_lens)")
+    expected = seq_lens + accept.to(seq_lens.device) if decode else seq_lens
+    if frontier.shape != expected.shape or frontier.dtype not in _INTEGER_DTYPES:
+        raise WorkerResultError(
+            f"worker published a frontier of dtype {frontier.dtype} and shape "
+            f"{tuple(frontier.shape)}; expected integer {tuple(expected.shape)}"
+        )
+    wrong = frontier.to(expected.device, torch.int64) != expected
+    if bool(wrong.any()):
+        row = int(wrong.nonzero()[0, 0])
+        rule = "seq_lens + accept_lens" if decode else "the extend end"
+        raise WorkerResultError(
+            f"request {request_ids[row]}: published frontier {int(frontier[row])} but {rule} "
+            f"is {int(expected[row])} (seq_lens {int(seq_lens[row])}, accept "
+            f"{int(accept[row])})"
+        )
