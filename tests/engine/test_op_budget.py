@@ -22,13 +22,12 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.engine.invariants import check_engine
 from specstate.tools.timed_worker import TimedWaitWorker
 
-TORCH_OPS_PER_ROUND = {1: 65, 16: 64}
+TORCH_OPS_PER_ROUND = {1: 45, 16: 44}
 """Torch calls of one steady decode round, by page size (engine and the timed-wait worker).
 
-About half are the always-on check of the worker's result (dtypes, accept lengths, token ids,
-the published frontier); most of the rest are metadata reads (``shape``, ``numel``,
-``numpy()``). The host bookkeeping itself runs on NumPy views; a page size of 1 maps new pages
-every round (16 does not, in the counted round)."""
+Most are metadata reads (``shape``, ``dtype``, ``numel``, ``numpy()``): the host bookkeeping
+and the always-on check of the worker's result run on NumPy views. A page size of 1 maps new
+pages every round (16 does not, in the counted round)."""
 
 
 class _CountTorch(TorchFunctionMode):

@@ -22,6 +22,10 @@ Always on (a fixed number of tensor operations per round, whatever the batch siz
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from specstate.batch.result import GenerationBatchResult
@@ -44,6 +48,9 @@ def check_result(
 ) -> None:
     """Raise `WorkerResultError` unless ``result`` fits its batch (see the module docstring).
 
+    The checks run on host arrays (NumPy views of CPU tensors; a device tensor is copied to
+    the host first, as settlement needs it there anyway).
+
     Args:
         result: what the worker returned.
         request_ids: the batch's request ids, one per row.
@@ -54,8 +61,7 @@ def check_result(
         vocab_size: the model's vocabulary size.
     """
     b = len(request_ids)
-    tokens, accept = result.next_token_ids, result.accept_lens
-    for name, t in (("next_token_ids", tokens), ("accept_lens", accept)):
+    for name, t in (("next_token_ids", result.next_token_ids), ("accept_lens", result.accept_lens)):
         if t.dtype not in _INTEGER_DTYPES or t.dim() != 1:
             raise WorkerResultError(
                 f"worker returned {name} of dtype {t.dtype} and shape {tuple(t.shape)}; "
@@ -66,27 +72,35 @@ def check_result(
     if b == 0:
         return
     limit = min(result.stride, max_accept) if decode else 1
-    accept = accept.to(torch.int64)
-    low, high = int(accept.min()), int(accept.max())
-    if low < 1 or high > limit:
-        row = int(((accept < 1) | (accept > limit)).nonzero()[0, 0])
+    accept = _host(result.accept_lens).astype(np.int64, copy=False)
+    outside = (accept < 1) | (accept > limit)
+    if np.count_nonzero(outside):
+        row = int(np.flatnonzero(outside)[0])
         raise WorkerResultError(
             f"request {request_ids[row]}: accept length {int(accept[row])} outside [1, {limit}] "
             f"(stride {result.stride}, max_accept {max_accept})"
         )
-    _check_tokens(tokens.view(b, result.stride), accept, request_ids, vocab_size)
-    _check_frontier(result, request_ids, seq_lens, published, accept, decode)
+    tokens = _host(result.next_token_ids).reshape(b, result.stride)
+    _check_tokens(tokens, accept, request_ids, vocab_size)
+    _check_frontier(result, request_ids, _host(seq_lens), published, accept, decode)
+
+
+def _host(t: torch.Tensor) -> npt.NDArray[np.integer[Any]]:
+    """A host array of ``t`` (a view for a CPU tensor)."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
 def _check_tokens(
-    tokens: torch.Tensor, accept: torch.Tensor, request_ids: tuple[str, ...], vocab_size: int
+    tokens: npt.NDArray[np.integer[Any]],
+    accept: npt.NDArray[np.int64],
+    request_ids: tuple[str, ...],
+    vocab_size: int,
 ) -> None:
     """Every accepted token id lies in the vocabulary (rejected drafts may hold anything)."""
-    steps = torch.arange(tokens.shape[1], device=tokens.device)
-    accepted = steps < accept.to(tokens.device)[:, None]
+    accepted = np.arange(tokens.shape[1]) < accept[:, None]
     bad = ((tokens < 0) | (tokens >= vocab_size)) & accepted
-    if bool(bad.any()):
-        row, col = (int(x) for x in bad.nonzero()[0])
+    if np.count_nonzero(bad):
+        row, col = (int(x) for x in np.argwhere(bad)[0])
         raise WorkerResultError(
             f"request {request_ids[row]}: accepted token {int(tokens[row, col])} at run "
             f"position {col} is outside the vocabulary [0, {vocab_size})"
@@ -96,24 +110,25 @@ def _check_tokens(
 def _check_frontier(
     result: GenerationBatchResult,
     request_ids: tuple[str, ...],
-    seq_lens: torch.Tensor,
+    seq_lens: npt.NDArray[np.integer[Any]],
     published: torch.Tensor | None,
-    accept: torch.Tensor,
+    accept: npt.NDArray[np.int64],
     decode: bool,
 ) -> None:
     """The published frontier is where the accepted runs end."""
-    frontier = published if published is not None else result.new_seq_lens
-    if frontier is None:
+    frontier_t = published if published is not None else result.new_seq_lens
+    if frontier_t is None:
         raise WorkerResultError("worker published no frontier (no on_publish, no new_seq_lens)")
-    expected = seq_lens + accept.to(seq_lens.device) if decode else seq_lens
-    if frontier.shape != expected.shape or frontier.dtype not in _INTEGER_DTYPES:
+    expected = seq_lens + accept if decode else seq_lens
+    if tuple(frontier_t.shape) != expected.shape or frontier_t.dtype not in _INTEGER_DTYPES:
         raise WorkerResultError(
-            f"worker published a frontier of dtype {frontier.dtype} and shape "
-            f"{tuple(frontier.shape)}; expected integer {tuple(expected.shape)}"
+            f"worker published a frontier of dtype {frontier_t.dtype} and shape "
+            f"{tuple(frontier_t.shape)}; expected integer {expected.shape}"
         )
-    wrong = frontier.to(expected.device, torch.int64) != expected
-    if bool(wrong.any()):
-        row = int(wrong.nonzero()[0, 0])
+    frontier = _host(frontier_t)
+    wrong = frontier != expected
+    if np.count_nonzero(wrong):
+        row = int(np.flatnonzero(wrong)[0])
         rule = "seq_lens + accept_lens" if decode else "the extend end"
         raise WorkerResultError(
             f"request {request_ids[row]}: published frontier {int(frontier[row])} but {rule} "
