@@ -32,15 +32,15 @@ def _req(checker: OwnershipChecker, rid: str = "r1", prompt: tuple[int, ...] = (
     ("prompt", "params", "message"),
     [
         ((), SamplingParams(), "prompt is empty"),
-        ((1, 2), SamplingParams(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
-        ((1, 2), SamplingParams(max_new_tokens=-3), "max_new_tokens must be >= 1, got -3"),
+        ((1, 2), SamplingParams(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        ((1, 2), SamplingParams(max_new_tokens=-3), "max_new_tokens must be an integer >= 1, got -3"),
         ((1, 100, 101), SamplingParams(), r"2 prompt token ids outside .*\[0, 100\), first 100"),
         ((1, -1), SamplingParams(), "first -1"),
         (tuple(range(16)), SamplingParams(), "prompt of 16 tokens leaves no room in .* 16"),
         ((1,), SamplingParams(stop_token_ids={100}), r"stop_token_ids \[100\] outside"),
-        ((1,), SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-        ((1,), SamplingParams(top_k=0), "top_k must be >= 1"),
-        ((1,), SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ((1,), SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0"),
+        ((1,), SamplingParams(top_k=0), "top_k must be an integer >= 1"),
+        ((1,), SamplingParams(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
     ],
 )
 def test_bad_input_is_rejected_naming_the_request(

@@ -23,6 +23,8 @@ for; `Req.check_incarnation` refuses it after a retraction, and a reused request
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Protocol
 
@@ -89,7 +91,31 @@ class FinishState:
 
 
 def _stop_ids(value: Iterable[int]) -> frozenset[int]:
-    return frozenset(int(v) for v in value)
+    """A frozenset of the given ids, as given (`SamplingParams.problems` checks their types).
+
+    Raises:
+        InvalidRequest: ``value`` is a string, bytes or a single number, not a collection.
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequest(
+            f"stop_token_ids must be a collection of token ids, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    return frozenset(value)
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (True is not a token id or a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A finite real number that is not a bool."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -111,17 +137,22 @@ class SamplingParams:
     def problems(self, vocab_size: int) -> list[str]:
         """Every way these parameters are invalid for a vocabulary of ``vocab_size``."""
         found = []
-        if self.max_new_tokens <= 0:
-            found.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        bad_stop = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
+            found.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        not_ids = [t for t in self.stop_token_ids if not _is_int(t)]
+        if not_ids:
+            found.append(f"stop_token_ids must be integers, got {sorted(map(repr, not_ids))}")
+        bad_stop = sorted(t for t in self.stop_token_ids if _is_int(t) and not 0 <= t < vocab_size)
         if bad_stop:
             found.append(f"stop_token_ids {bad_stop} outside the vocabulary [0, {vocab_size})")
-        if not self.temperature >= 0.0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            found.append(f"top_k must be >= 1 or None, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            found.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.ignore_eos, bool):
+            found.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_finite(self.temperature) or not self.temperature >= 0.0:
+            found.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            found.append(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            found.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         return found
 
 
@@ -239,8 +270,13 @@ class Req:
                 ``max_new_tokens < 1``, token ids outside the vocabulary, a prompt that leaves
                 no room in the context, bad sampling values).
         """
-        prompt = tuple(int(t) for t in prompt_ids)
-        problems = _prompt_problems(prompt, limits) + sampling.problems(limits.vocab_size)
+        prompt, problems = _read_prompt(prompt_ids)
+        if not problems:
+            problems = _prompt_problems(prompt, limits)
+        if not isinstance(sampling, SamplingParams):
+            problems.append(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        else:
+            problems += sampling.problems(limits.vocab_size)
         if not isinstance(request_id, str) or not request_id:
             problems.insert(0, "request id must be a non-empty string")
         if problems:
@@ -395,6 +431,33 @@ class Req:
                 f"request {self.request_id}: {len(tokens)} tokens for {where} request refused"
             )
         self._output_ids.extend(int(t) for t in tokens)
+
+
+def _read_prompt(prompt_ids: object) -> tuple[tuple[int, ...], list[str]]:
+    """The prompt as Python ints, or the problems that prevent reading it.
+
+    A prompt is a sequence of integer token ids (a list, a tuple, a range, or a 1-D integer
+    tensor or array); a string is not a sequence of token ids, and a bool is not a token id.
+    """
+    if hasattr(prompt_ids, "tolist") and hasattr(prompt_ids, "dtype"):  # a tensor or array
+        kind = str(prompt_ids.dtype)
+        if "int" not in kind or getattr(prompt_ids, "ndim", 1) != 1:
+            return (), [f"prompt must be a 1-D integer tensor or array, got {kind}"]
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Iterable):
+        return (), [
+            f"prompt must be a sequence of token ids, got {type(prompt_ids).__name__} "
+            f"{prompt_ids!r:.40}"
+        ]
+    items = list(prompt_ids)
+    bad = [(i, t) for i, t in enumerate(items) if not _is_int(t)]
+    if bad:
+        i, t = bad[0]
+        return (), [
+            f"{len(bad)} prompt entries are not integer token ids, first at {i}: "
+            f"{type(t).__name__} {t!r:.20}"
+        ]
+    return tuple(int(t) for t in items), []
 
 
 def _prompt_problems(prompt: tuple[int, ...], limits: RequestLimits) -> list[str]:

@@ -203,6 +203,8 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
         """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests and not self._requests[request_id].is_finished:
             raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
         req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)

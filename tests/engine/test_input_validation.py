@@ -1,0 +1,92 @@
+"""Bad user input is refused at `submit` with `InvalidRequest`, and the engine is unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from specstate import Engine, EngineConfig, InvalidRequest, RequestLimits, SamplingParams
+from specstate.engine.invariants import check_engine
+from specstate.tools.timed_worker import TimedWaitWorker
+
+LIMITS = RequestLimits(vocab_size=32, max_context_len=64, eos_token_ids={31})
+
+
+def _engine() -> Engine:
+    config = EngineConfig(overlap=False, kv_tokens=512, check_invariants=True)
+    return Engine(TimedWaitWorker(device_seconds=0.0), limits=LIMITS, config=config)
+
+
+BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
+    "fractional max_new_tokens": ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+    "string max_new_tokens": ({"max_new_tokens": "5"}, "max_new_tokens must be an integer"),
+    "bool max_new_tokens": ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+    "fractional top_k": ({"top_k": 2.5}, "top_k must be an integer"),
+    "infinite temperature": ({"temperature": float("inf")}, "temperature must be a finite"),
+    "NaN top_p": ({"top_p": float("nan")}, "top_p must be a number in"),
+    "string stop ids": ({"stop_token_ids": ["3"]}, "stop_token_ids must be integers"),
+    "bool stop ids": ({"stop_token_ids": [True]}, "stop_token_ids must be integers"),
+    "integer ignore_eos": ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_bad_sampling_values_are_refused(case: str) -> None:
+    """Wrong types and non-finite numbers in SamplingParams are refused, naming the field."""
+    fields, message = BAD_PARAMS[case]
+    with _engine() as engine:
+        before = engine.snapshot()
+        with pytest.raises(InvalidRequest, match=f"request 'r': .*{message}"):
+            engine.submit("r", [1, 2, 3], SamplingParams(**fields))
+        assert engine.snapshot() == before and engine.is_idle
+        check_engine(engine)
+
+
+def test_a_string_of_stop_ids_is_not_a_collection() -> None:
+    """stop_token_ids="32" is refused instead of being read as the ids 3 and 2."""
+    with pytest.raises(InvalidRequest, match="stop_token_ids must be a collection"):
+        SamplingParams(stop_token_ids="32")  # type: ignore[arg-type]
+
+
+BAD_PROMPTS: dict[str, tuple[Any, str]] = {
+    "a string of digits": ("104105", "prompt must be a sequence of token ids, got str"),
+    "strings": (["5", "6"], "2 prompt entries are not integer token ids, first at 0: str"),
+    "bools": ([True, False], "not integer token ids, first at 0: bool"),
+    "floats": ([1.0, 2.5], "not integer token ids, first at 0: float"),
+    "a float tensor": (torch.tensor([1.0, 2.0]), "1-D integer tensor or array, got torch.float32"),
+    "a 2-D array": (np.ones((2, 2), dtype=np.int64), "1-D integer tensor or array"),
+    "a number": (7, "prompt must be a sequence of token ids, got int"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PROMPTS))
+def test_bad_prompts_are_refused(case: str) -> None:
+    """A prompt must be integer token ids; strings, bools and floats are refused."""
+    prompt, message = BAD_PROMPTS[case]
+    with _engine() as engine:
+        with pytest.raises(InvalidRequest, match=message):
+            engine.submit("r", prompt, SamplingParams())
+        assert engine.is_idle
+        check_engine(engine)
+
+
+def test_integer_tensors_and_arrays_are_prompts() -> None:
+    """1-D integer tensors, arrays and ranges are read as the same prompt."""
+    with _engine() as engine:
+        prompts: list[Any] = [torch.tensor([1, 2, 3]), np.array([1, 2, 3]), range(1, 4)]
+        for i, prompt in enumerate(prompts):
+            req = engine.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=2))
+            assert req.prompt_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("request_id", [None, 7, "", ["a"]])
+def test_a_request_id_must_be_a_non_empty_string(request_id: Any) -> None:
+    """Non-string or empty ids (even unhashable ones) are refused with InvalidRequest."""
+    with (
+        _engine() as engine,
+        pytest.raises(InvalidRequest, match="request id must be a non-empty string"),
+    ):
+        engine.submit(request_id, [1, 2], SamplingParams())
