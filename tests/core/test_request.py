@@ -33,7 +33,11 @@ def _req(checker: OwnershipChecker, rid: str = "r1", prompt: tuple[int, ...] = (
     [
         ((), SamplingParams(), "prompt is empty"),
         ((1, 2), SamplingParams(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
-        ((1, 2), SamplingParams(max_new_tokens=-3), "max_new_tokens must be an integer >= 1, got -3"),
+        (
+            (1, 2),
+            SamplingParams(max_new_tokens=-3),
+            "max_new_tokens must be an integer >= 1, got -3",
+        ),
         ((1, 100, 101), SamplingParams(), r"2 prompt token ids outside .*\[0, 100\), first 100"),
         ((1, -1), SamplingParams(), "first -1"),
         (tuple(range(16)), SamplingParams(), "prompt of 16 tokens leaves no room in .* 16"),

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from specstate import Engine, EngineConfig, InvalidRequest, RequestLimits, SamplingParams
+from specstate import (
+    Engine,
+    EngineConfig,
+    InvalidConfig,
+    InvalidRequest,
+    RequestLimits,
+    SamplingParams,
+)
 from specstate.engine.invariants import check_engine
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -90,3 +100,35 @@ def test_a_request_id_must_be_a_non_empty_string(request_id: Any) -> None:
         pytest.raises(InvalidRequest, match="request id must be a non-empty string"),
     ):
         engine.submit(request_id, [1, 2], SamplingParams())
+
+
+BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "negative chunk": ({"chunked_prefill": -1}, "chunked_prefill must be None or an integer"),
+    "zero prefill budget": ({"max_prefill_tokens": 0}, "max_prefill_tokens must be an integer"),
+    "fractional page": ({"page_size": 2.5}, "page_size must be an integer >= 1, got 2.5"),
+    "unknown device": ({"device": "nonsense"}, "device 'nonsense' is not a torch device"),
+    "integer flag": ({"overlap": 1}, "overlap must be a bool, got 1"),
+    "pool under two pages": ({"page_size": 16, "kv_tokens": 20}, r"kv_tokens must be .* \(32\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_engine_configs_are_refused(case: str) -> None:
+    """EngineConfig refuses wrong types and sizes with InvalidConfig naming the field."""
+    fields, message = BAD_CONFIGS[case]
+    with pytest.raises(InvalidConfig, match=f"EngineConfig: .*{message}"):
+        EngineConfig(**fields)
+
+
+def test_generate_reports_a_bad_config_instead_of_looping(tmp_path: Path) -> None:
+    """`specstate generate --chunked-prefill -1` exits 2 with one line, at once."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": "a", "input_ids": [1, 2], "max_new_tokens": 2}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "specstate.tools.cli", "generate", "--model", str(tmp_path),
+         "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+         "--chunked-prefill", "-1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "chunked_prefill must be None or an integer >= 1, got -1" in proc.stderr

@@ -80,6 +80,39 @@ class EngineConfig:
     debug_relay: bool = False
     device: str = "cpu"
 
+    def __attrs_post_init__(self) -> None:
+        """Refuse wrong types and sizes at once, naming every field that is wrong."""
+        flags = ("overlap", "mixed_chunk", "check_invariants", "check_ownership", "debug_relay")
+        problems = [
+            f"{name} must be a bool, got {getattr(self, name)!r}"
+            for name in flags
+            if not isinstance(getattr(self, name), bool)
+        ]
+        for name, low in (("page_size", 1), ("max_running", 1), ("max_prefill_tokens", 1)):
+            value = getattr(self, name)
+            if not _is_count(value, low):
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+        if _is_count(self.page_size, 1) and not _is_count(self.kv_tokens, 2 * self.page_size):
+            problems.append(
+                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
+                f"got {self.kv_tokens!r}"
+            )
+        if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
+            problems.append(
+                f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
+            )
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            problems.append(f"device {self.device!r} is not a torch device")
+        if problems:
+            raise InvalidConfig("EngineConfig: " + "; ".join(problems))
+
+
+def _is_count(value: object, low: int) -> bool:
+    """An integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
 
 @attrs.frozen(kw_only=True)
 class StepReport:

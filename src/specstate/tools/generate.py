@@ -120,8 +120,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the command; 0 on success, 2 on bad input or configuration."""
     try:
         requests = _read_requests(args.input)
-        worker, limits = build_worker(args)
-        config = EngineConfig(
+        config = EngineConfig(  # before loading the model: a bad flag fails at once
             overlap=args.overlap,
             page_size=args.page_size,
             kv_tokens=args.kv_tokens,
@@ -130,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             check_invariants=args.check_invariants,
             check_ownership=args.check_invariants,
         )
+        worker, limits = build_worker(args)
         with Engine(worker, limits=limits, config=config) as engine:
             reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
             trace = args.trace.open("w", encoding="utf-8") if args.trace else None
