@@ -19,7 +19,9 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── DoubleRelease           KV or a request slot released twice, or by a stale generation
     ├── StaleResult             a result for an old incarnation of a request (refused)
     ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
-    └── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
+    ├── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
+    └── UsageError              an engine used against its contract: after close, from a second
+                                thread
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "ReservationExceeded",
     "SpecStateError",
     "StaleResult",
+    "UsageError",
     "WorkerResultError",
 ]
 
@@ -86,3 +89,7 @@ class RelayError(SpecStateError):
 
 class WorkerResultError(SpecStateError):
     """A worker result broke the forward contract; its batch fails, the engine keeps serving."""
+
+
+class UsageError(SpecStateError):
+    """An engine was used against its contract (after `close`, or from a second thread)."""

@@ -12,6 +12,11 @@ stash the next round's inputs, then record the result copy event. The host settl
 after that event. A request that ends while a later batch is in flight keeps its KV until that
 batch retires (`DeferredReleases`).
 
+Threading: one thread drives an engine — `submit`, `abort`, `step`, `run_until_idle`,
+`generate` and `close` all come from the thread that first called one of them; a call from
+another thread raises `UsageError` and changes nothing (the forward stream's own thread is the
+engine's, not a caller). After `close`, every call but `close` raises `UsageError`.
+
 Invariant: after every `step`, with ``check_invariants`` on, `check_engine` holds: the ledger is
 ordered, the pools balance, every open slot belongs to exactly one live or deferred request,
 and every running request that has no result in flight satisfies ``seqlen == committed + 1``.
@@ -19,13 +24,15 @@ and every running request that has no result in flight satisfies ``seqlen == com
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 
 import attrs
 import torch
 
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.errors import InvalidConfig, InvalidRequest
+from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import (
@@ -46,6 +53,8 @@ from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepReport"]
+
+_log = logging.getLogger("specstate")
 
 
 @attrs.frozen(kw_only=True)
@@ -232,10 +241,13 @@ class Engine:
         self._num_launched = 0
         self._num_retired = 0
         self._num_generated = 0
+        self._driver: int | None = None  # the driving thread's ident, set by the first call
+        self._closed = False
 
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
         """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
+        self._check_caller("submit")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests and not self._requests[request_id].is_finished:
@@ -263,6 +275,7 @@ class Engine:
 
     def abort(self, request_id: str, reason: str = "aborted by user") -> bool:
         """Abort a live request; True if it was live. Applied at the next step."""
+        self._check_caller("abort")
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return False
@@ -281,6 +294,7 @@ class Engine:
 
     def step(self) -> StepReport:
         """One iteration of the configured loop (see the module docstring)."""
+        self._check_caller("step")
         finished = self._apply_aborts()
         self._drain(self._num_retired)
         with self.checker.acting(Role.SCHEDULER):
@@ -327,8 +341,25 @@ class Engine:
         return [r.emitted_ids for r in reqs]
 
     def close(self) -> None:
-        """Stop the forward stream."""
+        """Stop the forward stream; later calls (but `close`) raise `UsageError`."""
+        if self._closed:
+            return
+        self._check_caller("close")
+        self._closed = True
         self._launcher.close()
+
+    def _check_caller(self, call: str) -> None:
+        """Refuse a call after `close` or from a thread other than the driving one."""
+        if self._closed:
+            raise UsageError(f"Engine.{call}() after close()")
+        me = threading.get_ident()
+        if self._driver is None:
+            self._driver = me
+        elif me != self._driver:
+            raise UsageError(
+                f"Engine.{call}() from thread {threading.current_thread().name!r}: one thread "
+                f"drives an engine (thread id {self._driver} made the first call)"
+            )
 
     def __enter__(self) -> Engine:
         return self
@@ -350,11 +381,20 @@ class Engine:
         if error is not None or result is None:
             failure = error if error is not None else RuntimeError("no result")
             ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
+            _log.error(
+                "batch %d (%s, %d requests) failed; its requests end with ERROR",
+                flight.batch_id,
+                plan.batch.forward_mode.value,
+                plan.batch.batch_size,
+                exc_info=failure,
+            )
         else:
             ended = list(self._settle_result(plan, result).finished)
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise error  # the batch is contained; the interruption is the caller's to handle
         return tuple(r.request_id for r in ended)
 
     def _settle_result(self, plan: LaunchPlan, result: GenerationBatchResult) -> Settlement:

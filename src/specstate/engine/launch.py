@@ -179,7 +179,9 @@ class Launcher:
             if result.next_draft_input is not None:
                 self.future_map.stash(indices, result.next_draft_input)
             flight.result = result
-        except Exception as exc:  # handed to the host; the stream goes on
+        except BaseException as exc:  # handed to the host; the stream goes on
+            # NOTE: BaseException too: a KeyboardInterrupt or a custom BaseException raised by
+            # the worker must not poison the stream; the host re-raises the interrupting ones.
             flight.error = exc
             # Isolation restored the bindings, so these are the inputs as resolved (if resolved).
             lens, ids = self._fallback(batch.seq_lens, indices, batch.input_ids)
