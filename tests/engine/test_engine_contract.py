@@ -127,3 +127,19 @@ def test_nothing_runs_after_close() -> None:
         with pytest.raises(UsageError, match=r"after close\(\)"):
             call()
     engine.close()
+
+
+def test_ended_requests_are_forgotten_past_the_history() -> None:
+    """A long-running engine keeps only the last `finished_history` ended requests."""
+    config = EngineConfig(overlap=True, kv_tokens=512, check_invariants=True, finished_history=3)
+    with Engine(TimedWaitWorker(device_seconds=0.0), limits=LIMITS, config=config) as engine:
+        reqs = [engine.submit(f"r{i}", [1, 2], PARAMS) for i in range(8)]
+        assert _drive(engine) == 0
+        again = engine.submit("r7", [3], PARAMS)  # an id reused while its old request is kept
+        assert _drive(engine) == 0
+        kept = [r.request_id for r in reqs if r.request_id in engine._requests]
+        assert len(kept) <= 3 and engine.request("r7") is again
+        for req in reqs[:4]:
+            with pytest.raises(KeyError):
+                engine.request(req.request_id)
+    assert all(len(r.emitted_ids) == 6 for r in reqs)  # the caller's objects stay valid

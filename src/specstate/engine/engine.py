@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 import attrs
@@ -75,6 +76,9 @@ class EngineConfig:
         check_ownership: run-time ownership checks on every counter write (on in tests).
         debug_relay: FutureMap consume-once checks and poisoned buffers.
         device: where batch tensors live (the worker's device).
+        finished_history: how many ended requests `Engine.request` still finds by id; older
+            ones are forgotten (the `Req` objects returned by `submit` stay valid), so a
+            long-running engine holds bounded memory.
     """
 
     overlap: bool = True
@@ -88,6 +92,7 @@ class EngineConfig:
     check_ownership: bool = False
     debug_relay: bool = False
     device: str = "cpu"
+    finished_history: int = 10_000
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
@@ -105,6 +110,10 @@ class EngineConfig:
             problems.append(
                 f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
                 f"got {self.kv_tokens!r}"
+            )
+        if not _is_count(self.finished_history, 0):
+            problems.append(
+                f"finished_history must be an integer >= 0, got {self.finished_history!r}"
             )
         if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
             problems.append(
@@ -236,6 +245,7 @@ class Engine:
             )
         )
         self._requests: dict[str, Req] = {}
+        self._ended: deque[Req] = deque()  # ended requests still findable, oldest first
         self._aborts: dict[int, str] = {}
         self._in_flight: InFlight | None = None
         self._num_launched = 0
@@ -316,6 +326,7 @@ class Engine:
             self._drain(self._num_launched)
         if self.config.check_invariants:
             check_engine(self)
+        self._remember_ended(finished)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
@@ -431,6 +442,15 @@ class Engine:
         self._aborts.pop(id(req), None)
         if self.allocator.holds_slot(req):
             self.deferred.defer(req, until_batch=self._num_launched)
+
+    def _remember_ended(self, request_ids: tuple[str, ...]) -> None:
+        """Keep the last ``finished_history`` ended requests findable; forget older ones."""
+        for rid in request_ids:
+            self._ended.append(self._requests[rid])
+        while len(self._ended) > self.config.finished_history:
+            old = self._ended.popleft()
+            if self._requests.get(old.request_id) is old:  # not a live reuse of the id
+                del self._requests[old.request_id]
 
     def _drain(self, retired: int) -> None:
         with self.checker.acting(Role.SCHEDULER):
