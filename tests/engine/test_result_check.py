@@ -16,6 +16,7 @@ import pytest
 import torch
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
@@ -23,7 +24,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import check_engine
-from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.worker import OnPublish, WorkerProtocol
 
 Corrupt = Callable[[GenerationBatchResult], GenerationBatchResult]
 NEW_TOKENS = 12
@@ -35,24 +36,15 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
     return make_spec_checkpoints(tmp_path_factory.mktemp("result_check"))
 
 
-class _CorruptOnce:
+class _CorruptOnce(SpyWorker):
     """Passes a real worker through, corrupting its second decode result (and what it publishes)."""
 
     def __init__(self, inner: WorkerProtocol, corrupt: Corrupt, *, frontier_shift: int = 0):
-        self._inner = inner
+        super().__init__(inner)
         self._corrupt = corrupt
         self._shift = frontier_shift
         self._decodes = 0
         self.corrupted = False
-
-    @property
-    def capabilities(self) -> WorkerCapabilities:
-        """The inner worker's."""
-        return self._inner.capabilities
-
-    def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
-        self._inner.attach(memory)
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
