@@ -49,4 +49,64 @@ def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [1]}\n{"id": "b"}\n')
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl")]
     assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
-    assert "in.jsonl:2: bad request line" in capsys.readouterr().err
+    assert 'in.jsonl:2: "input_ids" must be a list of integers' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"id": "a", "input_ids": "104105"}', '"input_ids" must be a list of integers'),
+        ('{"id": "a", "input_ids": [1.5, 2]}', '"input_ids" must be a list of integers'),
+        ('{"id": "a", "input_ids": [true, 2]}', '"input_ids" must be a list of integers'),
+        ('{"id": "a", "input_ids": [1e400]}', '"input_ids" must be a list of integers'),
+        ('{"id": null, "input_ids": [1]}', '"id" must be a non-empty string, got None'),
+        ('{"id": "a", "input_ids": [1], "stop_token_ids": "32"}', '"stop_token_ids" must be'),
+        ('{"id": "a", "input_ids": [1], "max_new_tokens": 2.5}', '"max_new_tokens" must be'),
+        ('{"id": "a", "input_ids": [1], "max_tokens": 5}', "unknown fields ['max_tokens']"),
+        ('["a", [1]]', "a request line must be a JSON object"),
+    ],
+)
+def test_wrong_json_types_are_refused_not_misread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, message: str
+) -> None:
+    """Wrong types and unknown fields exit 2 naming the line, before any model loads."""
+    (tmp_path / "in.jsonl").write_text(line + "\n")
+    argv = [
+        "generate",
+        "--model",
+        str(tmp_path / "no-model"),
+        "--input",
+        str(tmp_path / "in.jsonl"),
+    ]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "in.jsonl:1: " in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["missing/dir/out.jsonl", "."])
+def test_an_unwritable_output_fails_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """An output in a missing directory, or a directory, exits 2 before the model loads."""
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [1]}\n')
+    argv = [
+        "generate",
+        "--model",
+        str(tmp_path / "no-model"),
+        "--input",
+        str(tmp_path / "in.jsonl"),
+    ]
+    assert main([*argv, "--output", str(tmp_path / where)]) == 2
+    assert "--output" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{\x00", None], ids=["binary", "missing"])
+def test_an_unreadable_input_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None
+) -> None:
+    """A missing or undecodable input file exits 2 with one line naming it."""
+    if content is not None:
+        (tmp_path / "in.jsonl").write_bytes(content)
+    argv = ["generate", "--model", str(tmp_path), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "in.jsonl: cannot read the requests" in capsys.readouterr().err

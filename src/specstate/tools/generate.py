@@ -5,7 +5,11 @@ Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths"}``. With ``--trace FILE`` every step is written as one JSON line (what was
 launched, what finished or was retracted, queue sizes, free pages).
 
-Bad input lines fail before any request runs, naming the line.
+Input is read strictly: a line with an unknown field or a wrong type (a string of digits for
+``input_ids``, a float, a bool, a null ``id``) fails before any request runs, naming the file,
+the line and the field; so does an output path that cannot be written. Result rows are written
+in input order as soon as a request and every earlier one have ended, so nothing computed is
+lost if the run stops.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import IO
 import attrs
 
 from specstate.core.errors import InvalidRequest, SpecStateError
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig, StepReport
 from specstate.engine.worker import WorkerProtocol
 
@@ -53,26 +57,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-invariants", action="store_true")
 
 
+_FIELDS = frozenset({"id", "input_ids", "max_new_tokens", "stop_token_ids"})
+
+
 def _read_requests(path: Path) -> list[_Line]:
+    """Every request line of ``path``; `InvalidRequest` naming the file, line and field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"{path}: cannot read the requests ({exc})") from None
     lines = []
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-            lines.append(
-                _Line(
-                    request_id=str(obj["id"]),
-                    input_ids=tuple(int(t) for t in obj["input_ids"]),
-                    params=SamplingParams(
-                        max_new_tokens=int(obj.get("max_new_tokens", 128)),
-                        stop_token_ids=obj.get("stop_token_ids", ()),
-                    ),
-                )
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"{path}:{number}: bad request line ({exc!r})") from None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if raw.strip():
+            lines.append(_parse_line(raw, f"{path}:{number}"))
     return lines
+
+
+def _parse_line(raw: str, where: str) -> _Line:
+    """One request object, with exact types: nothing is converted or silently ignored."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{where}: a request line must be a JSON object")
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise InvalidRequest(f"{where}: unknown fields {unknown} (known: {sorted(_FIELDS)})")
+    rid, ids = obj.get("id"), obj.get("input_ids")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest(f'{where}: "id" must be a non-empty string, got {rid!r}')
+    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+        raise InvalidRequest(f'{where}: "input_ids" must be a list of integers, got {ids!r:.60}')
+    cap = obj.get("max_new_tokens", 128)
+    if not _is_id(cap):
+        raise InvalidRequest(f'{where}: "max_new_tokens" must be an integer, got {cap!r}')
+    stops = obj.get("stop_token_ids", [])
+    if not isinstance(stops, list) or not all(_is_id(t) for t in stops):
+        raise InvalidRequest(
+            f'{where}: "stop_token_ids" must be a list of integers, got {stops!r:.60}'
+        )
+    return _Line(
+        request_id=rid,
+        input_ids=tuple(ids),
+        params=SamplingParams(max_new_tokens=cap, stop_token_ids=stops),
+    )
+
+
+def _is_id(value: object) -> bool:
+    """A JSON integer (JSON true/false are bools, and 1e400 is a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _open_output(path: Path) -> IO[str]:
+    """The output file, opened before any work (a bad path fails at once, nothing lost)."""
+    try:
+        return path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise InvalidRequest(f"--output {path}: cannot write ({exc.strerror or exc})") from None
 
 
 def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimits]:
@@ -107,13 +149,37 @@ def _trace_row(step: int, engine: Engine, report: StepReport) -> str:
     return json.dumps(row)
 
 
-def _drive(engine: Engine, trace: IO[str] | None) -> None:
+class _Writer:
+    """Writes result rows in input order, each as soon as it and every earlier one ended."""
+
+    def __init__(self, out: IO[str], reqs: list[Req]) -> None:
+        self._out = out
+        self._reqs = reqs
+        self._next = 0
+
+    def flush_finished(self) -> None:
+        """Write every finished request not written yet that follows the rows written."""
+        while self._next < len(self._reqs) and self._reqs[self._next].is_finished:
+            r = self._reqs[self._next]
+            row = {
+                "id": r.request_id,
+                "output_ids": list(r.emitted_ids),
+                "finish_reason": None if r.finish is None else r.finish.reason.value,
+                "accept_lengths": list(r.accept_lengths),
+            }
+            print(json.dumps(row), file=self._out, flush=True)
+            self._next += 1
+
+
+def _drive(engine: Engine, trace: IO[str] | None, writer: _Writer) -> None:
     step = 0
     while not engine.is_idle:
         report = engine.step()
         step += 1
         if trace is not None:
             print(_trace_row(step, engine, report), file=trace)
+        writer.flush_finished()
+    writer.flush_finished()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,26 +195,17 @@ def run(args: argparse.Namespace) -> int:
             check_invariants=args.check_invariants,
             check_ownership=args.check_invariants,
         )
-        worker, limits = build_worker(args)
-        with Engine(worker, limits=limits, config=config) as engine:
-            reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
-            trace = args.trace.open("w", encoding="utf-8") if args.trace else None
-            try:
-                _drive(engine, trace)
-            finally:
-                if trace is not None:
-                    trace.close()
-            rows = [
-                {
-                    "id": r.request_id,
-                    "output_ids": list(r.emitted_ids),
-                    "finish_reason": None if r.finish is None else r.finish.reason.value,
-                    "accept_lengths": list(engine.results.accept_lengths(r)),
-                }
-                for r in reqs
-            ]
+        with _open_output(args.output) as out:  # before the model loads: a bad path fails now
+            worker, limits = build_worker(args)
+            with Engine(worker, limits=limits, config=config) as engine:
+                reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
+                trace = args.trace.open("w", encoding="utf-8") if args.trace else None
+                try:
+                    _drive(engine, trace, _Writer(out, reqs))
+                finally:
+                    if trace is not None:
+                        trace.close()
     except SpecStateError as exc:
         print(f"specstate generate: {exc}", file=sys.stderr)
         return 2
-    args.output.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return 0
