@@ -9,6 +9,7 @@ import pytest
 from specstate import (
     FinishReason,
     FinishState,
+    InvalidConfig,
     InvalidRequest,
     InvalidTransition,
     OwnershipChecker,
@@ -179,3 +180,18 @@ def test_emitted_ids_stop_at_finished_len(checker: OwnershipChecker) -> None:
     with checker.acting(Role.RESULT_PROCESSOR), pytest.raises(StaleResult, match="finished"):
         req.append_outputs([5])
     assert req.snapshot().output_ids == (3, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"vocab_size": 10, "max_context_len": 64, "eos_token_ids": {10}}, r"\['10'\] are not ids"),
+        ({"vocab_size": 10, "max_context_len": 64, "eos_token_ids": {-1}}, r"\['-1'\] are not ids"),
+        ({"vocab_size": 0, "max_context_len": 64}, "vocab_size must be an integer >= 1"),
+        ({"vocab_size": 10, "max_context_len": 1.5}, "max_context_len must be an integer"),
+    ],
+)
+def test_request_limits_refuse_impossible_models(fields: dict[str, object], message: str) -> None:
+    """An EOS id outside the vocabulary, or sizes no request can meet, are InvalidConfig."""
+    with pytest.raises(InvalidConfig, match=f"RequestLimits: .*{message}"):
+        RequestLimits(**fields)  # type: ignore[arg-type]

@@ -110,3 +110,24 @@ def test_an_unreadable_input_is_named(
     argv = ["generate", "--model", str(tmp_path), "--input", str(tmp_path / "in.jsonl")]
     assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "in.jsonl: cannot read the requests" in capsys.readouterr().err
+
+
+def test_draft_with_an_algorithm_that_has_none_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--draft with --algorithm none is an error, not silently ignored."""
+    make_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [1]}\n')
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--draft", str(tmp_path / "ckpt")]
+    argv += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    assert main(argv) == 2
+    assert "--draft is used by draft_model and eagle, not none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--max-new-tokens", "--num-steps", "--page-size"])
+def test_demo_refuses_non_positive_sizes(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`specstate demo --requests 0` is a usage error (it divided by zero)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", flag, "0"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err

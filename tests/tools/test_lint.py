@@ -78,3 +78,15 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert proc.stdout.startswith("a.py:2: augassign kv_allocated_len in f")
+
+
+def test_an_unparsable_file_is_reported_and_the_rest_still_scanned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A syntax error is one line on stderr, exit 2; violations elsewhere are still listed."""
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    (tmp_path / "adapter.py").write_text("def f(req):\n    req.kv_committed_len = 3\n")
+    assert cli_main(["lint", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "adapter.py:2:" in out
+    assert "broken.py:1: cannot parse (SyntaxError" in err and "Traceback" not in err

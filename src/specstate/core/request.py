@@ -30,7 +30,7 @@ from typing import Final, Protocol
 
 import attrs
 
-from specstate.core.errors import InvalidRequest, InvalidTransition, StaleResult
+from specstate.core.errors import InvalidConfig, InvalidRequest, InvalidTransition, StaleResult
 from specstate.core.ownership import OwnershipChecker, Role
 
 __all__ = [
@@ -163,6 +163,25 @@ class RequestLimits:
     vocab_size: int
     max_context_len: int
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_ids)
+
+    def __attrs_post_init__(self) -> None:
+        """Refuse limits no request could meet, or EOS ids the model cannot emit."""
+        problems = []
+        if not _is_int(self.vocab_size) or self.vocab_size < 1:
+            problems.append(f"vocab_size must be an integer >= 1, got {self.vocab_size!r}")
+        if not _is_int(self.max_context_len) or self.max_context_len < 2:
+            problems.append(
+                f"max_context_len must be an integer >= 2, got {self.max_context_len!r}"
+            )
+        bad = sorted(
+            repr(t)
+            for t in self.eos_token_ids
+            if not _is_int(t) or (_is_int(self.vocab_size) and not 0 <= t < self.vocab_size)
+        )
+        if bad:
+            problems.append(f"eos_token_ids {bad} are not ids in [0, {self.vocab_size!r})")
+        if problems:
+            raise InvalidConfig("RequestLimits: " + "; ".join(problems))
 
 
 @attrs.frozen(kw_only=True)

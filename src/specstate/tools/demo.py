@@ -51,14 +51,22 @@ class _RunResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
+def _positive(text: str) -> int:
+    """An integer >= 1 (argparse turns the ValueError into a usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` command's arguments."""
     parser.description = "Serve a built-in workload on the embedded model and report."
     parser.add_argument("--algorithm", choices=("eagle", "draft_model", "ngram"), default="eagle")
-    parser.add_argument("--num-steps", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=len(PROMPTS))
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-steps", type=_positive, default=4)
+    parser.add_argument("--requests", type=_positive, default=len(PROMPTS))
+    parser.add_argument("--max-new-tokens", type=_positive, default=96)
+    parser.add_argument("--page-size", type=_positive, default=16)
     parser.add_argument("--quiet", action="store_true", help="no per-step progress")
 
 

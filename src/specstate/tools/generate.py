@@ -128,6 +128,8 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         max_context_len=config.max_position_embeddings,
         eos_token_ids=frozenset(config.eos_token_ids),
     )
+    if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
+        raise InvalidRequest(f"--draft is used by draft_model and eagle, not {args.algorithm}")
     options: dict[str, object] = {"target": args.model}
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps

@@ -181,12 +181,22 @@ def _python_files(paths: Sequence[Path]) -> Iterator[tuple[Path, Path]]:
                 yield file, root
 
 
-def scan_paths(paths: Sequence[Path]) -> list[LintSite]:
-    """Every site in the Python files at or under ``paths`` (paths reported relative to each)."""
+def scan_paths(paths: Sequence[Path], errors: list[str] | None = None) -> list[LintSite]:
+    """Every site in the Python files at or under ``paths`` (paths reported relative to each).
+
+    With ``errors``, a file that cannot be read or parsed is recorded there (``file:line:
+    message``) and the scan goes on; without it the error is raised.
+    """
     sites: list[LintSite] = []
     for file, root in _python_files(paths):
         rel = file.relative_to(root).as_posix()
-        sites.extend(scan_source(file.read_text(encoding="utf-8-sig"), rel))
+        try:
+            sites.extend(scan_source(file.read_text(encoding="utf-8-sig"), rel))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
+            if errors is None:
+                raise
+            line = getattr(exc, "lineno", None) or 0
+            errors.append(f"{file}:{line}: cannot parse ({type(exc).__name__}: {exc})")
     return sites
 
 
@@ -217,18 +227,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print violations; 0 when none, 1 when any, 2 when a path does not exist."""
+    """Print violations; 0 when none, 1 when any, 2 when a path is missing or unparsable.
+
+    A file that cannot be parsed is reported and skipped; the others are still scanned.
+    """
     missing = [p for p in args.paths if not p.exists()]
     if missing:
         print(f"specstate lint: no such path: {missing[0]}", file=sys.stderr)
         return 2
-    found = [s for s in scan_paths(args.paths) if not _allowed(s, args.allow)]
+    errors: list[str] = []
+    found = [s for s in scan_paths(args.paths, errors) if not _allowed(s, args.allow)]
     for site in found:
         print(site.render())
+    for error in errors:
+        print(f"specstate lint: {error}", file=sys.stderr)
     if found:
         print(f"{len(found)} ownership violation(s)", file=sys.stderr)
-        return 1
-    return 0
+    if errors:
+        return 2
+    return 1 if found else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
