@@ -131,3 +131,24 @@ def test_demo_refuses_non_positive_sizes(flag: str, capsys: pytest.CaptureFixtur
         main(["demo", flag, "0"])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"), [((), "float32"), (("--dtype", "checkpoint"), "float16")]
+)
+def test_generate_runs_in_float32_unless_asked(flags: tuple[str, ...], dtype: str) -> None:
+    """The shipped fp16 weights run in float32 by default (lossless on a CPU)."""
+    import argparse
+
+    import torch
+
+    from specstate.reference.embedded import target_dir
+    from specstate.tools.generate import add_arguments, build_worker
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", str(target_dir()), "--input", "-", "--output", "-", *flags]
+    )
+    worker, _ = build_worker(args)
+    assert worker._target.config.dtype == getattr(torch, dtype)  # type: ignore[attr-defined]

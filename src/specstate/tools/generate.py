@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 import attrs
+import torch
 
 from specstate.core.errors import InvalidRequest, SpecStateError
 from specstate.core.request import Req, RequestLimits, SamplingParams
@@ -30,6 +31,7 @@ from specstate.engine.worker import WorkerProtocol
 __all__ = ["add_arguments", "build_worker", "run"]
 
 ALGORITHMS = ("none", "draft_model", "eagle", "ngram")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
     parser.add_argument("--trace", type=Path, help="write one JSON line per engine step")
     parser.add_argument("--check-invariants", action="store_true")
+    parser.add_argument(
+        "--dtype",
+        choices=(*_DTYPES, "checkpoint"),
+        default="float32",
+        help="parameter and KV dtype (default float32: lossless on a CPU; 'checkpoint' keeps the "
+        "saved dtype)",
+    )
 
 
 _FIELDS = frozenset({"id", "input_ids", "max_new_tokens", "stop_token_ids"})
@@ -130,7 +139,7 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
     )
     if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
         raise InvalidRequest(f"--draft is used by draft_model and eagle, not {args.algorithm}")
-    options: dict[str, object] = {"target": args.model}
+    options: dict[str, object] = {"target": args.model, "dtype": _DTYPES.get(args.dtype)}
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps
     if args.algorithm in ("draft_model", "eagle"):
