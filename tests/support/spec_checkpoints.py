@@ -10,6 +10,7 @@ untested. So besides random drafters, this builds drafters that agree with the t
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import attrs
@@ -85,3 +86,29 @@ def make_spec_checkpoints(
         hf=hf,
         vocab_size=vocab_size,
     )
+
+
+def _perturb(module: torch.nn.Module, scale: float, seed: int) -> None:
+    """Add Gaussian noise of ``scale`` times each parameter's spread, in place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+
+
+def make_partial_drafters(
+    ckpt: SpecCheckpoints, root: Path, *, scale: float = 0.1
+) -> SpecCheckpoints:
+    """The same target with drafters that agree for a few tokens, then diverge.
+
+    The draft model is the target with its weights perturbed, the EAGLE head the identity head
+    perturbed: their drafts match the target's greedy tokens often but not always, so accept
+    lengths strictly between 1 and D occur.
+    """
+    draft = copy.deepcopy(ckpt.hf)
+    _perturb(draft, scale, seed=11)
+    draft.save_pretrained(root / "partial_draft", safe_serialization=True)
+    head = identity_head(load_paged_llama(ckpt.target, num_token_slots=2))
+    _perturb(head, scale, seed=12)
+    save_eagle_head(head, root / "partial_eagle")
+    return attrs.evolve(ckpt, draft=root / "partial_draft", eagle=root / "partial_eagle")
