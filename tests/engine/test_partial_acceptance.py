@@ -93,3 +93,43 @@ def test_partial_acceptance_is_lossless(
     lengths = dict(metrics.histogram)
     assert all(lengths.get(a, 0) > 0 for a in range(1, STEPS + 2)), lengths
     assert 1.2 < metrics.mean_accept_length < STEPS + 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["draft_model", "eagle"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_speculative_retraction_and_deferred_release(
+    ckpt: SpecCheckpoints, expected: list[list[int]], algorithm: str, page_size: int
+) -> None:
+    """A pool too small for every speculating request retracts some (asserted), defers the
+    release of requests that finish under a launched batch (asserted), and stays lossless."""
+    config = EngineConfig(
+        kv_tokens=120,
+        overlap=True,
+        page_size=page_size,
+        check_invariants=True,
+        check_ownership=True,
+        debug_relay=True,
+    )
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    worker = ckpt.worker(algorithm, num_steps=STEPS, agreeing=False)
+    retracted: list[str] = []
+    deferred: set[str] = set()
+    with Engine(worker, limits=limits, config=config) as engine:
+        reqs = [
+            engine.submit(f"p{i}", prompt, SamplingParams(max_new_tokens=NEW_TOKENS))
+            for i, prompt in enumerate(MIXED_PROMPTS)
+        ]
+        for _ in range(1000):
+            if engine.is_idle:
+                break
+            retracted.extend(engine.step().retracted)
+            deferred.update(engine.snapshot().deferred_releases)
+            check_engine(engine)
+        assert engine.is_idle
+        snap = engine.snapshot()
+    assert retracted, "the pool was meant to force retractions of speculating requests"
+    assert deferred, "a request finishing under a launched batch keeps its KV until it retires"
+    assert max(r.incarnation for r in reqs) >= 1
+    assert [list(r.emitted_ids) for r in reqs] == expected
+    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
