@@ -152,3 +152,54 @@ def test_generate_runs_in_float32_unless_asked(flags: tuple[str, ...], dtype: st
     )
     worker, _ = build_worker(args)
     assert worker._target.config.dtype == getattr(torch, dtype)  # type: ignore[attr-defined]
+
+
+def _break_checkpoint(ckpt: Path, how: str) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    weights = ckpt / "model.safetensors"
+    if how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif how == "garbage weights":
+        weights.write_bytes(b"not a safetensors file at all")
+    elif how == "NaN rms_norm_eps":
+        (ckpt / "config.json").write_text(json.dumps(config).replace(
+            f'"rms_norm_eps": {json.dumps(config["rms_norm_eps"])}', '"rms_norm_eps": NaN'
+        ))  # fmt: skip
+    elif how == "EOS outside the vocabulary":
+        config["eos_token_id"] = config["vocab_size"] + 5
+        (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("truncated weights", "unreadable safetensors weights"),
+        ("garbage weights", "unreadable safetensors weights"),
+        ("NaN rms_norm_eps", "must be finite and > 0"),
+        ("EOS outside the vocabulary", "are not ids in"),
+    ],
+)
+def test_a_broken_checkpoint_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, message: str
+) -> None:
+    """Unloadable weights or impossible configs exit 2 with one line, no traceback."""
+    make_checkpoint(tmp_path / "ckpt")
+    _break_checkpoint(tmp_path / "ckpt", how)
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [1]}\n')
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_huge_context_costs_only_what_the_pool_holds(tmp_path: Path) -> None:
+    """max_position_embeddings of 2^30 runs: rows are sized by the pool, not the context."""
+    hf = make_checkpoint(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 30
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [3, 4], "max_new_tokens": 5}\n')
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--kv-tokens", "256"]) == 0
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert row["output_ids"] == greedy(hf, [3, 4], 5)

@@ -177,9 +177,9 @@ class Engine:
         self.worker = worker
         self.checker = OwnershipChecker(enabled=config.check_ownership)
         window = caps.spec_window(config.page_size)
-        row_width = (
-            limits.max_context_len + window.row_headroom + caps.max_accept + config.page_size
-        )
+        # No request outgrows the pool, so a context longer than the pool only wastes rows.
+        context = min(limits.max_context_len, config.kv_tokens)
+        row_width = context + window.row_headroom + caps.max_accept + config.page_size
         num_pages = config.kv_tokens // config.page_size
         max_requests = config.max_running * 2  # room for requests whose release is deferred
         self.ledger = KvLedger(
@@ -197,7 +197,7 @@ class Engine:
         self.deferred = DeferredReleases(self.allocator)
         self.outputs = OutputTable(
             max_slots=max_requests,
-            max_outputs=limits.max_context_len,
+            max_outputs=context,
             max_run=caps.max_accept,
             eos_token_ids=limits.eos_token_ids,
             checker=self.checker,

@@ -29,7 +29,7 @@ from typing import Final
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specstate.core.errors import InvalidConfig
@@ -344,7 +344,10 @@ def load_paged_llama(
     config = read_model_config(root)
     if dtype is not None:
         config = attrs.evolve(config, dtype=dtype)
-    tensors = _read_tensors(root, config)
+    try:
+        tensors = _read_tensors(root, config)
+    except SafetensorError as error:  # a truncated or foreign file: name it, not a traceback
+        raise InvalidConfig(f"{root}: unreadable safetensors weights ({error})") from None
     model = PagedLlama(config, num_token_slots=num_token_slots, device=device)
     model.load_state_dict({_module_name(name): t for name, t in tensors.items()}, strict=True)
     return model

@@ -39,7 +39,7 @@ from typing import Final
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
@@ -325,7 +325,10 @@ def load_eagle_head(
     root = Path(directory)
     config = read_eagle_config(root)
     _check_fits_target(config, target.config, str(root / CONFIG_FILE))
-    tensors = _read_head_tensors(root / WEIGHTS_FILE, config)
+    try:
+        tensors = _read_head_tensors(root / WEIGHTS_FILE, config)
+    except SafetensorError as error:  # a truncated or foreign file: name it, not a traceback
+        raise InvalidConfig(f"{root}: unreadable safetensors weights ({error})") from None
     head = EagleHead(config, target, num_token_slots=num_token_slots)
     head.load_state_dict(tensors, strict=True)
     return head

@@ -24,6 +24,8 @@ inference-only: `PagedLlama.forward` runs without autograd. Hugging Face file fo
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -80,10 +82,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise InvalidConfig(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+        finite = math.isfinite(self.rms_norm_eps) and math.isfinite(self.rope_theta)
+        if not (finite and self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise InvalidConfig(
                 f"ModelConfig: rms_norm_eps ({self.rms_norm_eps}) and rope_theta"
-                f" ({self.rope_theta}) must be > 0"
+                f" ({self.rope_theta}) must be finite and > 0"
             )
 
 

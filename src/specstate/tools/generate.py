@@ -23,7 +23,7 @@ from typing import IO
 import attrs
 import torch
 
-from specstate.core.errors import InvalidRequest, SpecStateError
+from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig, StepReport
 from specstate.engine.worker import WorkerProtocol
@@ -160,6 +160,19 @@ def _trace_row(step: int, engine: Engine, report: StepReport) -> str:
     return json.dumps(row)
 
 
+def _load_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
+    """The worker and the engine; a checkpoint that cannot be loaded is `InvalidConfig`."""
+    try:
+        worker, limits = build_worker(args)
+        return Engine(worker, limits=limits, config=config)
+    except SpecStateError:
+        raise
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:  # safetensors, torch, json
+        raise InvalidConfig(
+            f"--model {args.model}: cannot load the checkpoint ({type(exc).__name__}: {exc})"
+        ) from None
+
+
 class _Writer:
     """Writes result rows in input order, each as soon as it and every earlier one ended."""
 
@@ -206,16 +219,15 @@ def run(args: argparse.Namespace) -> int:
             check_invariants=args.check_invariants,
             check_ownership=args.check_invariants,
         )
-        with _open_output(args.output) as out:  # before the model loads: a bad path fails now
-            worker, limits = build_worker(args)
-            with Engine(worker, limits=limits, config=config) as engine:
-                reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
-                trace = args.trace.open("w", encoding="utf-8") if args.trace else None
-                try:
-                    _drive(engine, trace, _Writer(out, reqs))
-                finally:
-                    if trace is not None:
-                        trace.close()
+        # The output opens before the model loads: a bad path fails at once.
+        with _open_output(args.output) as out, _load_engine(args, config) as engine:
+            reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
+            trace = args.trace.open("w", encoding="utf-8") if args.trace else None
+            try:
+                _drive(engine, trace, _Writer(out, reqs))
+            finally:
+                if trace is not None:
+                    trace.close()
     except SpecStateError as exc:
         print(f"specstate generate: {exc}", file=sys.stderr)
         return 2
