@@ -85,6 +85,7 @@ def test_any_worker_exception_ends_only_its_batch(
         snap = engine.snapshot()
     assert first.finish is not None and first.finish.reason is FinishReason.ERROR
     assert type(error).__name__ in first.finish.detail
+    assert "forward_batch_generation" in first.finish.traceback  # where the worker raised
     assert interrupts == (1 if isinstance(error, KeyboardInterrupt) else 0)
     assert later.finish is not None and later.finish.reason is FinishReason.LENGTH
     assert len(later.emitted_ids) == 6

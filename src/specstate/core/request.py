@@ -88,6 +88,8 @@ class FinishState:
     reason: FinishReason
     finished_len: int
     detail: str = ""
+    traceback: str = ""
+    """For an ERROR finish: the worker failure's formatted traceback."""
 
 
 def _stop_ids(value: Iterable[int]) -> frozenset[int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections import deque
 from collections.abc import Sequence
 
@@ -424,6 +425,7 @@ class Engine:
         self, reqs: Sequence[Req], incarnations: Sequence[int], error: BaseException
     ) -> list[Req]:
         ended = []
+        trace = "".join(traceback.format_exception(error))
         for req, inc in zip(reqs, incarnations, strict=True):
             if req.incarnation != inc or req.is_finished or req.status is ReqStatus.WAITING:
                 continue
@@ -431,6 +433,7 @@ class Engine:
                 reason=FinishReason.ERROR,
                 finished_len=min(req.num_outputs, req.sampling.max_new_tokens),
                 detail=f"{type(error).__name__}: {error}",
+                traceback=trace,
             )
             req.transition(ReqStatus.FINISHED, finish=finish)
             ended.append(req)
