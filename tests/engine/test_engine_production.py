@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import check_engine
 
 PROMPTS = [list(p) for p in MIXED_PROMPTS]
 NEW_TOKENS = 16
@@ -82,12 +82,7 @@ def test_production_mode_is_lossless(
             )
             for i, (prompt, (stop, _)) in enumerate(zip(PROMPTS, cases, strict=True))
         ]
-        steps = 0
-        while not engine.is_idle:
-            engine.step()
-            check_engine(engine)
-            steps += 1
-            assert steps < 500
+        run_checked(engine, max_steps=500)
         snap = engine.snapshot()
     assert [list(r.emitted_ids) for r in reqs] == [want for _, want in cases]
     assert [r.finish is not None and r.finish.reason.value for r in reqs] == [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import (
     MIXED_PROMPTS,
@@ -22,7 +23,6 @@ from spec_checkpoints import (
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import check_engine
 
 NEW_TOKENS = 20
 STEPS = 3  # D = 4
@@ -81,12 +81,7 @@ def test_partial_acceptance_is_lossless(
             )
             for i, prompt in enumerate(MIXED_PROMPTS)
         ]
-        for _ in range(500):
-            if engine.is_idle:
-                break
-            engine.step()
-            check_engine(engine)
-        assert engine.is_idle
+        run_checked(engine)
         metrics = engine.snapshot().metrics
     for req, out, stop in zip(reqs, expected, stops, strict=True):
         assert list(req.emitted_ids) == out[: out.index(stop) + 1]
@@ -113,23 +108,15 @@ def test_speculative_retraction_and_deferred_release(
     )
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     worker = ckpt.worker(algorithm, num_steps=STEPS, agreeing=False)
-    retracted: list[str] = []
-    deferred: set[str] = set()
     with Engine(worker, limits=limits, config=config) as engine:
         reqs = [
             engine.submit(f"p{i}", prompt, SamplingParams(max_new_tokens=NEW_TOKENS))
             for i, prompt in enumerate(MIXED_PROMPTS)
         ]
-        for _ in range(1000):
-            if engine.is_idle:
-                break
-            retracted.extend(engine.step().retracted)
-            deferred.update(engine.snapshot().deferred_releases)
-            check_engine(engine)
-        assert engine.is_idle
+        log = run_checked(engine)
         snap = engine.snapshot()
-    assert retracted, "the pool was meant to force retractions of speculating requests"
-    assert deferred, "a request finishing under a launched batch keeps its KV until it retires"
+    assert log.retracted, "the pool was meant to force retractions of speculating requests"
+    assert log.deferred, "a request finishing under a launched batch keeps its KV until it retires"
     assert max(r.incarnation for r in reqs) >= 1
     assert [list(r.emitted_ids) for r in reqs] == expected
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages

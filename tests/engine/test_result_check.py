@@ -14,6 +14,7 @@ from collections.abc import Callable
 import attrs
 import pytest
 import torch
+from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 from spy_worker import SpyWorker
@@ -23,7 +24,6 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerProtocol
 
 Corrupt = Callable[[GenerationBatchResult], GenerationBatchResult]
@@ -140,9 +140,9 @@ def test_a_bad_result_fails_its_batch_and_the_engine_keeps_serving(
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     with Engine(worker, limits=limits, config=config) as engine:
         first = [engine.submit(f"a{i}", p, params) for i, p in enumerate(MIXED_PROMPTS[:3])]
-        _run(engine)
+        run_checked(engine, max_steps=200)
         later = engine.submit("later", MIXED_PROMPTS[3], params)
-        _run(engine)
+        run_checked(engine, max_steps=200)
         snap = engine.snapshot()
     assert worker.corrupted
     failed = [r for r in first if r.finish is not None and r.finish.reason is FinishReason.ERROR]
@@ -153,12 +153,3 @@ def test_a_bad_result_fails_its_batch_and_the_engine_keeps_serving(
         assert list(req.emitted_ids) == want[: len(req.emitted_ids)]  # nothing wrong emitted
     assert list(later.emitted_ids) == greedy(ckpt.hf, MIXED_PROMPTS[3], NEW_TOKENS)
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
-
-
-def _run(engine: Engine) -> None:
-    for _ in range(200):
-        if engine.is_idle:
-            return
-        engine.step()
-        check_engine(engine)
-    raise AssertionError("engine not idle after 200 steps")
