@@ -247,7 +247,7 @@ class Engine:
         )
         self._requests: dict[str, Req] = {}
         self._ended: deque[Req] = deque()  # ended requests still findable, oldest first
-        self._aborts: dict[int, str] = {}
+        self._aborts: dict[Req, str] = {}  # pending user aborts (a Req hashes by identity)
         self._in_flight: InFlight | None = None
         self._num_launched = 0
         self._num_retired = 0
@@ -290,7 +290,7 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        self._aborts[id(req)] = reason
+        self._aborts[req] = reason
         return True
 
     def request(self, request_id: str) -> Req:
@@ -442,7 +442,7 @@ class Engine:
     def _end(self, req: Req) -> None:
         """Forget an ended request; release its KV once no launched batch can read it."""
         self.scheduler.drop(req)
-        self._aborts.pop(id(req), None)
+        self._aborts.pop(req, None)
         if self.allocator.holds_slot(req):
             self.deferred.defer(req, until_batch=self._num_launched)
 
@@ -465,14 +465,14 @@ class Engine:
         if not self._aborts:
             return ()
         for req in list(self.scheduler.waiting):
-            reason = self._aborts.get(id(req))
+            reason = self._aborts.get(req)
             if reason is not None:
                 req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
                 self.scheduler.drop(req)
-                self._aborts.pop(id(req))
+                self._aborts.pop(req)
                 ended.append(req.request_id)
         for req in [*self.scheduler.prefilling, *self.scheduler.running]:
-            reason = self._aborts.get(id(req))
+            reason = self._aborts.get(req)
             if reason is not None:
                 req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
                 self._end(req)

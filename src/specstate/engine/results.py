@@ -24,7 +24,7 @@ len(appended run)``; a skipped row's counters and outputs are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -125,7 +125,7 @@ class ResultProcessor:
         last_chunk: Sequence[bool],
         verifies: bool,
         result: GenerationBatchResult,
-        abort_reasons: dict[int, str],
+        abort_reasons: Mapping[Req, str],
     ) -> Settlement:
         """Settle one result for the batch rows ``reqs`` (see the module docstring).
 
@@ -136,7 +136,7 @@ class ResultProcessor:
             last_chunk: one flag per prefill row: its chunk ends the prefill.
             verifies: the decode-like rows are verifies (a decode round, not mixed tails).
             result: the worker's result, already checked against the batch.
-            abort_reasons: pending user aborts by ``id(req)``.
+            abort_reasons: pending user aborts, by request.
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
@@ -159,10 +159,10 @@ class ResultProcessor:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
             finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
-        settled = num_live - (n_prefill - len(firsts) if n_prefill else 0)
+        chunks = sum(1 for i in range(n_prefill) if live[i] and not last_chunk[i])
         return Settlement(
             finished=tuple(finished),
-            num_settled_rows=max(settled, 0),
+            num_settled_rows=num_live - chunks,  # a non-final chunk settles nothing
             num_skipped_rows=b - num_live,
         )
 
@@ -199,7 +199,7 @@ class ResultProcessor:
         ended: FinishedRows | None,
         rows: IntArray | None,
         tokens: IntArray,
-        abort_reasons: dict[int, str],
+        abort_reasons: Mapping[Req, str],
     ) -> list[Req]:
         """End the rows that reached a stop or their cap, and any with a pending abort."""
         finished: list[Req] = []
@@ -213,7 +213,7 @@ class ResultProcessor:
             order = range(len(reqs)) if rows is None else rows.tolist()
             for i in order:
                 req = reqs[i]
-                reason = abort_reasons.get(id(req))
+                reason = abort_reasons.get(req)
                 if reason is not None and not req.is_finished:
                     emitted = min(req.num_outputs, req.sampling.max_new_tokens)
                     abort = FinishState(
