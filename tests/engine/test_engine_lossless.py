@@ -4,7 +4,9 @@ Each case runs concurrent requests of mixed lengths through the engine with the 
 after every step, ownership checks on every counter write and the FutureMap's consume-once
 checks, and compares the greedy output with transformers' ``generate()`` token for token. The
 drafters agree with the target, so runs of several tokens happen; in the matrix every other
-request has a stop token taken from the middle of its output, so stops fall inside runs.
+request has a stop token taken from the middle of its output, so stops fall inside runs. The
+same cases also run in production mode (every check off, so the hot path takes its fast
+branches), with the invariant checker still called after every step.
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ def _run(
     ckpt: SpecCheckpoints,
     algorithm: str,
     stops: list[int | None] | None = None,
+    *,
+    checks: bool = True,
     **options: object,
 ) -> tuple[list[list[int]], float]:
+    """Run PROMPTS to completion; checks off is production mode (the checker still runs)."""
     config = EngineConfig(
         kv_tokens=2048,
-        check_invariants=True,
-        check_ownership=True,
-        debug_relay=True,
+        check_invariants=checks,
+        check_ownership=checks,
+        debug_relay=checks,
         **options,  # type: ignore[arg-type]
     )
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
@@ -72,6 +77,8 @@ def _run(
         run_checked(engine)
         snap = engine.snapshot()
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+    reasons = [r.finish is not None and r.finish.reason.value for r in reqs]
+    assert reasons == ["length" if stop is None else "stop" for stop in stops]
     return [list(r.emitted_ids) for r in reqs], snap.metrics.mean_accept_length
 
 
@@ -137,3 +144,33 @@ def test_lossless_on_a_second_seed_and_shape(
         mixed_chunk=chunking[1],
     )
     assert outs == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algorithm", "overlap", "page_size", "chunking"),
+    list(itertools.product(ALGORITHMS, [False, True], [1, 16], [(None, False), (4, True)])),
+)
+def test_production_mode_is_lossless(
+    ckpt: SpecCheckpoints,
+    expected: list[list[int]],
+    algorithm: str,
+    overlap: bool,
+    page_size: int,
+    chunking: tuple[int | None, bool],
+) -> None:
+    """Checks off (the hot path's fast branches): the same tokens, stops inside runs included."""
+    stops, wants = _with_stops(expected)
+    outs, accept = _run(
+        ckpt,
+        algorithm,
+        stops,
+        checks=False,
+        overlap=overlap,
+        page_size=page_size,
+        chunked_prefill=chunking[0],
+        mixed_chunk=chunking[1],
+    )
+    assert outs == wants
+    if algorithm in ("draft_model", "eagle"):
+        assert accept > 2.0  # stops fell inside multi-token runs
