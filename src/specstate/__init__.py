@@ -15,6 +15,7 @@ from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import (
     DoubleRelease,
+    ForwardTimeout,
     InvalidConfig,
     InvalidRequest,
     InvalidTransition,
@@ -25,6 +26,8 @@ from specstate.core.errors import (
     ReservationExceeded,
     SpecStateError,
     StaleResult,
+    UsageError,
+    WorkerResultError,
 )
 from specstate.core.ledger import (
     AllocatorLedgerView,
@@ -104,6 +107,7 @@ __all__ = [
     "ForwardIsolation",
     "ForwardIsolator",
     "ForwardMode",
+    "ForwardTimeout",
     "FutureMap",
     "GenerationBatchResult",
     "InvalidConfig",
@@ -150,10 +154,12 @@ __all__ = [
     "Stream",
     "TokenSlotAllocator",
     "Unresolved",
+    "UsageError",
     "WorkerCapabilities",
     "WorkerLedgerView",
     "WorkerMemory",
     "WorkerProtocol",
+    "WorkerResultError",
     "__version__",
     "check_engine",
     "is_unresolved",

@@ -109,6 +109,10 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "unknown device": ({"device": "nonsense"}, "device 'nonsense' is not a torch device"),
     "integer flag": ({"overlap": 1}, "overlap must be a bool, got 1"),
     "pool under two pages": ({"page_size": 16, "kv_tokens": 20}, r"kv_tokens must be .* \(32\)"),
+    "zero timeout": ({"forward_timeout_s": 0}, "forward_timeout_s must be None or a finite"),
+    "NaN timeout": ({"forward_timeout_s": float("nan")}, "forward_timeout_s must be None or a"),
+    "bool timeout": ({"forward_timeout_s": True}, "forward_timeout_s must be None or a finite"),
+    "text timeout": ({"forward_timeout_s": "5"}, "forward_timeout_s must be None or a finite"),
 }
 
 

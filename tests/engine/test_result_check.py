@@ -121,6 +121,16 @@ CASES: dict[str, tuple[Corrupt, int, str]] = {
     "token id past the vocabulary": (_set_token(100_000), 0, "outside the vocabulary"),
     "negative token id": (_set_token(-7), 0, "accepted token -7"),
     "run longer than max_accept": (_wider_stride, 0, "outside [1, 4]"),
+    "invalid_rows of the wrong dtype": (
+        lambda r: attrs.evolve(r, invalid_rows=torch.zeros(r.batch_size, dtype=torch.int64)),
+        0,
+        "invalid_rows of dtype torch.int64",
+    ),
+    "invalid_rows of the wrong shape": (
+        lambda r: attrs.evolve(r, invalid_rows=torch.zeros(r.batch_size + 1, dtype=torch.bool)),
+        0,
+        "it must be a bool tensor of shape",
+    ),
 }
 
 

@@ -193,6 +193,24 @@ def test_synchronize_from_own_work_is_refused(stream: CpuStream) -> None:
         stream.synchronize()
 
 
+def test_synchronize_within_gives_up_and_abandon_does_not_wait() -> None:
+    """A wedged item: the event times out, abandon returns at once, queued work runs later."""
+    stream = CpuStream("wedge")
+    release = threading.Event()
+    ran: list[str] = []
+    stream.submit(release.wait)
+    stream.submit(ran.append, "queued")
+    event = stream.record_event()
+    assert event.synchronize_within(0.05) is False
+    stream.abandon()  # returns without joining the wedged thread
+    with pytest.raises(RelayError, match="closed"):
+        stream.submit(ran.append, "refused")
+    assert ran == []
+    release.set()
+    assert event.synchronize_within(10.0) is True
+    assert ran == ["queued"]
+
+
 def test_make_stream_picks_the_backend() -> None:
     """make_stream gives a CpuStream for the CPU and refuses device types it cannot order."""
     s = make_stream(torch.device("cpu"))

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hf_oracle import greedy, make_checkpoint
+from safetensors.torch import load_file, save_file
 
 from specstate.tools.cli import main
 
@@ -140,8 +142,6 @@ def test_generate_runs_in_float32_unless_asked(flags: tuple[str, ...], dtype: st
     """The shipped fp16 weights run in float32 by default (lossless on a CPU)."""
     import argparse
 
-    import torch
-
     from specstate.reference.embedded import target_dir
     from specstate.tools.generate import add_arguments, build_worker
 
@@ -203,3 +203,37 @@ def test_a_huge_context_costs_only_what_the_pool_holds(tmp_path: Path) -> None:
     assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--kv-tokens", "256"]) == 0
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["output_ids"] == greedy(hf, [3, 4], 5)
+
+
+def test_nan_weights_end_every_request_with_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Weights full of NaN: each request ends with 'error' and no tokens; the exit code is 1."""
+    make_checkpoint(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, weights)
+    lines = [json.dumps({"id": k, "input_ids": v, "max_new_tokens": 4}) for k, v in PROMPTS.items()]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 1
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(PROMPTS)
+    for row in rows:
+        assert row["finish_reason"] == "error" and row["output_ids"] == []
+        assert "non-finite logits" in row["error"]
+    err = capsys.readouterr().err
+    assert "3 of 3 requests ended with an error" in err and "Traceback" not in err
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--kv-tokens far past the machine's memory exits 2 naming the flag and the sizes."""
+    make_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "input_ids": [1]}\n')
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl")]
+    huge = str(10**13)  # 10^13 tokens of 512 bytes: petabytes
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--kv-tokens", huge]) == 2
+    err = capsys.readouterr().err
+    assert f"--kv-tokens {huge}: the KV cache needs" in err and "Traceback" not in err

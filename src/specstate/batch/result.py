@@ -36,6 +36,10 @@ class GenerationBatchResult:
         next_draft_input: the relay payload of the next round, or None.
         keep_alive_refs: objects the scheduler pins for two iterations (device lifetime).
         copy_done: recorded after the device-to-host copy of the result; None when synchronous.
+        invalid_rows: ``[batch_size]`` bool, True for a row the worker could not compute (the
+            reference workers: non-finite target logits). Such a row's request ends with
+            `FinishReason.ERROR`; its tokens are ignored (its accept length and frontier must
+            still be well formed). None: every row is valid.
     """
 
     next_token_ids: torch.Tensor
@@ -45,6 +49,7 @@ class GenerationBatchResult:
     next_draft_input: RelayPayload | None = None
     keep_alive_refs: tuple[object, ...] = ()
     copy_done: Event | None = None
+    invalid_rows: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         bs = self.accept_lens.numel()
@@ -64,7 +69,15 @@ class GenerationBatchResult:
         """Accepted draft tokens: accepted tokens minus one bonus per row (host sync)."""
         return int(self.accept_lens.sum()) - self.batch_size
 
-    def wait_copied(self) -> None:
-        """Block the host until the device-to-host copy of this result is done."""
-        if self.copy_done is not None:
+    def wait_copied(self, timeout: float | None = None) -> bool:
+        """Block the host until the device-to-host copy of this result is done.
+
+        With ``timeout`` (seconds), give up after it; the return value says whether the copy
+        is done (always True without a timeout).
+        """
+        if self.copy_done is None:
+            return True
+        if timeout is None:
             self.copy_done.synchronize()
+            return True
+        return self.copy_done.synchronize_within(timeout)

@@ -20,6 +20,7 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── StaleResult             a result for an old incarnation of a request (refused)
     ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
     ├── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
+    ├── ForwardTimeout          a forward that did not finish within ``forward_timeout_s``
     └── UsageError              an engine used against its contract: after close, from a second
                                 thread
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 __all__ = [
     "DoubleRelease",
+    "ForwardTimeout",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
@@ -89,6 +91,10 @@ class RelayError(SpecStateError):
 
 class WorkerResultError(SpecStateError):
     """A worker result broke the forward contract; its batch fails, the engine keeps serving."""
+
+
+class ForwardTimeout(SpecStateError):
+    """A forward did not finish in time; its batch fails and its stream is abandoned."""
 
 
 class UsageError(SpecStateError):

@@ -25,16 +25,24 @@ and every running request that has no result in flight satisfies ``seqlen == com
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import traceback
 from collections import deque
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
+from specstate.core.errors import (
+    ForwardTimeout,
+    InvalidConfig,
+    InvalidRequest,
+    UsageError,
+    WorkerResultError,
+)
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import (
@@ -80,6 +88,12 @@ class EngineConfig:
         finished_history: how many ended requests `Engine.request` still finds by id; older
             ones are forgotten (the `Req` objects returned by `submit` stay valid), so a
             long-running engine holds bounded memory.
+        forward_timeout_s: fail a batch whose forward (and result copy) is not done this many
+            seconds after the host starts waiting for it: its requests, and those of a batch
+            queued behind it, end with `FinishReason.ERROR` (`ForwardTimeout`); the stream is
+            abandoned for a fresh one and their KV is quarantined until the abandoned forward
+            returns. None (the default): wait forever. The forward then runs on a stream even
+            in the normal loop.
     """
 
     overlap: bool = True
@@ -94,6 +108,7 @@ class EngineConfig:
     debug_relay: bool = False
     device: str = "cpu"
     finished_history: int = 10_000
+    forward_timeout_s: float | None = None
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
@@ -115,6 +130,16 @@ class EngineConfig:
         if not _is_count(self.finished_history, 0):
             problems.append(
                 f"finished_history must be an integer >= 0, got {self.finished_history!r}"
+            )
+        timeout = self.forward_timeout_s
+        if timeout is not None and not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            problems.append(
+                f"forward_timeout_s must be None or a finite number > 0, got {timeout!r}"
             )
         if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
             problems.append(
@@ -155,6 +180,7 @@ class EngineSnapshot:
     num_free_pages: int
     num_pages: int
     deferred_releases: tuple[str, ...]
+    quarantined: tuple[str, ...]
     metrics: AcceptMetrics
 
 
@@ -236,6 +262,7 @@ class Engine:
             debug_relay=config.debug_relay,
             req_to_token=self.allocator.req_to_token,
             checker=self.checker,
+            forward_timeout=config.forward_timeout_s,
         )
         worker.attach(
             WorkerMemory(
@@ -381,13 +408,17 @@ class Engine:
 
     # ----------------------------------------------------------------- settle
     def _settle(self, flight: InFlight) -> tuple[str, ...]:
-        result, error = flight.wait()
+        timeout = self.config.forward_timeout_s
+        result, error = flight.wait(timeout)
+        if flight.timed_out and timeout is not None:
+            return self._abandon(flight, timeout, "forward")
         if self._in_flight is not None and self._in_flight is not flight:
             # Overlap: the next forward's launch runs on the stream now; let it reach the
             # worker before this thread's settlement competes with it for the interpreter.
             self._in_flight.wait_started()
-        if result is not None:
-            result.wait_copied()  # the device-to-host copy of the result (a no-op when sync)
+        # The device-to-host copy of the result (a no-op when synchronous).
+        if result is not None and not result.wait_copied(timeout):
+            return self._abandon(flight, timeout or 0.0, "result copy")
         plan = flight.plan
         self._num_retired = flight.batch_id
         if error is not None or result is None:
@@ -401,12 +432,45 @@ class Engine:
                 exc_info=failure,
             )
         else:
-            ended = list(self._settle_result(plan, result).finished)
+            ended = [] if result.invalid_rows is None else self._fail_invalid_rows(plan, result)
+            ended += self._settle_result(plan, result).finished
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise error  # the batch is contained; the interruption is the caller's to handle
+        return tuple(r.request_id for r in ended)
+
+    def _abandon(self, flight: InFlight, timeout: float, what: str) -> tuple[str, ...]:
+        """Fail a batch that did not finish in time, and the batch queued behind it.
+
+        The stream is abandoned (a fresh one runs later launches). The timed-out batch's
+        requests are quarantined: their KV is released only once the abandoned stream is past
+        the forward, which may still write it. The queued batch never runs.
+        """
+        queued = self._in_flight if self._in_flight not in (None, flight) else None
+        flights = [flight] if queued is None else [flight, queued]
+        drained = self._launcher.abandon(flights)
+        self._in_flight = None
+        self._num_retired = flights[-1].batch_id
+        error = flight.timeout_error(timeout, what)
+        _log.error("%s", error)
+        ended = self._fail_batch(flight.plan.batch.reqs, flight.plan.batch.incarnations, error)
+        for req in ended:
+            self.scheduler.drop(req)
+            self._aborts.pop(req, None)
+            if self.allocator.holds_slot(req):
+                self.deferred.hold(req, until=drained)
+        if queued is not None:
+            behind = ForwardTimeout(
+                f"batch {queued.batch_id} was queued behind batch {flight.batch_id}, whose "
+                f"{what} timed out; it never ran"
+            )
+            later = self._fail_batch(queued.plan.batch.reqs, queued.plan.batch.incarnations, behind)
+            for req in later:
+                self._end(req)
+            ended += later
+        self._drain(self._num_retired)
         return tuple(r.request_id for r in ended)
 
     def _settle_result(self, plan: LaunchPlan, result: GenerationBatchResult) -> Settlement:
@@ -420,6 +484,30 @@ class Engine:
             result=result,
             abort_reasons=self._aborts,
         )
+
+    def _fail_invalid_rows(self, plan: LaunchPlan, result: GenerationBatchResult) -> list[Req]:
+        """End the rows the worker marked invalid with ERROR (their tokens are not settled).
+
+        Ending a request changes its output row's epoch, so settlement then skips the row.
+        """
+        invalid = result.invalid_rows
+        if invalid is None:
+            return []
+        mask = (invalid if invalid.device.type == "cpu" else invalid.cpu()).numpy()
+        if not mask.any():
+            return []
+        batch = plan.batch
+        rows = np.flatnonzero(mask).tolist()
+        failure = WorkerResultError(
+            f"batch {self._num_retired} ({batch.forward_mode.value}): the worker marked the "
+            "row invalid (for the reference workers: non-finite logits)"
+        )
+        ended = self._fail_batch(
+            [batch.reqs[i] for i in rows], [batch.incarnations[i] for i in rows], failure
+        )
+        for req in ended:
+            _log.error("request %s ended: %s", req.request_id, failure)
+        return ended
 
     def _fail_batch(
         self, reqs: Sequence[Req], incarnations: Sequence[int], error: BaseException
@@ -492,6 +580,7 @@ class Engine:
             num_free_pages=pool.available_pages(),
             num_pages=pool.num_pages - 1,
             deferred_releases=tuple(self.deferred.pending()),
+            quarantined=tuple(self.deferred.held()),
             metrics=self.results.metrics(),
         )
 

@@ -6,12 +6,13 @@ the request and the numbers for the first relation that does not hold:
 1. ledger order ``0 <= protected <= committed <= allocated <= row width`` for every open slot;
 2. the KV pool balances: free pages plus pages of open rows are all pages, no duplicate;
 3. every open slot belongs to exactly one request that is prefilling, running, or waiting for
-   a deferred release; a waiting request holds no slot;
+   a deferred release (or quarantined behind an abandoned forward); a waiting request holds
+   no slot;
 4. a prefilling request's committed length equals its launched prefill progress, and it
    holds no speculative reservation (a chunk never speculates: allocated == committed);
 5. a running request with no result in flight is in the steady state ``seqlen == committed + 1``
    (the pending bonus), and its reservation covers its committed KV;
-6. at idle, nothing is open and every page is free;
+6. at idle, nothing is open and every page is free (unless KV is quarantined);
 7. every prefilling or running request holds the output row of its KV slot, and every open
    output row belongs to such a request.
 """
@@ -83,7 +84,7 @@ def check_engine(engine: Engine) -> None:
                 f"{entry.kv_committed_len} + 1 with no result in flight"
             )
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
-    if engine.is_idle:
+    if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:
             _fail(

@@ -11,6 +11,11 @@ closure to the stream (overlap) or runs it at once (normal loop). The closure, i
 3. stashes the next round's inputs; the copy event recorded after the closure tells the host
    the result is readable.
 
+With a forward timeout, the host may give up on a batch (`Launcher.abandon`): the batch and any
+batch queued behind it on the same stream are marked abandoned under their lock, a fresh stream
+takes the old one's place, and an abandoned closure that wakes up later touches nothing shared:
+it does not publish, stash, check or hand back a result.
+
 A worker exception is caught in the closure and handed to the host with the result, so the
 stream keeps running later batches; the failed batch's rows get their inputs republished
 unchanged, so a later batch that resolves them reads defined values (its rows for those
@@ -20,6 +25,7 @@ requests are skipped at settlement because the requests ended with an error).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -28,7 +34,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import RelayError
+from specstate.core.errors import ForwardTimeout, RelayError
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.engine.result_check import check_result
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
@@ -53,6 +59,11 @@ class InFlight:
     # Set once the forward's host-side preparation (resolve, isolation, the ForwardBatch) is
     # done and the worker is called, or the closure ended early.
     started: threading.Event = attrs.field(factory=threading.Event)
+    # Set by the host (under ``lock``) when it gives up on the batch; the closure checks it
+    # (under ``lock``) before it touches anything shared.
+    abandoned: bool = False
+    timed_out: bool = False
+    lock: threading.RLock = attrs.field(factory=threading.RLock)
 
     def wait_started(self) -> None:
         """Block until the worker of this batch was called (or the launch ended early).
@@ -65,30 +76,52 @@ class InFlight:
             if self.done is None or self.done.query():
                 return  # the closure ended without calling the worker
 
-    def wait(self) -> tuple[GenerationBatchResult | None, BaseException | None]:
-        """Block until the batch ran (the result copy event); its result or its error."""
+    def wait(
+        self, timeout: float | None = None
+    ) -> tuple[GenerationBatchResult | None, BaseException | None]:
+        """Block until the batch ran; its result or its error.
+
+        With ``timeout`` (seconds), a batch not done by then sets `timed_out` and returns a
+        `ForwardTimeout` error (the batch may still be running: see `Launcher.abandon`).
+        """
         if self.done is not None:
-            self.done.synchronize()
+            if timeout is None:
+                self.done.synchronize()
+            elif not self.done.synchronize_within(timeout):
+                self.timed_out = True
+                return None, self.timeout_error(timeout)
         if self.result is None and self.error is None:
             self.error = RelayError(f"batch {self.batch_id} never ran")
         return self.result, self.error
+
+    def timeout_error(self, timeout: float, what: str = "forward") -> ForwardTimeout:
+        """The error a timed-out batch's requests end with."""
+        batch = self.plan.batch
+        return ForwardTimeout(
+            f"batch {self.batch_id} ({batch.forward_mode.value}, {batch.batch_size} requests): "
+            f"{what} not done after {timeout:g} s; the forward stream was abandoned"
+        )
 
 
 class _PublishOnce:
     """The ``on_publish`` handed to a worker: one publish per forward, recorded."""
 
-    def __init__(self, future_map: FutureMap, indices: torch.Tensor) -> None:
+    def __init__(self, future_map: FutureMap, indices: torch.Tensor, flight: InFlight) -> None:
         self._future_map = future_map
         self._indices = indices
+        self._flight = flight
         self.calls = 0
         self.published: torch.Tensor | None = None  # what the worker published, for the check
 
     def __call__(self, new_seq_lens: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls > 1:
-            raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
-        self.published = new_seq_lens
-        self._future_map.publish(self._indices, new_seq_lens)
+        with self._flight.lock:
+            if self._flight.abandoned:
+                return  # the host gave up on this forward: its frontier is not relayed
+            self.calls += 1
+            if self.calls > 1:
+                raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
+            self.published = new_seq_lens
+            self._future_map.publish(self._indices, new_seq_lens)
 
 
 class Launcher:
@@ -107,6 +140,7 @@ class Launcher:
         debug_relay: bool,
         req_to_token: torch.Tensor,
         checker: OwnershipChecker,
+        forward_timeout: float | None = None,
     ) -> None:
         self._worker = worker
         self._checker = checker
@@ -117,7 +151,10 @@ class Launcher:
         self._vocab_size = vocab_size
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
         self.isolator = ForwardIsolator(overlap=overlap)
-        self._stream: Stream | None = make_stream(device) if overlap else None
+        self._device = device
+        # The normal loop runs the forward inline, unless a timeout needs it on a stream.
+        on_stream = overlap or forward_timeout is not None
+        self._stream: Stream | None = make_stream(device) if on_stream else None
 
     def launch(self, plan: LaunchPlan, *, batch_id: int) -> InFlight:
         """Run ``plan`` on the stream (overlap) or now; the handle to settle it with."""
@@ -135,9 +172,28 @@ class Launcher:
             self._stream.close()
             self._stream = None
 
+    def abandon(self, flights: Sequence[InFlight]) -> Callable[[], bool]:
+        """Give up on the forward stream: ``flights`` (every batch still on it) are abandoned.
+
+        A fresh stream runs later launches. Returns a predicate that turns true once the old
+        stream has got past everything submitted to it, i.e. once the abandoned forwards can
+        no longer write the KV of their requests (it may never turn true).
+        """
+        for flight in flights:
+            with flight.lock:
+                flight.abandoned = True
+        old = self._stream
+        if old is None:
+            raise RelayError("no forward stream to abandon (the forward ran inline)")
+        drained = old.record_event()
+        old.abandon()
+        self._stream = make_stream(self._device)
+        return drained.query
+
     def _run(self, flight: InFlight) -> None:
         try:
-            self._launch_on_stream(flight)
+            if not flight.abandoned:
+                self._launch_on_stream(flight)
         finally:
             flight.started.set()
 
@@ -154,7 +210,7 @@ class Launcher:
             else:
                 resolve_batch_seq_lens(self.future_map, batch)
                 resolve_batch_forward_inputs(self.future_map, batch)
-            publish = _PublishOnce(self.future_map, indices)
+            publish = _PublishOnce(self.future_map, indices, flight)
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
@@ -162,31 +218,48 @@ class Launcher:
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
                 scope.keep_alive(result.keep_alive_refs)
-            seq_lens = batch.seq_lens
-            if isinstance(seq_lens, Unresolved):  # isolation restored a resolved batch
-                raise RelayError(f"batch {flight.batch_id}: frontier still unresolved")
-            check_result(
-                result,
-                request_ids=batch.request_ids,
-                seq_lens=seq_lens,
-                published=publish.published,
-                decode=flight.plan.is_decode,
-                max_accept=self._max_accept,
-                vocab_size=self._vocab_size,
-            )
-            if publish.calls == 0 and result.new_seq_lens is not None:
-                publish(result.new_seq_lens)
-            if result.next_draft_input is not None:
-                self.future_map.stash(indices, result.next_draft_input)
-            flight.result = result
+            with flight.lock:
+                if flight.abandoned:
+                    return  # the host gave up on this batch: touch nothing shared
+                self._accept_result(flight, result, publish, indices)
         except BaseException as exc:  # handed to the host; the stream goes on
             # NOTE: BaseException too: a KeyboardInterrupt or a custom BaseException raised by
             # the worker must not poison the stream; the host re-raises the interrupting ones.
-            flight.error = exc
-            # Isolation restored the bindings, so these are the inputs as resolved (if resolved).
-            lens, ids = self._fallback(batch.seq_lens, indices, batch.input_ids)
-            self.future_map.publish(indices, lens)
-            self.future_map.stash(indices, RelayPayload(bonus_tokens=ids))
+            with flight.lock:
+                if flight.abandoned:
+                    return
+                flight.error = exc
+                # Isolation restored the bindings: these are the inputs as resolved (if so).
+                lens, ids = self._fallback(batch.seq_lens, indices, batch.input_ids)
+                self.future_map.publish(indices, lens)
+                self.future_map.stash(indices, RelayPayload(bonus_tokens=ids))
+
+    def _accept_result(
+        self,
+        flight: InFlight,
+        result: GenerationBatchResult,
+        publish: _PublishOnce,
+        indices: torch.Tensor,
+    ) -> None:
+        """Check the worker's result, relay its frontier and draft state, hand it to the host."""
+        batch = flight.plan.batch
+        seq_lens = batch.seq_lens
+        if isinstance(seq_lens, Unresolved):  # isolation restored a resolved batch
+            raise RelayError(f"batch {flight.batch_id}: frontier still unresolved")
+        check_result(
+            result,
+            request_ids=batch.request_ids,
+            seq_lens=seq_lens,
+            published=publish.published,
+            decode=flight.plan.is_decode,
+            max_accept=self._max_accept,
+            vocab_size=self._vocab_size,
+        )
+        if publish.calls == 0 and result.new_seq_lens is not None:
+            publish(result.new_seq_lens)
+        if result.next_draft_input is not None:
+            self.future_map.stash(indices, result.next_draft_input)
+        flight.result = result
 
     def _bind_extend_relay(self, batch: ScheduleBatch) -> None:
         """Give rows that continue after a KV prefix the relay of their previous forward."""

@@ -13,7 +13,9 @@ Always on (a fixed number of tensor operations per round, whatever the batch siz
 * shapes and dtypes: ``next_token_ids`` ``[B * stride]`` and ``accept_lens`` ``[B]``, both
   integer (not bool, not floating point);
 * accept lengths in ``[1, min(stride, max_accept)]`` for a decode round, exactly 1 otherwise;
-* every *accepted* token id inside the vocabulary ``[0, vocab_size)``;
+* ``invalid_rows``, if given, a ``[B]`` bool tensor (an invalid row ends its request with an
+  error at settlement);
+* every *accepted* token id of a valid row inside the vocabulary ``[0, vocab_size)``;
 * the published frontier — the value handed to ``on_publish``, else ``new_seq_lens`` — equal to
   the host's expectation: ``seq_lens + accept_lens`` for a decode round, ``seq_lens`` (the
   extend end) otherwise. A frontier that disagrees with the accept lengths would make the next
@@ -80,8 +82,9 @@ def check_result(
             f"request {request_ids[row]}: accept length {int(accept[row])} outside [1, {limit}] "
             f"(stride {result.stride}, max_accept {max_accept})"
         )
+    valid = _valid_rows(result, b)
     tokens = _host(result.next_token_ids).reshape(b, result.stride)
-    _check_tokens(tokens, accept, request_ids, vocab_size)
+    _check_tokens(tokens, accept, valid, request_ids, vocab_size)
     _check_frontier(result, request_ids, _host(seq_lens), published, accept, decode)
 
 
@@ -90,14 +93,31 @@ def _host(t: torch.Tensor) -> npt.NDArray[np.integer[Any]]:
     return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
+def _valid_rows(result: GenerationBatchResult, b: int) -> npt.NDArray[np.bool_] | None:
+    """The rows not marked invalid (None: all), after checking ``invalid_rows``'s form."""
+    invalid = result.invalid_rows
+    if invalid is None:
+        return None
+    if invalid.dtype != torch.bool or tuple(invalid.shape) != (b,):
+        raise WorkerResultError(
+            f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
+            f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"
+        )
+    return ~(invalid if invalid.device.type == "cpu" else invalid.cpu()).numpy()
+
+
 def _check_tokens(
     tokens: npt.NDArray[np.integer[Any]],
     accept: npt.NDArray[np.int64],
+    valid: npt.NDArray[np.bool_] | None,
     request_ids: tuple[str, ...],
     vocab_size: int,
 ) -> None:
-    """Every accepted token id lies in the vocabulary (rejected drafts may hold anything)."""
+    """Every accepted token id of a valid row lies in the vocabulary (rejected drafts and
+    invalid rows may hold anything)."""
     accepted = np.arange(tokens.shape[1]) < accept[:, None]
+    if valid is not None:
+        accepted &= valid[:, None]
     bad = ((tokens < 0) | (tokens >= vocab_size)) & accepted
     if np.count_nonzero(bad):
         row, col = (int(x) for x in np.argwhere(bad)[0])

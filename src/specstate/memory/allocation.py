@@ -29,7 +29,7 @@ pages are all pages (``check_balance``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Final
 
@@ -383,6 +383,8 @@ class DeferredReleases:
         self._allocator = allocator
         self._pending: list[tuple[int, Req]] = []
         self._oldest = _NEVER  # the smallest batch id in _pending
+        # Quarantined: requests of an abandoned forward, released once ``until()`` is true.
+        self._held: list[tuple[Callable[[], bool], Req]] = []
 
     def defer(self, req: Req, *, until_batch: int) -> None:
         """Release ``req`` when batch ``until_batch`` retires."""
@@ -391,8 +393,30 @@ class DeferredReleases:
         self._pending.append((until_batch, req))
         self._oldest = min(self._oldest, until_batch)
 
+    def hold(self, req: Req, *, until: Callable[[], bool]) -> None:
+        """Quarantine ``req``'s KV until ``until()`` is true (checked at each `drain`).
+
+        For the requests of a forward the engine abandoned (a timeout): the forward may still
+        write their pages, so they are not reused until its stream is past it (maybe never).
+        """
+        if any(r is req for _, r in self._pending) or any(r is req for _, r in self._held):
+            raise DoubleRelease(f"request {req.request_id}: release already deferred")
+        self._held.append((until, req))
+
+    def held(self) -> Sequence[str]:
+        """Request ids whose KV is quarantined behind an abandoned forward."""
+        return tuple(r.request_id for _, r in self._held)
+
     def drain(self, retired_batch: int) -> ReleasedBatch:
-        """Release every request waiting on batches up to ``retired_batch``."""
+        """Release every request waiting on batches up to ``retired_batch``.
+
+        Quarantined requests whose abandoned forward has since finished are released too.
+        """
+        if self._held:
+            free = [r for until, r in self._held if until()]
+            if free:
+                self._held = [(u, r) for u, r in self._held if not any(r is f for f in free)]
+                self._allocator.release_many(free)
         if self._oldest > retired_batch:
             return _NOTHING_RELEASED  # nothing is due (the common case): no scan
         due = [r for b, r in self._pending if b <= retired_batch]
@@ -402,5 +426,5 @@ class DeferredReleases:
         return released
 
     def pending(self) -> Sequence[str]:
-        """Request ids still waiting, in deferral order."""
-        return tuple(r.request_id for _, r in self._pending)
+        """Request ids still waiting, in deferral order (quarantined ones last)."""
+        return tuple(r.request_id for _, r in self._pending) + tuple(self.held())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -61,6 +62,12 @@ class Event(Protocol):
 
     def synchronize(self) -> None:
         """Block the host until the event completes; re-raise an error of work before it."""
+
+    def synchronize_within(self, seconds: float) -> bool:
+        """Block the host up to ``seconds``; True if the event completed (else False).
+
+        A completed event re-raises an error of work before it, as `synchronize` does.
+        """
 
     def wait(self, stream: Stream) -> None:
         """Make later work on ``stream`` wait for this event (``stream.wait_event(self)``)."""
@@ -98,6 +105,14 @@ class Stream(AbstractContextManager["Stream", None], Protocol):
     def close(self) -> None:
         """Finish submitted work and release the stream; idempotent (also on context exit)."""
 
+    def abandon(self) -> None:
+        """Refuse new work and release the stream *without* waiting for submitted work.
+
+        For a stream whose work is wedged (a forward that never returns): the host stops
+        waiting; queued work still runs in order whenever the wedged item returns (CPU), or
+        stays enqueued on the device (CUDA). Events recorded before keep their meaning.
+        """
+
 
 class CpuEvent:
     """An event of a `CpuStream`; completes when the worker thread reaches it."""
@@ -126,6 +141,20 @@ class CpuEvent:
         self._done.wait()
         if self._error is not None:
             raise self._error
+
+    def synchronize_within(self, seconds: float) -> bool:
+        """Block up to ``seconds`` for the stream to reach this event; re-raise its error.
+
+        Raises:
+            RelayError: called from the event's own stream before it completed (deadlock).
+        """
+        if not self._done.is_set() and self._stream.is_current():
+            raise RelayError(f"stream {self._stream._name!r}: own later event (deadlock)")
+        if not self._done.wait(seconds):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
 
     def wait(self, stream: Stream) -> None:
         """Make later work on ``stream`` wait for this event."""
@@ -267,11 +296,18 @@ class CpuStream(_Lifecycle):
     def _shutdown(self) -> None:
         if self.is_current():
             raise RelayError(f"stream {self._name!r}: close from its own work (deadlock)")
+        self._stop()
+        self._thread.join()
+
+    def abandon(self) -> None:
+        """Refuse new work; the daemon thread drains the queue on its own time, never joined."""
+        self._stop()
+
+    def _stop(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._queue.put(_STOP)
-        self._thread.join()
 
     def _wait_marker(self, event: CpuEvent) -> None:
         event._done.wait()
@@ -306,6 +342,24 @@ class CudaEvent:
         self._event.synchronize()
         if self._error is not None:
             raise self._error
+
+    def synchronize_within(self, seconds: float) -> bool:
+        """Poll the device up to ``seconds`` for this event; re-raise a captured error.
+
+        The poll sleeps between queries (at most 1 ms), so a host waiting here leaves the CPU
+        to other threads, as a blocking-sync event would.
+        """
+        deadline = time.monotonic() + seconds
+        pause = 1e-5
+        while not self.query():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1e-3)
+        if self._error is not None:
+            raise self._error
+        return True
 
     def wait(self, stream: Stream) -> None:
         """Make later work on ``stream`` wait for this event."""
@@ -385,6 +439,11 @@ class CudaStream(_Lifecycle):
         with self._lock:
             self._closed = True
         self._stream.synchronize()
+
+    def abandon(self) -> None:
+        """Refuse new work; work already enqueued stays on the device (nothing waits for it)."""
+        with self._lock:
+            self._closed = True
 
 
 def make_stream(device: torch.device, *, name: str = "forward") -> Stream:

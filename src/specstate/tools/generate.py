@@ -2,7 +2,8 @@
 
 Input, one JSON object per line: ``{"id", "input_ids", "max_new_tokens", "stop_token_ids"?}``.
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
-"accept_lengths"}``. With ``--trace FILE`` every step is written as one JSON line (what was
+"accept_lengths"}``, plus ``"error"`` (the reason) for a request that ended with an error; the
+exit code is then 1. With ``--trace FILE`` every step is written as one JSON line (what was
 launched, what finished or was retracted, queue sizes, free pages).
 
 Input is read strictly: a line with an unknown field or a wrong type (a string of digits for
@@ -18,15 +19,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import attrs
 import torch
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
-from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig, StepReport
 from specstate.engine.worker import WorkerProtocol
+
+if TYPE_CHECKING:
+    from specstate.reference.model import ModelConfig
 
 __all__ = ["add_arguments", "build_worker", "run"]
 
@@ -57,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
     parser.add_argument("--trace", type=Path, help="write one JSON line per engine step")
     parser.add_argument("--check-invariants", action="store_true")
+    parser.add_argument(
+        "--forward-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail a batch whose forward takes longer (its requests end with 'error')",
+    )
     parser.add_argument(
         "--dtype",
         choices=(*_DTYPES, "checkpoint"),
@@ -132,6 +143,7 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
     from specstate.reference.workers import default_registry
 
     config = read_model_config(args.model)
+    _check_kv_memory(args, config)
     limits = RequestLimits(
         vocab_size=config.vocab_size,
         max_context_len=config.max_position_embeddings,
@@ -147,6 +159,36 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
         options["draft" if args.algorithm == "draft_model" else "eagle"] = args.draft
     return default_registry().create(args.algorithm, **options), limits
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the OS says are available (``MemAvailable``), if it says."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_kv_memory(args: argparse.Namespace, config: ModelConfig) -> None:
+    """Refuse a ``--kv-tokens`` whose KV cache cannot fit in memory, before allocating it."""
+    dtype = _DTYPES.get(args.dtype) or config.dtype
+    per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    ) * dtype.itemsize
+    if args.algorithm in ("draft_model", "eagle"):
+        per_token *= 2  # the drafter keeps its own KV (an upper bound for a 1-layer head)
+    need = args.kv_tokens * per_token
+    available = _available_memory()
+    if available is not None and need > available:
+        raise InvalidConfig(
+            f"--kv-tokens {args.kv_tokens}: the KV cache needs {need / 2**30:.1f} GiB "
+            f"({per_token} bytes a token) but {available / 2**30:.1f} GiB of memory is "
+            "available; lower --kv-tokens"
+        )
 
 
 def _trace_row(step: int, engine: Engine, report: StepReport) -> str:
@@ -167,7 +209,16 @@ def _load_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
         return Engine(worker, limits=limits, config=config)
     except SpecStateError:
         raise
-    except (OSError, RuntimeError, ValueError, KeyError) as exc:  # safetensors, torch, json
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, MemoryError) or "allocate" in str(exc):
+            raise InvalidConfig(
+                f"out of memory building the engine with --kv-tokens {args.kv_tokens} "
+                f"({type(exc).__name__}: {str(exc)[:200]}); lower --kv-tokens"
+            ) from None
+        raise InvalidConfig(
+            f"--model {args.model}: cannot load the checkpoint ({type(exc).__name__}: {exc})"
+        ) from None
+    except (OSError, ValueError, KeyError) as exc:  # safetensors, torch, json
         raise InvalidConfig(
             f"--model {args.model}: cannot load the checkpoint ({type(exc).__name__}: {exc})"
         ) from None
@@ -191,6 +242,8 @@ class _Writer:
                 "finish_reason": None if r.finish is None else r.finish.reason.value,
                 "accept_lengths": list(r.accept_lengths),
             }
+            if r.finish is not None and r.finish.reason is FinishReason.ERROR:
+                row["error"] = r.finish.detail
             print(json.dumps(row), file=self._out, flush=True)
             self._next += 1
 
@@ -207,7 +260,8 @@ def _drive(engine: Engine, trace: IO[str] | None, writer: _Writer) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the command; 0 on success, 2 on bad input or configuration."""
+    """Run the command; 0 on success, 1 if a request ended with an error, 2 on bad input."""
+    reqs: list[Req] = []
     try:
         requests = _read_requests(args.input)
         config = EngineConfig(  # before loading the model: a bad flag fails at once
@@ -218,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             chunked_prefill=args.chunked_prefill,
             check_invariants=args.check_invariants,
             check_ownership=args.check_invariants,
+            forward_timeout_s=args.forward_timeout,
         )
         # The output opens before the model loads: a bad path fails at once.
         with _open_output(args.output) as out, _load_engine(args, config) as engine:
@@ -231,4 +286,14 @@ def run(args: argparse.Namespace) -> int:
     except SpecStateError as exc:
         print(f"specstate generate: {exc}", file=sys.stderr)
         return 2
+    failed = [r for r in reqs if r.finish is not None and r.finish.reason is FinishReason.ERROR]
+    if failed:
+        first = failed[0]
+        detail = first.finish.detail if first.finish is not None else ""
+        print(
+            f"specstate generate: {len(failed)} of {len(reqs)} requests ended with an error "
+            f"(first: {first.request_id}: {detail})",
+            file=sys.stderr,
+        )
+        return 1
     return 0

@@ -152,6 +152,15 @@ class DeadlineEvent:
         if left > 0:
             time.sleep(left)
 
+    def synchronize_within(self, seconds: float) -> bool:
+        """Sleep until the deadline or for ``seconds``, whichever is first; whether it passed."""
+        left = self._deadline - time.perf_counter()
+        if left > seconds:
+            time.sleep(seconds)
+            return False
+        self.synchronize()
+        return True
+
     def wait(self, stream: Stream) -> None:
         """Make later work on ``stream`` wait for the deadline."""
         stream.submit(self.synchronize)

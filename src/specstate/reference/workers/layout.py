@@ -121,7 +121,10 @@ def decode_roots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def extend_result(
-    next_tokens: torch.Tensor, seq_lens: torch.Tensor, payload: RelayPayload
+    next_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    payload: RelayPayload,
+    invalid_rows: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
     """EXTEND result: stride 1, accept 1, ``new_seq_lens = seq_lens`` (no ``+1``)."""
     return GenerationBatchResult(
@@ -130,6 +133,7 @@ def extend_result(
         stride=1,
         new_seq_lens=seq_lens.long().clone(),
         next_draft_input=payload,
+        invalid_rows=invalid_rows,
     )
 
 
@@ -138,6 +142,7 @@ def decode_result(
     accept_lens: torch.Tensor,
     new_seq_lens: torch.Tensor,
     payload: RelayPayload,
+    invalid_rows: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
     """DECODE result from ``run_tokens`` ``[B, D]``: row ``b``'s first ``accept_lens[b]`` count.
 
@@ -151,6 +156,7 @@ def decode_result(
         stride=width,
         new_seq_lens=new_seq_lens,
         next_draft_input=payload,
+        invalid_rows=invalid_rows,
     )
 
 

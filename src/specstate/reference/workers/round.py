@@ -131,14 +131,14 @@ class ChainRoundWorker(abc.ABC):
         # pending root, whose KV the next verify writes. Publish before the draft prefill.
         _publish(on_publish, batch.seq_lens.long())
         payload = self._draft_prefill(batch, out)
-        return extend_result(out.next_tokens, batch.seq_lens, payload)
+        return extend_result(out.next_tokens, batch.seq_lens, payload, out.invalid_rows)
 
     def _run_decode(
         self, batch: ForwardBatch, on_publish: OnPublish | None
     ) -> GenerationBatchResult:
         start, roots = decode_roots(batch)
         drafts = self._propose(batch, start, roots)
-        verdict, hidden = self._target.verify(
+        verdict, hidden, invalid = self._target.verify(
             batch.req_pool_indices,
             start,
             roots,
@@ -153,7 +153,9 @@ class ChainRoundWorker(abc.ABC):
             batch=batch, start=start, chain=chain, verdict=verdict, target_hidden=hidden
         )
         payload = self._commit_round(verified)
-        return decode_result(verdict.run_tokens, verdict.accept_lens, new_seq_lens, payload)
+        return decode_result(
+            verdict.run_tokens, verdict.accept_lens, new_seq_lens, payload, invalid
+        )
 
     @abc.abstractmethod
     def _attach_draft(self, memory: WorkerMemory) -> None:

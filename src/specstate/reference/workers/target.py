@@ -46,12 +46,26 @@ class TargetExtend:
         next_tokens: ``[B]`` token after each row's last new token (argmax, or sampled).
         hidden_states: ``[T, hidden]`` target features (before the final norm) of every token.
         last_rows: ``[B]`` index of each row's last new token in the packed layout.
+        invalid_rows: ``[B]`` bool, True where the row's logits were not finite.
     """
 
     attention: AttentionBatch
     next_tokens: torch.Tensor
     hidden_states: torch.Tensor
     last_rows: torch.Tensor
+    invalid_rows: torch.Tensor
+
+
+def _mask_non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Rows ``[B]`` of ``logits`` ``[B, ..., V]`` with a non-finite value; those are zeroed.
+
+    Zeroing lets argmax and sampling run on every row without a host check (a NaN would make
+    ``multinomial`` raise for the whole batch); the row is reported invalid and its request
+    ends with an error instead of emitting a made-up token. No host synchronization.
+    """
+    finite = torch.isfinite(logits).flatten(1).all(dim=1)
+    logits.masked_fill_(~finite.view(-1, *([1] * (logits.dim() - 1))), 0.0)
+    return ~finite
 
 
 class TargetRunner:
@@ -124,11 +138,13 @@ class TargetRunner:
         attention = extend_attention(batch, self.req_to_token)
         last_rows = last_token_rows(attention.extend_lens)
         out = self.model(attention, logit_rows=last_rows)
+        invalid = _mask_non_finite(out.logits)
         return TargetExtend(
             attention=attention,
             next_tokens=sampler.choose(out.logits, batch.sampling_info).tokens,
             hidden_states=out.hidden_states,
             last_rows=last_rows,
+            invalid_rows=invalid,
         )
 
     def verify(
@@ -140,19 +156,21 @@ class TargetRunner:
         *,
         sampling: SamplingInfo,
         sampler: TokenSampler,
-    ) -> tuple[ChainVerdict, torch.Tensor]:
+    ) -> tuple[ChainVerdict, torch.Tensor, torch.Tensor]:
         """Scores ``[roots, drafts]`` at ``start ..`` and verifies each row per its sampling.
 
         Returns:
-            The verdict and the target's hidden states ``[B, D, hidden]`` of the chain.
+            The verdict, the target's hidden states ``[B, D, hidden]`` of the chain, and the
+            ``[B]`` rows whose logits were not finite (verified on zeroed logits; invalid).
         """
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
         out = self.model(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
+        invalid = _mask_non_finite(logits)
         verdict = _verify(drafts, logits, sampling, sampler)
-        return verdict, out.hidden_states.view(num_rows, width, -1)
+        return verdict, out.hidden_states.view(num_rows, width, -1), invalid
 
 
 def _verify(
