@@ -3,7 +3,8 @@
 A wrapper wedges one decode forward of a real reference worker (it blocks before delegating).
 The step that waits for it returns after the timeout: the batch's requests end with
 `FinishReason.ERROR` naming the timeout, their KV is quarantined (the forward may still write
-it), and — under overlap — a request whose batch was queued behind the wedged one ends too.
+it), and — under overlap — a request whose batch was queued behind the wedged one ends too
+(and is quarantined as well: its pages may have come from a retraction of the wedged rows).
 While the forward is still wedged, new requests run on a fresh stream and match HF
 `generate()` token for token. Once the wedged forward is released and returns (its result is
 thrown away, nothing is published), the quarantine is released and the pool balances. The
@@ -117,12 +118,12 @@ def test_a_wedged_forward_times_out_and_the_engine_serves_on(
             assert "not done after 2 s" in req.finish.detail
         assert worker.entered.is_set() and not worker.returned.is_set()
         snap = engine.snapshot()
-        assert set(snap.quarantined) == {r.request_id for r in first}
+        assert {r.request_id for r in first} <= set(snap.quarantined)
         if overlap:
             assert queued is not None and queued.finish is not None
             assert queued.finish.reason is FinishReason.ERROR
             assert "queued behind" in queued.finish.detail
-            assert queued.request_id not in snap.quarantined
+            assert queued.request_id in snap.quarantined
 
         # The forward is still wedged: later requests run on a fresh stream, exactly.
         later = [engine.submit(f"b{i}", p, params) for i, p in enumerate(LATE_PROMPTS)]

@@ -444,9 +444,10 @@ class Engine:
     def _abandon(self, flight: InFlight, timeout: float, what: str) -> tuple[str, ...]:
         """Fail a batch that did not finish in time, and the batch queued behind it.
 
-        The stream is abandoned (a fresh one runs later launches). The timed-out batch's
-        requests are quarantined: their KV is released only once the abandoned stream is past
-        the forward, which may still write it. The queued batch never runs.
+        The stream is abandoned (a fresh one runs later launches) and the queued batch never
+        runs. The requests of both batches are quarantined: their KV is released only once the
+        abandoned stream is past the forward, which may still write it (the queued batch's
+        requests may hold pages that a retraction took from the timed-out batch's rows).
         """
         queued = self._in_flight if self._in_flight not in (None, flight) else None
         flights = [flight] if queued is None else [flight, queued]
@@ -456,20 +457,19 @@ class Engine:
         error = flight.timeout_error(timeout, what)
         _log.error("%s", error)
         ended = self._fail_batch(flight.plan.batch.reqs, flight.plan.batch.incarnations, error)
-        for req in ended:
-            self.scheduler.drop(req)
-            self._aborts.pop(req, None)
-            if self.allocator.holds_slot(req):
-                self.deferred.hold(req, until=drained)
         if queued is not None:
             behind = ForwardTimeout(
                 f"batch {queued.batch_id} was queued behind batch {flight.batch_id}, whose "
                 f"{what} timed out; it never ran"
             )
-            later = self._fail_batch(queued.plan.batch.reqs, queued.plan.batch.incarnations, behind)
-            for req in later:
-                self._end(req)
-            ended += later
+            ended += self._fail_batch(
+                queued.plan.batch.reqs, queued.plan.batch.incarnations, behind
+            )
+        for req in ended:
+            self.scheduler.drop(req)
+            self._aborts.pop(req, None)
+            if self.allocator.holds_slot(req):
+                self.deferred.hold(req, until=drained)
         self._drain(self._num_retired)
         return tuple(r.request_id for r in ended)
 
