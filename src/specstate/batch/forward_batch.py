@@ -45,7 +45,7 @@ class ForwardBatch:
     input_ids: torch.Tensor | None
     positions: torch.Tensor | None
     out_cache_loc: torch.Tensor | None
-    prefix_lens: tuple[int, ...] | None
+    prefix_lens: tuple[int, ...] | torch.Tensor | None
     extend_lens: tuple[int, ...] | None
     sampling_info: SamplingInfo
     spec_info: RelayPayload | None
@@ -85,8 +85,11 @@ class ForwardBatch:
     @staticmethod
     def _positions(batch: ScheduleBatch, seq_lens: torch.Tensor) -> torch.Tensor | None:
         mode = batch.forward_mode
-        if mode.is_extend() and batch.prefix_lens is not None and batch.extend_lens is not None:
-            return _extend_positions(batch.prefix_lens, batch.extend_lens, seq_lens.device)
+        if mode.is_extend() and batch.positions is not None:
+            return batch.positions  # built at scheduling, already on the device
+        prefix, lens = batch.prefix_lens, batch.extend_lens
+        if mode.is_extend() and isinstance(prefix, tuple) and lens is not None:
+            return _extend_positions(prefix, lens, seq_lens.device)
         if mode.is_decode():
             return seq_lens.clone()
         return None

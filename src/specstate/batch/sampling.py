@@ -83,7 +83,9 @@ class SamplingInfo:
 
     ``top_ks`` holds the vocabulary size for rows without top-k; ``frequency_penalties`` and
     ``penalty_counts`` are None when no row is penalized. ``accumulator`` is None on a forward
-    copy: a worker cannot fold tokens.
+    copy: a worker cannot fold tokens. ``greedy_host`` is what the host knows without reading
+    the device: True when every row is greedy, False when some row samples, None when unknown
+    (then `is_all_greedy` reads ``temperatures``, a device synchronization).
     """
 
     temperatures: torch.Tensor
@@ -92,6 +94,7 @@ class SamplingInfo:
     frequency_penalties: torch.Tensor | None = None
     penalty_counts: torch.Tensor | None = None
     accumulator: PenaltyAccumulator | None = None
+    greedy_host: bool | None = None
 
     @classmethod
     def from_params(
@@ -114,11 +117,14 @@ class SamplingInfo:
             top_ps=torch.tensor([p.top_p for p in params], device=device),
             frequency_penalties=penalties,
             accumulator=acc,
+            greedy_host=all(p.temperature == 0 for p in params),
         )
 
     @property
     def is_all_greedy(self) -> bool:
-        """True when every row samples greedily."""
+        """True when every row samples greedily (from the host flag when it is known)."""
+        if self.greedy_host is not None:
+            return self.greedy_host
         return bool((self.temperatures == 0).all())
 
     def copy_for_forward(self) -> SamplingInfo:
@@ -142,6 +148,7 @@ class SamplingInfo:
             frequency_penalties=_rows(self.frequency_penalties, rows),
             penalty_counts=_rows(self.penalty_counts, rows),
             accumulator=None if self.accumulator is None else self.accumulator.select(rows),
+            greedy_host=True if self.greedy_host else None,  # a subset of greedy rows is greedy
         )
 
     def concat(self, other: SamplingInfo) -> SamplingInfo:
@@ -156,4 +163,9 @@ class SamplingInfo:
             frequency_penalties=_cat(self.frequency_penalties, other.frequency_penalties),
             penalty_counts=None,
             accumulator=acc,
+            greedy_host=(
+                None
+                if self.greedy_host is None or other.greedy_host is None
+                else self.greedy_host and other.greedy_host
+            ),
         )

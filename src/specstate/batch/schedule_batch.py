@@ -98,7 +98,11 @@ class ScheduleBatch:
         seq_lens_cpu: host mirror of ``seq_lens`` when one is kept, else None.
         input_ids: flat input tokens, `Unresolved` bonus tokens under overlap, or None.
         out_cache_loc: token slots the forward writes (extend paths), or None.
-        prefix_lens: per-row KV prefix before an extend, or None.
+        prefix_lens: per-row KV prefix before an extend: host ints when the host knows every
+            row's prefix (EXTEND), a device tensor for MIXED (a running tail's prefix is its
+            device frontier, unknown to the host under overlap), or None.
+        positions: ``[sum(extend_lens)]`` device positions of an extend's tokens, built at
+            scheduling (so the launch needs no host-to-device copy), or None.
         extend_lens: per-row tokens of an extend, or None.
         spec_info: the relay payload the worker gets for the next round, or None.
         future_indices: ``[B]`` FutureMap rows this batch's relay values live in, or None.
@@ -113,8 +117,9 @@ class ScheduleBatch:
     seq_lens_cpu: tuple[int, ...] | None = None
     input_ids: torch.Tensor | Unresolved | None = None
     out_cache_loc: torch.Tensor | None = None
-    prefix_lens: tuple[int, ...] | None = None
+    prefix_lens: tuple[int, ...] | torch.Tensor | None = None
     extend_lens: tuple[int, ...] | None = None
+    positions: torch.Tensor | None = None
     spec_info: RelayPayload | None = None
     future_indices: torch.Tensor | None = None
     # The request ids, when the caller already has them (a persistent batch); else derived.
@@ -154,11 +159,12 @@ class ScheduleBatch:
         """
         if not keep:
             raise InvalidConfig("filter would empty the batch; drop it instead")
-        rows = torch.tensor(list(keep), dtype=torch.int64)
+        # Every per-row tensor lives on the batch's device: so does the index.
+        rows = torch.tensor(list(keep), dtype=torch.int64, device=self._device)
         self.reqs = tuple(self.reqs[i] for i in keep)
         self.incarnations = tuple(self.incarnations[i] for i in keep)
         self.req_pool_indices = self.req_pool_indices.index_select(0, rows)
-        self.seq_lens = _select_lens(self.seq_lens, rows.to(self._device))
+        self.seq_lens = _select_lens(self.seq_lens, rows)
         self.sampling_info = self.sampling_info.select(rows)
         if self.seq_lens_cpu is not None:
             self.seq_lens_cpu = tuple(self.seq_lens_cpu[i] for i in keep)
@@ -197,3 +203,4 @@ class ScheduleBatch:
         self.out_cache_loc = None
         self.prefix_lens = None
         self.extend_lens = None
+        self.positions = None

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import (
     ForwardTimeout,
     InvalidConfig,
@@ -56,6 +56,7 @@ from specstate.core.request import (
 from specstate.engine.invariants import check_engine
 from specstate.engine.launch import InFlight, Launcher
 from specstate.engine.outputs import OutputTable
+from specstate.engine.result_copy import HostResult
 from specstate.engine.results import AcceptMetrics, ResultProcessor, Settlement
 from specstate.engine.scheduler import LaunchPlan, Scheduler, SchedulerConfig
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
@@ -215,7 +216,7 @@ class Engine:
         views = self.ledger.views()
         self.allocator = KvAllocator(
             ledger=views.allocator,
-            req_pool=ReqToTokenPool(max_requests, row_width),
+            req_pool=ReqToTokenPool(max_requests, row_width, device=config.device),
             token_pool=TokenSlotAllocator(num_pages, config.page_size),
             validate=config.check_invariants,
             window=window,
@@ -416,12 +417,21 @@ class Engine:
             # Overlap: the next forward's launch runs on the stream now; let it reach the
             # worker before this thread's settlement competes with it for the interpreter.
             self._in_flight.wait_started()
-        # The device-to-host copy of the result (a no-op when synchronous).
+        # The worker's own copy event, if it keeps one (a no-op when synchronous).
         if result is not None and not result.wait_copied(timeout):
             return self._abandon(flight, timeout or 0.0, "result copy")
+        host = None
+        if error is None and result is not None:
+            try:  # the round's one device-to-host copy (a view on the host CPU), checked
+                host = self._launcher.host_result(flight, timeout)
+            except WorkerResultError as exc:
+                error = exc
+            else:
+                if host is None:
+                    return self._abandon(flight, timeout or 0.0, "result copy")
         plan = flight.plan
         self._num_retired = flight.batch_id
-        if error is not None or result is None:
+        if error is not None or host is None:
             failure = error if error is not None else RuntimeError("no result")
             ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
             _log.error(
@@ -432,8 +442,8 @@ class Engine:
                 exc_info=failure,
             )
         else:
-            ended = [] if result.invalid_rows is None else self._fail_invalid_rows(plan, result)
-            ended += self._settle_result(plan, result).finished
+            ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
+            ended += self._settle_result(plan, host).finished
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)
@@ -473,7 +483,7 @@ class Engine:
         self._drain(self._num_retired)
         return tuple(r.request_id for r in ended)
 
-    def _settle_result(self, plan: LaunchPlan, result: GenerationBatchResult) -> Settlement:
+    def _settle_result(self, plan: LaunchPlan, result: HostResult) -> Settlement:
         """The result processor's settlement of one launched batch's result."""
         return self.results.settle(
             reqs=plan.batch.reqs,
@@ -485,15 +495,11 @@ class Engine:
             abort_reasons=self._aborts,
         )
 
-    def _fail_invalid_rows(self, plan: LaunchPlan, result: GenerationBatchResult) -> list[Req]:
+    def _fail_invalid_rows(self, plan: LaunchPlan, mask: npt.NDArray[np.bool_]) -> list[Req]:
         """End the rows the worker marked invalid with ERROR (their tokens are not settled).
 
         Ending a request changes its output row's epoch, so settlement then skips the row.
         """
-        invalid = result.invalid_rows
-        if invalid is None:
-            return []
-        mask = (invalid if invalid.device.type == "cpu" else invalid.cpu()).numpy()
         if not mask.any():
             return []
         batch = plan.batch

@@ -36,7 +36,8 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import ForwardTimeout, RelayError
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.engine.result_check import check_result
+from specstate.engine.result_check import check_form, check_values
+from specstate.engine.result_copy import HostResult, ResultCopy
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -63,6 +64,9 @@ class InFlight:
     # (under ``lock``) before it touches anything shared.
     abandoned: bool = False
     timed_out: bool = False
+    # The result as host arrays (host CPU), or its copy in flight (a device).
+    host: HostResult | None = None
+    copy: ResultCopy | None = None
     lock: threading.RLock = attrs.field(factory=threading.RLock)
 
     def wait_started(self) -> None:
@@ -106,10 +110,17 @@ class InFlight:
 class _PublishOnce:
     """The ``on_publish`` handed to a worker: one publish per forward, recorded."""
 
-    def __init__(self, future_map: FutureMap, indices: torch.Tensor, flight: InFlight) -> None:
+    def __init__(
+        self,
+        future_map: FutureMap,
+        indices: torch.Tensor,
+        flight: InFlight,
+        bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self._future_map = future_map
         self._indices = indices
         self._flight = flight
+        self._bounds = bounds  # relay the frontier clamped into [lo, hi] (device path)
         self.calls = 0
         self.published: torch.Tensor | None = None  # what the worker published, for the check
 
@@ -121,7 +132,10 @@ class _PublishOnce:
             if self.calls > 1:
                 raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
             self.published = new_seq_lens
-            self._future_map.publish(self._indices, new_seq_lens)
+            relayed = new_seq_lens
+            if self._bounds is not None:  # unchecked yet: keep it inside the reservation
+                relayed = torch.clamp(new_seq_lens, *self._bounds)
+            self._future_map.publish(self._indices, relayed)
 
 
 class Launcher:
@@ -152,6 +166,9 @@ class Launcher:
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
         self.isolator = ForwardIsolator(overlap=overlap)
         self._device = device
+        # On the host CPU a result is checked before anything is relayed; on a device, after
+        # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.result_check`).
+        self._on_host = device == torch.device("cpu")
         # The normal loop runs the forward inline, unless a timeout needs it on a stream.
         on_stream = overlap or forward_timeout is not None
         self._stream: Stream | None = make_stream(device) if on_stream else None
@@ -204,13 +221,15 @@ class Launcher:
             raise RelayError(f"batch {flight.batch_id} has no future indices")
         try:
             if flight.plan.prefill is not None:
-                self._bind_mixed(batch, flight.plan.prefill)
+                self._bind_mixed(batch, flight.plan.prefill, flight.plan.relay_rows)
             elif batch.forward_mode is ForwardMode.EXTEND:
-                self._bind_extend_relay(batch)
+                self._bind_extend_relay(batch, flight.plan.relay_rows)
             else:
                 resolve_batch_seq_lens(self.future_map, batch)
                 resolve_batch_forward_inputs(self.future_map, batch)
-            publish = _PublishOnce(self.future_map, indices, flight)
+            publish = _PublishOnce(
+                self.future_map, indices, flight, self._frontier_bounds(batch, flight.plan)
+            )
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
@@ -246,49 +265,84 @@ class Launcher:
         seq_lens = batch.seq_lens
         if isinstance(seq_lens, Unresolved):  # isolation restored a resolved batch
             raise RelayError(f"batch {flight.batch_id}: frontier still unresolved")
-        check_result(
-            result,
-            request_ids=batch.request_ids,
-            seq_lens=seq_lens,
-            published=publish.published,
-            decode=flight.plan.is_decode,
-            max_accept=self._max_accept,
-            vocab_size=self._vocab_size,
-        )
+        check_form(result, batch.batch_size, publish.published)
+        if self._on_host:
+            flight.host = HostResult.view(result, seq_lens, publish.published)
+            self._check_values(flight.host, flight.plan)
+        else:
+            flight.copy = ResultCopy.start(result, seq_lens, publish.published)
         if publish.calls == 0 and result.new_seq_lens is not None:
             publish(result.new_seq_lens)
         if result.next_draft_input is not None:
             self.future_map.stash(indices, result.next_draft_input)
         flight.result = result
 
-    def _bind_extend_relay(self, batch: ScheduleBatch) -> None:
-        """Give rows that continue after a KV prefix the relay of their previous forward."""
-        prefix = batch.prefix_lens or ()
-        rows = [i for i, p in enumerate(prefix) if p > 0]
-        if rows:
-            batch.spec_info = self._relay_rows(batch, rows, batch.req_pool_indices[rows])
+    def host_result(self, flight: InFlight, timeout: float | None) -> HostResult | None:
+        """The settled batch's result as host arrays, value-checked; None if the copy timed out.
 
-    def _bind_mixed(self, batch: ScheduleBatch, part: PrefillPart) -> None:
-        """Late-bind the running tails of a MIXED batch: each extends its bonus at ``fresh``."""
+        Raises:
+            WorkerResultError: the values break the forward contract (device path: checked
+                here, after the copy; the host CPU path checked them in the launch).
+        """
+        if flight.host is not None:
+            return flight.host
+        if flight.copy is None:
+            raise RelayError(f"batch {flight.batch_id} has a result but no copy of it")
+        host = flight.copy.wait(timeout)
+        if host is not None:
+            self._check_values(host, flight.plan)
+            flight.host = host
+        return host
+
+    def _check_values(self, host: HostResult, plan: LaunchPlan) -> None:
+        check_values(
+            host,
+            request_ids=plan.batch.request_ids,
+            decode=plan.is_decode,
+            max_accept=self._max_accept,
+            vocab_size=self._vocab_size,
+        )
+
+    def _frontier_bounds(
+        self, batch: ScheduleBatch, plan: LaunchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Device path: where a frontier may be relayed before it is checked (None on host)."""
+        seq_lens = batch.seq_lens
+        if self._on_host or isinstance(seq_lens, Unresolved):
+            return None
+        if plan.is_decode:
+            return seq_lens + 1, seq_lens + self._max_accept
+        return seq_lens, seq_lens
+
+    def _bind_extend_relay(self, batch: ScheduleBatch, rows: torch.Tensor | None) -> None:
+        """Give rows that continue after a KV prefix the relay of their previous forward."""
+        if rows is not None:
+            batch.spec_info = self._relay_rows(batch, rows)
+
+    def _bind_mixed(
+        self, batch: ScheduleBatch, part: PrefillPart, rows: torch.Tensor | None
+    ) -> None:
+        """Late-bind the running tails of a MIXED batch: each extends its bonus at ``fresh``.
+
+        Device work only: a tail's prefix and position is its device frontier, which the
+        host does not know under overlap, so ``prefix_lens`` is a device tensor here.
+        """
+        if rows is None:
+            raise RelayError("a mixed batch has running tails, so relayed rows")
         tails = self.future_map.resolve_mixed_tails(part.tail_slots, self._req_to_token)
         n = len(part.prefix_lens)
-        continuing = [i for i, p in enumerate(part.prefix_lens) if p > 0]
-        rows = continuing + list(range(n, n + part.tail_slots.numel()))
-        slots = batch.req_pool_indices[rows]
-        batch.spec_info = self._relay_rows(batch, rows, slots)
+        batch.spec_info = self._relay_rows(batch, rows)
         bonus = batch.spec_info.bonus_tokens[n:]
         batch.input_ids = torch.cat([part.input_ids, bonus])
         batch.out_cache_loc = torch.cat([part.out_cache_loc, tails.out_cache_loc])
         batch.seq_lens = torch.cat([part.seq_lens, tails.seq_lens])
-        batch.prefix_lens = part.prefix_lens + tuple(tails.prefix_lens.tolist())
+        batch.prefix_lens = torch.cat([part.prefix_lens_device, tails.prefix_lens])
+        batch.positions = torch.cat([part.positions, tails.prefix_lens])
         batch.extend_lens = part.extend_lens + (1,) * part.tail_slots.numel()
 
-    def _relay_rows(
-        self, batch: ScheduleBatch, rows: list[int], slots: torch.Tensor
-    ) -> RelayPayload:
-        """A batch-wide payload: the relayed inputs at ``rows``, zeros elsewhere."""
-        got = self.future_map.resolve_forward_inputs(slots)
-        index = torch.tensor(rows, dtype=torch.int64, device=slots.device)
+    def _relay_rows(self, batch: ScheduleBatch, index: torch.Tensor) -> RelayPayload:
+        """A batch-wide payload: the relayed inputs at rows ``index``, zeros elsewhere."""
+        got = self.future_map.resolve_forward_inputs(batch.req_pool_indices[index])
         b = batch.batch_size
 
         def spread(t: torch.Tensor | None) -> torch.Tensor | None:

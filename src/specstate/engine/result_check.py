@@ -1,14 +1,23 @@
 """The trust boundary for worker results: one vectorized check before a result touches state.
 
 A worker is the engine's adapter to someone else's model runner, so its result is untrusted.
-`check_result` runs on the forward stream right after the worker returns, before the launcher
-publishes or stashes anything and long before the result processor settles it. A result that
-breaks a rule raises `WorkerResultError` naming the rule, the row's request and the numbers;
-the launcher then republishes the batch's own inputs (undoing anything the worker published
-through ``on_publish``) and the batch's requests end with `FinishReason.ERROR`. The engine keeps
-serving, and no counter, output or KV row of any other request is touched.
+Two halves, so that the launch never reads a device value:
 
-Always on (a fixed number of tensor operations per round, whatever the batch size):
+* `check_form` (dtypes and shapes: metadata only) runs on the forward stream right after the
+  worker returns, on every device;
+* `check_values` reads host arrays (`HostResult`). On the host CPU it runs right after
+  `check_form`, before the launcher publishes or stashes anything; on a device it runs when the
+  host settles the batch, after the result's one copy (see `specstate.engine.result_copy`).
+  There the frontier the worker published has already reached the next forward, so the
+  launcher relays it *clamped* into ``[seq_lens + 1, seq_lens + max_accept]`` (decode) or to
+  ``seq_lens`` (extend): a wrong frontier can only move a row inside its own reservation.
+
+A result that breaks a rule raises `WorkerResultError` naming the rule, the row's request and
+the numbers; the batch's requests end with `FinishReason.ERROR` (on the host CPU the launcher
+also republishes the batch's own inputs, undoing anything the worker published). The engine
+keeps serving, and no counter, output or KV row of any other request is touched.
+
+Always on (a fixed number of array operations per round, whatever the batch size):
 
 * shapes and dtypes: ``next_token_ids`` ``[B * stride]`` and ``accept_lens`` ``[B]``, both
   integer (not bool, not floating point);
@@ -32,37 +41,18 @@ import torch
 
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import WorkerResultError
+from specstate.engine.result_copy import HostResult
 
-__all__ = ["check_result"]
+__all__ = ["check_form", "check_values"]
 
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
-def check_result(
-    result: GenerationBatchResult,
-    *,
-    request_ids: tuple[str, ...],
-    seq_lens: torch.Tensor,
-    published: torch.Tensor | None,
-    decode: bool,
-    max_accept: int,
-    vocab_size: int,
-) -> None:
-    """Raise `WorkerResultError` unless ``result`` fits its batch (see the module docstring).
+def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | None) -> None:
+    """Raise `WorkerResultError` unless the result's tensors have the batch's dtypes and shapes.
 
-    The checks run on host arrays (NumPy views of CPU tensors; a device tensor is copied to
-    the host first, as settlement needs it there anyway).
-
-    Args:
-        result: what the worker returned.
-        request_ids: the batch's request ids, one per row.
-        seq_lens: the frontier the forward ran from (resolved, one per row).
-        published: the frontier the worker handed to ``on_publish``, if it did.
-        decode: the batch was a decode round (multi-token runs allowed).
-        max_accept: the worker's declared longest run.
-        vocab_size: the model's vocabulary size.
+    Reads metadata only (no device value), so it runs in the launch on any device.
     """
-    b = len(request_ids)
     for name, t in (("next_token_ids", result.next_token_ids), ("accept_lens", result.accept_lens)):
         if t.dtype not in _INTEGER_DTYPES or t.dim() != 1:
             raise WorkerResultError(
@@ -71,39 +61,54 @@ def check_result(
             )
     if result.batch_size != b:
         raise WorkerResultError(f"worker returned {result.batch_size} rows for a batch of {b}")
+    frontier = published if published is not None else result.new_seq_lens
+    if frontier is None:
+        raise WorkerResultError("worker published no frontier (no on_publish, no new_seq_lens)")
+    if tuple(frontier.shape) != (b,) or frontier.dtype not in _INTEGER_DTYPES:
+        raise WorkerResultError(
+            f"worker published a frontier of dtype {frontier.dtype} and shape "
+            f"{tuple(frontier.shape)}; expected integer ({b},)"
+        )
+    invalid = result.invalid_rows
+    if invalid is not None and (invalid.dtype != torch.bool or tuple(invalid.shape) != (b,)):
+        raise WorkerResultError(
+            f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
+            f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"
+        )
+
+
+def check_values(
+    host: HostResult,
+    *,
+    request_ids: tuple[str, ...],
+    decode: bool,
+    max_accept: int,
+    vocab_size: int,
+) -> None:
+    """Raise `WorkerResultError` unless the result's values fit its batch (module docstring).
+
+    Args:
+        host: the result as host arrays (after `check_form`).
+        request_ids: the batch's request ids, one per row.
+        decode: the batch was a decode round (multi-token runs allowed).
+        max_accept: the worker's declared longest run.
+        vocab_size: the model's vocabulary size.
+    """
+    b = len(request_ids)
     if b == 0:
         return
-    limit = min(result.stride, max_accept) if decode else 1
-    accept = _host(result.accept_lens).astype(np.int64, copy=False)
+    limit = min(host.stride, max_accept) if decode else 1
+    accept = host.accept.astype(np.int64, copy=False)
     outside = (accept < 1) | (accept > limit)
     if np.count_nonzero(outside):
         row = int(np.flatnonzero(outside)[0])
         raise WorkerResultError(
             f"request {request_ids[row]}: accept length {int(accept[row])} outside [1, {limit}] "
-            f"(stride {result.stride}, max_accept {max_accept})"
+            f"(stride {host.stride}, max_accept {max_accept})"
         )
-    valid = _valid_rows(result, b)
-    tokens = _host(result.next_token_ids).reshape(b, result.stride)
-    _check_tokens(tokens, accept, valid, request_ids, vocab_size)
-    _check_frontier(result, request_ids, _host(seq_lens), published, accept, decode)
-
-
-def _host(t: torch.Tensor) -> npt.NDArray[np.integer[Any]]:
-    """A host array of ``t`` (a view for a CPU tensor)."""
-    return (t if t.device.type == "cpu" else t.cpu()).numpy()
-
-
-def _valid_rows(result: GenerationBatchResult, b: int) -> npt.NDArray[np.bool_] | None:
-    """The rows not marked invalid (None: all), after checking ``invalid_rows``'s form."""
-    invalid = result.invalid_rows
-    if invalid is None:
-        return None
-    if invalid.dtype != torch.bool or tuple(invalid.shape) != (b,):
-        raise WorkerResultError(
-            f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
-            f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"
-        )
-    return ~(invalid if invalid.device.type == "cpu" else invalid.cpu()).numpy()
+    valid = None if host.invalid is None else ~host.invalid
+    _check_tokens(host.tokens, accept, valid, request_ids, vocab_size)
+    _check_frontier(host, request_ids, accept, decode)
 
 
 def _check_tokens(
@@ -128,30 +133,22 @@ def _check_tokens(
 
 
 def _check_frontier(
-    result: GenerationBatchResult,
+    host: HostResult,
     request_ids: tuple[str, ...],
-    seq_lens: npt.NDArray[np.integer[Any]],
-    published: torch.Tensor | None,
     accept: npt.NDArray[np.int64],
     decode: bool,
 ) -> None:
     """The published frontier is where the accepted runs end."""
-    frontier_t = published if published is not None else result.new_seq_lens
-    if frontier_t is None:
+    if host.frontier is None:
         raise WorkerResultError("worker published no frontier (no on_publish, no new_seq_lens)")
+    seq_lens = host.seq_lens
     expected = seq_lens + accept if decode else seq_lens
-    if tuple(frontier_t.shape) != expected.shape or frontier_t.dtype not in _INTEGER_DTYPES:
-        raise WorkerResultError(
-            f"worker published a frontier of dtype {frontier_t.dtype} and shape "
-            f"{tuple(frontier_t.shape)}; expected integer {expected.shape}"
-        )
-    frontier = _host(frontier_t)
-    wrong = frontier != expected
+    wrong = host.frontier != expected
     if np.count_nonzero(wrong):
         row = int(np.flatnonzero(wrong)[0])
         rule = "seq_lens + accept_lens" if decode else "the extend end"
         raise WorkerResultError(
-            f"request {request_ids[row]}: published frontier {int(frontier[row])} but {rule} "
-            f"is {int(expected[row])} (seq_lens {int(seq_lens[row])}, accept "
+            f"request {request_ids[row]}: published frontier {int(host.frontier[row])} but "
+            f"{rule} is {int(expected[row])} (seq_lens {int(seq_lens[row])}, accept "
             f"{int(accept[row])})"
         )

@@ -30,11 +30,11 @@ import attrs
 import numpy as np
 import torch
 
-from specstate.batch.result import GenerationBatchResult
 from specstate.core.ledger import ResultProcessorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
 from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
+from specstate.engine.result_copy import HostResult
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
 
@@ -124,7 +124,7 @@ class ResultProcessor:
         epochs: IntArray,
         last_chunk: Sequence[bool],
         verifies: bool,
-        result: GenerationBatchResult,
+        result: HostResult,
         abort_reasons: Mapping[Req, str],
     ) -> Settlement:
         """Settle one result for the batch rows ``reqs`` (see the module docstring).
@@ -135,14 +135,14 @@ class ResultProcessor:
             epochs: ``[B]`` each row's output-row epoch when the batch was scheduled.
             last_chunk: one flag per prefill row: its chunk ends the prefill.
             verifies: the decode-like rows are verifies (a decode round, not mixed tails).
-            result: the worker's result, already checked against the batch.
+            result: the worker's result as host arrays, already checked against the batch.
             abort_reasons: pending user aborts, by request.
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
         slots_np = slots if isinstance(slots, np.ndarray) else slots.numpy()
-        tokens = result.next_token_ids.numpy().reshape(b, result.stride)
-        accept = result.accept_lens.numpy()
+        tokens = result.tokens
+        accept = result.accept
         live = self._outputs.epochs(slots_np) == epochs
         num_live = int(np.count_nonzero(live))
         if n_prefill == 0 and num_live == b:

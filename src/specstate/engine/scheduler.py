@@ -60,6 +60,8 @@ class LaunchPlan:
         epochs: ``[B]`` output-row epochs at scheduling (a changed epoch marks a stale row).
         last_chunk: one flag per prefill row: its chunk completes the prefill.
         prefill: the host-known prefill part of a MIXED batch, else None.
+        relay_rows: ``[n]`` device index of the rows whose inputs come from the FutureMap
+            (continuing chunks, running tails), built at scheduling; None when none does.
     """
 
     batch: ScheduleBatch
@@ -67,6 +69,7 @@ class LaunchPlan:
     epochs: IntArray
     last_chunk: tuple[bool, ...] = ()
     prefill: PrefillPart | None = None
+    relay_rows: torch.Tensor | None = None
     slots_host: IntArray = attrs.field(
         default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
     )
@@ -88,6 +91,8 @@ class PrefillPart:
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     tail_slots: torch.Tensor
+    prefix_lens_device: torch.Tensor  # ``prefix_lens`` on the device
+    positions: torch.Tensor  # the prefill tokens' positions, on the device
 
 
 @attrs.frozen(kw_only=True)
@@ -317,9 +322,11 @@ class Scheduler:
         lens = [stop - start for _, start, stop in rows]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
         row_index = torch.repeat_interleave(slots, torch.tensor(lens))
-        table = self._allocator.req_to_token
+        table = torch.from_numpy(self._allocator.req_to_token_host)
         if tails:
-            return self._mixed_plan(rows, last_chunk, ids, table[row_index, positions], tails)
+            locs = table[row_index, positions]
+            return self._mixed_plan(rows, last_chunk, ids, locs, positions, tails)
+        continuing = [i for i, s in enumerate(starts) if s > 0]
         batch = ScheduleBatch(
             reqs=tuple(reqs),
             incarnations=tuple(r.incarnation for r in reqs),
@@ -332,10 +339,21 @@ class Scheduler:
             out_cache_loc=table[row_index, positions].to(self._device),
             prefix_lens=tuple(starts),
             extend_lens=tuple(lens),
+            positions=positions.to(self._device),
             future_indices=slots.to(self._device),
         )
         epochs = self._outputs.epochs(slots.numpy())
-        return LaunchPlan(batch=batch, slots=slots, epochs=epochs, last_chunk=tuple(last_chunk))
+        return LaunchPlan(
+            batch=batch,
+            slots=slots,
+            epochs=epochs,
+            last_chunk=tuple(last_chunk),
+            relay_rows=self._device_index(continuing) if continuing else None,
+        )
+
+    def _device_index(self, rows: Sequence[int]) -> torch.Tensor:
+        """A row index on the device, built now (the launch then copies nothing over)."""
+        return torch.tensor(rows, dtype=torch.int64, device=self._device)
 
     def _reserve_tails(self) -> list[Req]:
         """Running requests that ride this prefill as 1-token extends (their KV reserved)."""
@@ -354,6 +372,7 @@ class Scheduler:
         last_chunk: list[bool],
         ids: list[int],
         locs: torch.Tensor,
+        positions: torch.Tensor,
         tails: list[Req],
     ) -> LaunchPlan:
         """A MIXED batch: prefill rows first, then each running request as a tail."""
@@ -367,7 +386,11 @@ class Scheduler:
             prefix_lens=tuple(start for _, start, _ in rows),
             extend_lens=tuple(stop - start for _, start, stop in rows),
             tail_slots=tail_slots,
+            prefix_lens_device=self._device_index([start for _, start, _ in rows]),
+            positions=positions.to(self._device),
         )
+        n = len(rows)
+        continuing = [i for i, (_, start, _) in enumerate(rows) if start > 0]
         dev_slots = slots.to(self._device)
         batch = ScheduleBatch(
             reqs=tuple(reqs),
@@ -385,6 +408,7 @@ class Scheduler:
             epochs=self._outputs.epochs(slots.numpy()),
             last_chunk=tuple(last_chunk),
             prefill=part,
+            relay_rows=self._device_index(continuing + list(range(n, n + len(tails)))),
         )
 
     def _schedule_decode(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:

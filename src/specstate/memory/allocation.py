@@ -171,6 +171,11 @@ class KvAllocator:
         return self._req_pool.req_to_token
 
     @property
+    def req_to_token_host(self) -> IntArray:
+        """The host copy of the table (what the scheduler computes batch locations from)."""
+        return self._req_pool.table_host
+
+    @property
     def token_pool(self) -> TokenSlotAllocator:
         """The paged token-slot allocator (for its statistics and balance check)."""
         return self._token_pool
@@ -197,9 +202,9 @@ class KvAllocator:
         counts = (end - first).clamp_min(0)
         rows = torch.repeat_interleave(torch.arange(slots.numel()), counts)
         offsets = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[rows]
-        table = self._req_pool.req_to_token
+        table = torch.from_numpy(self._req_pool.table_host)
         pos = (first[rows] + offsets) * p
-        return torch.div(table[slots[rows], pos.to(table.device)], p, rounding_mode="floor")
+        return torch.div(table[slots[rows], pos], p, rounding_mode="floor")
 
     def check_balance(self) -> None:
         """Debug: free pages plus pages of open rows are all pages, with no duplicate."""
@@ -235,8 +240,7 @@ class KvAllocator:
         """Non-speculative decode: one more KV slot per request; returns ``out_cache_loc``."""
         cur = self._ledger.allocated(slots)
         self._grow(slots, cur, cur + 1, counter="decode")
-        table = self._req_pool.req_to_token
-        return table[slots.to(table.device), cur.to(table.device)]
+        return torch.from_numpy(self._req_pool.table_host)[slots, cur]
 
     def reserve_for_spec_decode(self, slots: torch.Tensor | IntArray) -> DecodeAllocLens:
         """Grow each reservation to ``max(allocated, ceil_P(committed + R))`` (vectorized).

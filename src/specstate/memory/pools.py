@@ -103,7 +103,8 @@ class ReqToTokenPool:
     _request_ids: list[str | None] = attrs.field(repr=False)
     _in_use: npt.NDArray[np.bool_] = attrs.field(repr=False)  # [max_requests + 1], host
     _last_page: IntArray = attrs.field(repr=False)  # page of each row's last mapped position
-    _table_host: IntArray | None = attrs.field(repr=False)  # flat NumPy view of a CPU table
+    _table_host: IntArray = attrs.field(repr=False)  # flat host copy (a view on the host CPU)
+    _mirrored: bool = attrs.field(repr=False)  # the table is a separate (device) tensor
 
     def __init__(self, max_requests: int, row_width: int, *, device: torch.device | str = "cpu"):
         """Create ``max_requests`` usable slots with rows of ``row_width`` positions."""
@@ -111,14 +112,26 @@ class ReqToTokenPool:
             raise InvalidConfig(
                 f"max_requests, row_width must be >= 1: got {max_requests}, {row_width}"
             )
-        self._req_to_token = torch.zeros(max_requests + 1, row_width, dtype=_I64, device=device)
+        # Placement: the table lives where the forward reads it; the host computes from its
+        # own copy and writes each change through (one indexed store), never reading it back.
+        shape = (max_requests + 1, row_width)
+        self._mirrored = torch.device(device) != torch.device("cpu")
+        if self._mirrored:
+            self._table_host = np.zeros(shape[0] * shape[1], dtype=np.int64)
+            self._req_to_token = torch.zeros(shape, dtype=_I64, device=device)
+        else:
+            self._req_to_token = torch.zeros(shape, dtype=_I64)
+            self._table_host = self._req_to_token.numpy().reshape(-1)
         self._free_slots = list(range(max_requests, 0, -1))
         self._generation = np.zeros(max_requests + 1, dtype=np.int64)
         self._request_ids = [None] * (max_requests + 1)
         self._in_use = np.zeros(max_requests + 1, dtype=np.bool_)
         self._last_page = np.zeros(max_requests + 1, dtype=np.int64)
-        on_host = self._req_to_token.device.type == "cpu"
-        self._table_host = self._req_to_token.numpy().reshape(-1) if on_host else None
+
+    @property
+    def table_host(self) -> IntArray:
+        """The host copy of the table, ``[max_requests + 1, row_width]`` (read only)."""
+        return self._table_host.reshape(self._req_to_token.shape)
 
     @property
     def req_to_token(self) -> Tensor:
@@ -407,8 +420,7 @@ def _check_tail_pages(
     if not reused.any():
         return
     s, c = slots[reused], cur[reused]
-    table = req_pool.req_to_token
-    mapped = host_index(table[torch.from_numpy(s).to(table.device), torch.from_numpy(c - 1)])
+    mapped = req_pool._table_host[s * req_pool.row_width + c - 1]
     tail = req_pool._last_page[s]
     bad = (mapped // p != tail) | (tail == 0) | allocator._is_free[tail]
     if bad.any():
@@ -496,15 +508,17 @@ def _map_whole_pages(
 
 
 def _store(req_pool: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
-    """Write ``values`` at flat positions of ``req_to_token``: one indexed store."""
-    if req_pool._table_host is not None:
-        req_pool._table_host[flat] = values
-    else:  # one host-to-device copy of the indices and values
+    """Write ``values`` at flat positions of ``req_to_token``: one indexed store.
+
+    On a device, the host copy is written too and the indices and values travel in one
+    host-to-device copy; the store is enqueued on the host's current stream, which the forward
+    stream waits for before the next forward (the input fence).
+    """
+    req_pool._table_host[flat] = values
+    if req_pool._mirrored:
         table = req_pool._req_to_token
-        dev = table.device
-        table.view(-1).index_copy_(
-            0, torch.from_numpy(flat).to(dev), torch.from_numpy(values).to(dev)
-        )
+        both = torch.from_numpy(np.concatenate([flat, values])).to(table.device)
+        table.view(-1).index_copy_(0, both[: flat.size], both[flat.size :])
 
 
 def free_rows(
@@ -534,11 +548,6 @@ def free_rows(
     end = _ceil_page(hi, p) // p
     rows, j, _ = _expand(np.maximum(end - first, 0))
     flat = (s * req_pool.row_width)[rows] + (first[rows] + j) * p
-    if req_pool._table_host is not None:
-        token_slots = req_pool._table_host[flat]
-    else:  # NOTE: a device-to-host read of the pages to free (release time, not the launch)
-        table = req_pool.req_to_token
-        token_slots = host_index(table.view(-1)[torch.from_numpy(flat).to(table.device)])
-    pages = token_slots // p
+    pages = req_pool._table_host[flat] // p
     allocator.free_pages(pages, validate=validate)
     return int(pages.size)

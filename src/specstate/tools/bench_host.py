@@ -38,6 +38,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.engine.result_copy import HostResult
 from specstate.engine.scheduler import LaunchPlan
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -237,7 +238,11 @@ def _loop(
 
 
 def _settle(engine: Engine, flight: tuple[LaunchPlan, GenerationBatchResult]) -> None:
-    engine._settle_result(*flight)
+    plan, result = flight
+    assert result.new_seq_lens is not None
+    # The host-CPU view the engine settles from; ``seq_lens`` only feeds the value check,
+    # which the launch runs (not timed here, as SGLang's functions check nothing).
+    engine._settle_result(plan, HostResult.view(result, result.new_seq_lens))
 
 
 def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) -> None:

@@ -105,7 +105,9 @@ class EagleWorker(ChainRoundWorker):
         hidden = self._target.config.hidden_size
         relayed = None if batch.spec_info is None else batch.spec_info.hidden_states
         if relayed is None:
-            if bool(needed.any()):
+            prefix = batch.prefix_lens  # host ints when known: no device read needed
+            fresh = isinstance(prefix, tuple) and not any(prefix)
+            if not fresh and bool(needed.any()):
                 rows = [rid for rid, n in zip(batch.request_ids, needed.tolist(), strict=True) if n]
                 raise InvalidConfig(
                     f"eagle worker: requests {rows[:4]} continue after a KV prefix but "

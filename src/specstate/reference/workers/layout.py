@@ -64,7 +64,7 @@ def extend_attention(batch: ForwardBatch, req_to_token: torch.Tensor) -> Attenti
         out_cache_loc=out_cache_loc,
         req_pool_indices=batch.req_pool_indices,
         req_to_token=req_to_token,
-        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+        prefix_lens=torch.as_tensor(prefix_lens, dtype=torch.int64, device=device),
         extend_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
     )
 

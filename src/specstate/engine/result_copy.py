@@ -1,0 +1,182 @@
+"""The round's one device-to-host transfer: a worker result, as host arrays the host settles.
+
+Settlement, the value checks of `specstate.engine.result_check` and the finish rules all read
+host arrays (`HostResult`). Where they come from depends on where the worker's tensors live:
+
+* on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
+  copy): `HostResult.view`;
+* on a device, the launch packs the accept lengths, the tokens, the published frontier and the
+  invalid-row flags into one int64 tensor right after the forward and starts one non-blocking
+  copy into a host buffer (pinned on CUDA, on a copy stream that waits for the forward
+  stream), then records an event: `ResultCopy.start`. The host waits for that event when it
+  settles the batch (`ResultCopy.wait`), never before, and never reads a device tensor.
+
+Invariant: the launch path does not read any device value; the host reads a result only after
+its copy event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from specstate.batch.result import GenerationBatchResult
+
+__all__ = ["HostResult", "ResultCopy"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@attrs.frozen(kw_only=True)
+class HostResult:
+    """A worker result as host arrays.
+
+    Attributes:
+        tokens: ``[B, stride]`` accepted runs (row ``i``'s first ``accept[i]`` count).
+        accept: ``[B]`` accept lengths.
+        stride: tokens per row of the producing forward.
+        frontier: ``[B]`` the frontier the worker published (``on_publish``, else
+            ``new_seq_lens``), or None if it published none.
+        invalid: ``[B]`` rows the worker marked invalid, or None.
+        seq_lens: ``[B]`` the frontier the forward ran from (what the published one is checked
+            against).
+    """
+
+    tokens: npt.NDArray[Any]
+    accept: npt.NDArray[Any]
+    stride: int
+    frontier: npt.NDArray[np.integer[Any]] | None
+    invalid: npt.NDArray[np.bool_] | None
+    seq_lens: npt.NDArray[np.integer[Any]]
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return int(self.accept.shape[0])
+
+    @classmethod
+    def view(
+        cls,
+        result: GenerationBatchResult,
+        seq_lens: torch.Tensor,
+        published: torch.Tensor | None = None,
+    ) -> HostResult:
+        """NumPy views of a result whose tensors are on the host CPU (no copy)."""
+        b = result.batch_size
+        frontier = published if published is not None else result.new_seq_lens
+        return cls(
+            tokens=result.next_token_ids.numpy().reshape(b, result.stride),
+            accept=result.accept_lens.numpy(),
+            stride=result.stride,
+            frontier=None if frontier is None else frontier.numpy(),
+            invalid=None if result.invalid_rows is None else result.invalid_rows.numpy(),
+            seq_lens=seq_lens.numpy(),
+        )
+
+
+class ResultCopy:
+    """One packed, non-blocking device-to-host copy of a result, and the event that ends it."""
+
+    def __init__(
+        self,
+        host: torch.Tensor,
+        event: torch.cuda.Event | None,
+        layout: tuple[int, int, bool, bool],
+        keep: tuple[torch.Tensor, ...],
+    ) -> None:
+        self._host = host
+        self._event = event
+        self._layout = layout  # (batch size, stride, has frontier, has invalid rows)
+        self._keep = keep  # device tensors the copy reads, alive until it is done
+
+    @classmethod
+    def start(
+        cls,
+        result: GenerationBatchResult,
+        seq_lens: torch.Tensor,
+        published: torch.Tensor | None,
+    ) -> ResultCopy:
+        """Pack the result on its device and start the copy; reads no device value.
+
+        Call right after the forward, on the forward stream (the launch closure).
+        """
+        b, stride = result.batch_size, result.stride
+        frontier = published if published is not None else result.new_seq_lens
+        parts = [result.accept_lens.long(), result.next_token_ids.long(), seq_lens.long()]
+        if frontier is not None:
+            parts.append(frontier.long())
+        if result.invalid_rows is not None:
+            parts.append(result.invalid_rows.long())
+        packed = torch.cat(parts)
+        layout = (b, stride, frontier is not None, result.invalid_rows is not None)
+        if packed.device.type != "cuda":
+            host = torch.empty(packed.shape, dtype=torch.int64)
+            host.copy_(packed, non_blocking=True)
+            return cls(host, None, layout, ())
+        forward = torch.cuda.current_stream(packed.device)
+        copy = _copy_stream(packed.device)
+        copy.wait_stream(forward)
+        host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(copy):
+            host.copy_(packed, non_blocking=True)
+            packed.record_stream(copy)  # the caching allocator must not reuse it early
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(copy)
+        return cls(host, event, layout, (packed,))
+
+    def wait(self, timeout: float | None = None) -> HostResult | None:
+        """Block until the copy is done (up to ``timeout`` seconds); None if it is not."""
+        if self._event is not None:
+            if timeout is None:
+                self._event.synchronize()
+            elif not _poll(self._event, timeout):
+                return None
+        self._keep = ()
+        b, stride, has_frontier, has_invalid = self._layout
+        flat = self._host.numpy()
+        accept = flat[:b]
+        tokens = flat[b : b + b * stride].reshape(b, stride)
+        at = b + b * stride
+        seq_lens, at = flat[at : at + b], at + b
+        frontier = None
+        if has_frontier:
+            frontier, at = flat[at : at + b], at + b
+        invalid = flat[at : at + b].astype(np.bool_) if has_invalid else None
+        return HostResult(
+            tokens=tokens,
+            accept=accept,
+            stride=stride,
+            frontier=frontier,
+            invalid=invalid,
+            seq_lens=seq_lens,
+        )
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per CUDA device, created on first use."""
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        _COPY_STREAMS[device] = stream
+    return stream
+
+
+def _poll(event: torch.cuda.Event, seconds: float) -> bool:
+    """Wait for ``event`` up to ``seconds`` (sleeping between queries); whether it is done."""
+    deadline = time.monotonic() + seconds
+    pause = 1e-5
+    while not event.query():  # type: ignore[no-untyped-call]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 1e-3)
+    return True
