@@ -45,11 +45,14 @@ class _CorruptOnce(SpyWorker):
         self._shift = frontier_shift
         self._decodes = 0
         self.corrupted = False
+        self.decode_frontiers: list[list[int]] = []  # seq_lens of every decode forward
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
     ) -> GenerationBatchResult:
         """Corrupt the second decode forward of a batch of two or more rows."""
+        if batch.forward_mode.is_decode():
+            self.decode_frontiers.append(batch.seq_lens.tolist())
         if not batch.forward_mode.is_decode() or batch.batch_size < 2:
             return self._inner.forward_batch_generation(batch, on_publish=on_publish)
         self._decodes += 1
@@ -141,10 +144,40 @@ def test_a_bad_result_fails_its_batch_and_the_engine_keeps_serving(
     ckpt: SpecCheckpoints, case: str, overlap: bool, checks: bool
 ) -> None:
     """The corrupted batch ends with ERROR naming the rule; a later request is exact."""
+    _run_case(ckpt, case, overlap=overlap, checks=checks, device="cpu")
+
+
+DEVICE_CASES = [
+    "frontier +100 on one row",
+    "float token ids",
+    "token id past the vocabulary",
+    "run longer than max_accept",
+    "invalid_rows of the wrong shape",
+]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("case", DEVICE_CASES)
+def test_on_a_device_a_bad_result_is_caught_after_its_copy(
+    ckpt: SpecCheckpoints, case: str, overlap: bool
+) -> None:
+    """The device path (values checked after the copy, the relayed frontier clamped in the
+    meantime) contains the same faults: the batch fails, nothing wrong is emitted, and a
+    shifted frontier moves a row only inside its own reservation (the other rows stay exact)."""
+    _run_case(ckpt, case, overlap=overlap, checks=True, device="cpu:0")
+
+
+def _run_case(
+    ckpt: SpecCheckpoints, case: str, *, overlap: bool, checks: bool, device: str
+) -> None:
     corrupt, shift, rule = CASES[case]
     worker = _CorruptOnce(ckpt.worker("draft_model"), corrupt, frontier_shift=shift)
     config = EngineConfig(
-        overlap=overlap, kv_tokens=2048, check_invariants=checks, check_ownership=checks
+        overlap=overlap,
+        kv_tokens=2048,
+        check_invariants=checks,
+        check_ownership=checks,
+        device=device,
     )
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
@@ -163,3 +196,24 @@ def test_a_bad_result_fails_its_batch_and_the_engine_keeps_serving(
         assert list(req.emitted_ids) == want[: len(req.emitted_ids)]  # nothing wrong emitted
     assert list(later.emitted_ids) == greedy(ckpt.hf, MIXED_PROMPTS[3], NEW_TOKENS)
     assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+
+
+def test_on_a_device_a_shifted_frontier_is_relayed_clamped_into_the_reservation(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """Overlap on a device: the next forward starts before the host checks the result, so it
+    must not see the worker's +100 frontier, only one clamped to ``seq_lens + max_accept``."""
+    corrupt, shift, _ = CASES["frontier +100 on one row"]
+    worker = _CorruptOnce(ckpt.worker("draft_model"), corrupt, frontier_shift=shift)
+    config = EngineConfig(overlap=True, kv_tokens=2048, check_invariants=True, device="cpu:0")
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    with Engine(worker, limits=limits, config=config) as engine:
+        for i, p in enumerate(MIXED_PROMPTS[:3]):
+            engine.submit(f"a{i}", p, params)
+        run_checked(engine, max_steps=200)
+    max_accept = worker.capabilities.max_accept
+    frontiers = worker.decode_frontiers
+    assert worker.corrupted and len(frontiers) >= 3
+    corrupted, following = frontiers[1], frontiers[2]  # the second decode was corrupted
+    assert following[0] <= corrupted[0] + max_accept, (corrupted, following)
