@@ -225,10 +225,19 @@ class CpuStream(_Lifecycle):
 
     Invariant: work runs in submission order, one item at a time; an item after an event runs
     only once the event has completed.
+
+    Args:
+        name: names the worker thread and errors.
+        delay: a stream-order checker's hook: seconds to sleep before each item (a slow,
+            jittery device). Work that is correctly ordered by the stream is unaffected; a read
+            on the host that is not ordered after the stream's write then sees the old value.
     """
 
-    def __init__(self, name: str = "cpu-stream") -> None:
+    def __init__(
+        self, name: str = "cpu-stream", *, delay: Callable[[], float] | None = None
+    ) -> None:
         super().__init__(name, torch.device("cpu"))
+        self._delay = delay
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"specstate-{name}", daemon=True)
         self._thread.start()
@@ -319,6 +328,8 @@ class CpuStream(_Lifecycle):
             always, work = item
             if not always and self._error is not None:
                 continue  # refused: an unreported error precedes it
+            if self._delay is not None:
+                time.sleep(self._delay())
             try:
                 work()
             except BaseException as exc:  # reported at the next host sync point
