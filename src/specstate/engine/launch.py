@@ -4,12 +4,20 @@ It owns the FutureMap, the forward isolator and the forward stream. `Launcher.la
 closure to the stream (overlap) or runs it at once (normal loop). The closure, in stream order:
 
 1. resolves the batch's `Unresolved` frontier and bonus tokens from the FutureMap (the publish
-   fence: on a stream, everything launched before is already done when this runs);
+   fence: on a stream, everything launched before is already done when this runs), and binds
+   the relayed rows and mixed tails from device tensors the scheduler built;
 2. isolates the batch and calls the worker, acting as `Role.WORKER`, with ``on_publish``
    (overlap), which must fire at most once; without overlap, or when the worker did not call
    it, publishes after return;
-3. stashes the next round's inputs; the copy event recorded after the closure tells the host
-   the result is readable.
+3. checks the result's dtypes and shapes; on the host CPU also its values, before anything is
+   relayed; on a device it starts the result's one packed copy to the host instead (its values
+   are checked after the copy, at settlement) and relays the frontier clamped into the row's
+   reservation meanwhile;
+4. stashes the next round's inputs; the done event recorded after the closure tells the host
+   the batch ran.
+
+The closure only enqueues device work: it reads no device value and copies nothing from the
+host (`specstate.testing.device_audit` checks this on a CPU).
 
 With a forward timeout, the host may give up on a batch (`Launcher.abandon`): the batch and any
 batch queued behind it on the same stream are marked abandoned under their lock, a fresh stream

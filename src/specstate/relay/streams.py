@@ -3,24 +3,30 @@
 A `Stream` runs submitted work strictly in submission order; an `Event` marks a point in one
 stream's order. The same contract holds on both backends:
 
-* CUDA (`CudaStream`): wraps ``torch.cuda.Stream`` / ``Event``; ``submit`` runs the host function
-  at once inside ``torch.cuda.stream(s)``, since the kernels it launches are asynchronous.
+* CUDA (`CudaStream`): wraps ``torch.cuda.Stream`` / ``Event``; ``submit`` makes the stream
+  wait for the host's current stream (the input fence: inputs the host enqueued before are
+  ready), then runs the host function at once inside ``torch.cuda.stream(s)``, since the
+  kernels it launches are asynchronous.
 * CPU (`CpuStream`): one daemon worker thread runs the work; torch releases the GIL inside its
   ops, so a CPU forward truly overlaps the host's Python work.
 
-The three fences of one overlapped iteration (SGLang spec v2, notes §3.2)::
+The three fences of one overlapped iteration, as the engine uses them::
 
-    host / schedule   | sched N |resolve N| sched N+1 ..........|resolve N+1|    |sync N|
-                                 ^ (1)                           ^ (2)             ^ (3)
-    forward stream              | forward N: verify,accept,PUB,draft-extend |forward N+1 ...
-                                                              ^ publish event
-    copy stream                                                             |D2H N|copy event
+    host          | schedule N+1 (H2D inputs) | launch N+1 (enqueue) | wait copy N | settle N |
+                                               ^ (1)                   ^ (3)
+    forward       ... forward N: verify, PUBLISH, draft-extend | resolve N+1 (2), forward N+1 ...
+    copy                                   | D2H of result N, copy event |
 
-    (1) input fence:   ``forward.wait_stream(schedule)`` before the forward resolves its inputs;
-                       on a CPU the host *is* the schedule stream: submission order gives it.
-    (2) publish fence: resolve N+1 waits for the publish event that forward N recorded
-                       (the frontier is known, not all of N's work is done).
-    (3) result copy:   the host waits for the copy event before it reads the results of N.
+    (1) input fence:   `CudaStream.submit` makes the forward stream wait for the host's current
+                       stream, where the host enqueued batch N+1's inputs and ``req_to_token``
+                       writes; on a CPU, submission order gives it.
+    (2) publish fence: stream order. Forward N publishes its frontier on the forward stream and
+                       forward N+1 resolves it on the same stream, after it; the host never
+                       reads a relayed value (``tests/engine/test_stream_order.py`` checks it).
+    (3) result copy:   after forward N, the launch packs the result and copies it to pinned
+                       host memory on a copy stream that waits for the forward stream, then
+                       records the copy event; the host waits for that event, and only then
+                       reads result N (`specstate.engine.result_copy`).
 
 Errors: an exception of submitted work is captured and re-raised *as is* (the original object,
 with a note naming the stream) at the next host sync point after it (``synchronize`` or
@@ -340,9 +346,12 @@ class CpuStream(_Lifecycle):
 class CudaEvent:
     """A ``torch.cuda.Event`` recorded on a `CudaStream`, plus that stream's captured error."""
 
-    def __init__(self, event: torch.cuda.Event, error: BaseException | None) -> None:
+    def __init__(
+        self, event: torch.cuda.Event, error: BaseException | None, device: torch.device
+    ) -> None:
         self._event = event
         self._error = error
+        self._device = device
 
     def query(self) -> bool:
         """Return whether the device has passed this event."""
@@ -377,10 +386,10 @@ class CudaEvent:
         stream.wait_event(self)
 
     def wait_current(self) -> None:
-        """Make the current torch CUDA stream wait on the device; the host does not block."""
+        """Make the current stream of the event's device wait for it; the host does not block."""
         if self._error is not None:
             raise self._error
-        self._event.wait(torch.cuda.current_stream())
+        self._event.wait(torch.cuda.current_stream(self._device))
 
 
 class CudaStream(_Lifecycle):
@@ -411,6 +420,9 @@ class CudaStream(_Lifecycle):
             return  # refused: an unreported error precedes it
         self._depth += 1
         try:
+            # The input fence: whatever the host enqueued on its current stream before this
+            # (batch inputs, req_to_token writes) is ordered before this work.
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
                 fn(*args, **kwargs)
         except BaseException as exc:
@@ -423,7 +435,7 @@ class CudaStream(_Lifecycle):
         """Record an event at the current end of this stream."""
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch lacks hints
         event.record(self._stream)
-        return CudaEvent(event, self._error)
+        return CudaEvent(event, self._error, self._device)
 
     def wait_event(self, event: Event) -> None:
         """Make later work wait for ``event`` on the device; the host does not block.

@@ -114,23 +114,26 @@ class TimedWaitWorker:
         elif self._device_seconds > 0.0:
             time.sleep(self._device_seconds)
         rows = batch.batch_size
+        device = batch.seq_lens.device  # the result lives where the batch does
         if batch.forward_mode.is_decode():
             stride = self._num_steps + 1
-            accept_lens = torch.full((rows,), self._accept, dtype=torch.int64)
+            accept_lens = torch.full((rows,), self._accept, dtype=torch.int64, device=device)
             new_seq_lens = batch.seq_lens + accept_lens
         else:
             stride = 1
-            accept_lens = torch.ones(rows, dtype=torch.int64)
+            accept_lens = torch.ones(rows, dtype=torch.int64, device=device)
             new_seq_lens = batch.seq_lens.clone()
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(
-            next_token_ids=torch.full((rows * stride,), _TOKEN_ID, dtype=torch.int64),
+            next_token_ids=torch.full(
+                (rows * stride,), _TOKEN_ID, dtype=torch.int64, device=device
+            ),
             accept_lens=accept_lens,
             stride=stride,
             new_seq_lens=new_seq_lens,
             next_draft_input=RelayPayload(
-                bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64)
+                bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64, device=device)
             ),
             copy_done=copy_done,
         )
