@@ -88,11 +88,11 @@ def test_relay_reads_follow_their_publish_on_a_jittery_stream(
 class _ResolvesOnTheHost(Launcher):
     """A broken port: resolves a decode round's frontier at launch, on the host thread."""
 
-    def launch(self, plan: LaunchPlan, *, batch_id: int) -> InFlight:
+    def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
         """Resolve before the forward is on the stream, then launch as usual."""
         if plan.is_decode and isinstance(plan.batch.seq_lens, Unresolved):
             resolve_batch_seq_lens(self.future_map, plan.batch)
-        return super().launch(plan, batch_id=batch_id)
+        return super().launch(plan, batch_id=batch_id, traced=traced)
 
 
 @pytest.mark.usefixtures("jittery_stream")

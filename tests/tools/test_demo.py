@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from specstate.tools.cli import main
@@ -17,3 +21,32 @@ def test_demo_runs_lossless_and_clean(algorithm: str, capsys: pytest.CaptureFixt
     assert "lossless (all runs emit identical tokens): yes" in out
     assert "KV fully released: yes" in out
     assert "mean accept" in out
+
+
+@pytest.mark.slow
+def test_demo_writes_a_trace_and_a_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--perfetto: the overlap run's host and forward tracks overlap, the normal run's never;
+    --trace: `specstate trace` reproduces the demo's mean accept length."""
+    trace, timeline = tmp_path / "t.jsonl", tmp_path / "p.json"
+    argv = ["demo", "--requests", "3", "--max-new-tokens", "24", "--quiet"]
+    assert main([*argv, "--trace", str(trace), "--perfetto", str(timeline)]) == 0
+    out = capsys.readouterr().out
+    shown = re.search(r"spec\+overlap: .* mean accept (\d+\.\d\d)", out)
+    assert shown is not None, out
+    assert main(["trace", str(trace), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert f"{summary['mean_accept_length']:.2f}" == shown.group(1)
+    events = json.loads(timeline.read_text())["traceEvents"]
+    overlap = {}
+    for pid in (1, 2):
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
+        host = [(e["ts"], e["ts"] + e["dur"]) for e in spans
+                if e["tid"] == 1 and e["name"] in ("schedule", "settle")]  # fmt: skip
+        forward = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == 2]
+        assert host and forward
+        overlap[pid] = sum(
+            max(0.0, min(h1, f1) - max(h0, f0)) for h0, h1 in host for f0, f1 in forward
+        )
+    assert overlap[1] == 0.0 < overlap[2]

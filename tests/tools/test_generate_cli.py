@@ -32,6 +32,7 @@ def test_generate_jsonl_round_trip(tmp_path: Path, algorithm: str, overlap: str)
         "--input", str(tmp_path / "in.jsonl"),
         "--output", str(tmp_path / "out.jsonl"),
         "--trace", str(tmp_path / "trace.jsonl"),
+        "--perfetto", str(tmp_path / "timeline.json"),
         "--check-invariants",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -42,7 +43,13 @@ def test_generate_jsonl_round_trip(tmp_path: Path, algorithm: str, overlap: str)
         assert row["finish_reason"] == "length"
         assert all(1 <= a <= 4 for a in row["accept_lengths"])
     trace = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
-    assert trace[0]["launched_mode"] == "extend" and trace[-1]["num_running"] == 0
+    assert trace[0]["schema"] == "specstate-trace" and trace[0]["worker"]["algorithm"] == algorithm
+    rounds = [r for r in trace if r["type"] == "round"]
+    assert rounds[0]["mode"] == "extend" and rounds[-1]["running"] == 0
+    finished = {r["id"] for r in trace if r["type"] == "event" and r["reason"] == "length"}
+    assert finished == set(PROMPTS)
+    timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert {e["ph"] for e in timeline} >= {"M", "X", "C"}
 
 
 def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

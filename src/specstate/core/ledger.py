@@ -264,6 +264,10 @@ class KvLedger:
         """``(kv_committed_len, kv_allocated_len)`` of ``slots`` as new host arrays."""
         return self._kv_committed_host[slots], self._kv_allocated_host[slots]
 
+    def host_protected(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``cache_protected_len`` of ``slots`` as a new host array."""
+        return self._cache_protected_host[slots]
+
     def is_open(self, slot: int) -> bool:
         """True when ``slot`` holds a live request's entry."""
         return 0 < slot < len(self._request_ids) and self._request_ids[slot] is not None

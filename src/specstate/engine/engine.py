@@ -59,6 +59,7 @@ from specstate.engine.outputs import OutputTable
 from specstate.engine.result_copy import HostResult
 from specstate.engine.results import AcceptMetrics, ResultProcessor, Settlement
 from specstate.engine.scheduler import LaunchPlan, Scheduler, SchedulerConfig
+from specstate.engine.trace import FORWARD, HOST, TraceRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
@@ -192,9 +193,18 @@ class Engine:
         worker: the model runner.
         limits: the model's vocabulary, context length and EOS ids (request validation).
         config: loop and memory options.
+        trace: a recorder of spans, rounds and events (`specstate.engine.trace`); None, the
+            default, records nothing and costs nothing.
     """
 
-    def __init__(self, worker: WorkerProtocol, *, limits: RequestLimits, config: EngineConfig):
+    def __init__(
+        self,
+        worker: WorkerProtocol,
+        *,
+        limits: RequestLimits,
+        config: EngineConfig,
+        trace: TraceRecorder | None = None,
+    ):
         caps = worker.capabilities
         if config.overlap and not caps.supports_overlap:
             raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
@@ -282,6 +292,16 @@ class Engine:
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
+        self._trace = trace
+        if trace is not None:
+            trace.header = {
+                "config": attrs.asdict(config),
+                "worker": {
+                    "algorithm": caps.algorithm,
+                    "num_draft_tokens": caps.num_draft_tokens,
+                    "max_accept": caps.max_accept,
+                },
+            }
 
     # ---------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
@@ -334,6 +354,8 @@ class Engine:
     def step(self) -> StepReport:
         """One iteration of the configured loop (see the module docstring)."""
         self._check_caller("step")
+        rec = self._trace
+        started = 0 if rec is None else rec.now()
         finished = self._apply_aborts()
         self._drain(self._num_retired)
         with self.checker.acting(Role.SCHEDULER):
@@ -343,7 +365,11 @@ class Engine:
         launched = None
         if plan is not None:
             self._num_launched += 1
-            launched = self._launcher.launch(plan, batch_id=self._num_launched)
+            if rec is not None:
+                rec.span(HOST, "schedule", self._num_launched, started, rec.now())
+            launched = self._launcher.launch(
+                plan, batch_id=self._num_launched, traced=rec is not None
+            )
         previous, self._in_flight = self._in_flight, launched
         if self.config.overlap:
             if previous is not None:
@@ -355,6 +381,8 @@ class Engine:
             self._drain(self._num_launched)
         if self.config.check_invariants:
             check_engine(self)
+        if rec is not None:
+            self._record_events(rec, finished, retracted)
         self._remember_ended(finished)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
@@ -409,6 +437,8 @@ class Engine:
 
     # ----------------------------------------------------------------- settle
     def _settle(self, flight: InFlight) -> tuple[str, ...]:
+        rec = self._trace
+        waited = 0 if rec is None else rec.now()
         timeout = self.config.forward_timeout_s
         result, error = flight.wait(timeout)
         if flight.timed_out and timeout is not None:
@@ -431,6 +461,11 @@ class Engine:
                     return self._abandon(flight, timeout or 0.0, "result copy")
         plan = flight.plan
         self._num_retired = flight.batch_id
+        settling = 0
+        if rec is not None:
+            settling = rec.now()
+            rec.span(HOST, "wait", flight.batch_id, waited, settling)
+        settlement = None
         if error is not None or host is None:
             failure = error if error is not None else RuntimeError("no result")
             ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
@@ -443,13 +478,62 @@ class Engine:
             )
         else:
             ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
-            ended += self._settle_result(plan, host).finished
+            settlement = self._settle_result(plan, host)
+            ended += settlement.finished
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)
+        if rec is not None:
+            if host is not None and settlement is not None:
+                self._record_round(rec, flight, host, settlement)
+            rec.span(HOST, "settle", flight.batch_id, settling, rec.now())
+            _record_forward(rec, flight)
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise error  # the batch is contained; the interruption is the caller's to handle
         return tuple(r.request_id for r in ended)
+
+    def _record_round(
+        self, rec: TraceRecorder, flight: InFlight, host: HostResult, settlement: Settlement
+    ) -> None:
+        """One round of the trace: a handful of array copies, no per-request Python."""
+        plan = flight.plan
+        slots = plan.slots_host
+        committed, allocated = self.ledger.host_lengths(slots)
+        accept = np.array(host.accept, dtype=np.int64)
+        last = np.maximum(accept, 1) - 1
+        rows = {
+            "id": plan.batch.request_ids,
+            "incarnation": plan.batch.incarnations,
+            "settled": settlement.live.copy(),
+            "frontier_in": np.array(host.seq_lens, dtype=np.int64),
+            "frontier_out": None if host.frontier is None else np.array(host.frontier),
+            "accept": accept,
+            "bonus": host.tokens[np.arange(accept.size), last].astype(np.int64),
+            "committed": committed,
+            "allocated": allocated,
+            "protected": self.ledger.host_protected(slots),
+            "outputs": self.outputs.lengths(slots),
+        }
+        rec.round(
+            batch=flight.batch_id,
+            mode=plan.batch.forward_mode.value,
+            verify=plan.is_decode,
+            at_ns=rec.now(),
+            running=self.scheduler.num_running,
+            free_pages=self.allocator.token_pool.available_pages(),
+            rows=rows,
+        )
+
+    def _record_events(
+        self, rec: TraceRecorder, finished: tuple[str, ...], retracted: tuple[str, ...]
+    ) -> None:
+        batch = self._num_launched
+        for rid in retracted:
+            rec.event("retract", rid, batch)
+        for rid in finished:
+            finish = self._requests[rid].finish
+            reason = "" if finish is None else finish.reason.value
+            rec.event("abort" if reason == "abort" else "finish", rid, batch, reason)
 
     def _abandon(self, flight: InFlight, timeout: float, what: str) -> tuple[str, ...]:
         """Fail a batch that did not finish in time, and the batch queued behind it.
@@ -594,3 +678,19 @@ class Engine:
     def in_flight(self) -> InFlight | None:
         """The batch launched and not yet settled (overlap only)."""
         return self._in_flight
+
+
+def _record_forward(rec: TraceRecorder, flight: InFlight) -> None:
+    """The forward track of a batch from its closure's clock marks (read after it ran)."""
+    marks = flight.marks
+    if not marks:
+        return
+    if len(marks) == 4:  # start, worker called, worker returned, end
+        start, called, returned, end = marks
+        rec.span(FORWARD, "resolve", flight.batch_id, start, called)
+        rec.span(FORWARD, "forward", flight.batch_id, called, returned)
+        rec.span(FORWARD, "post", flight.batch_id, returned, end)
+    else:  # the closure failed before or inside the worker
+        rec.span(FORWARD, "failed", flight.batch_id, marks[0], marks[-1])
+    if flight.publish_ns:
+        rec.publish(flight.batch_id, flight.publish_ns)

@@ -33,6 +33,7 @@ requests are skipped at settlement because the requests ended with an error).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -75,6 +76,10 @@ class InFlight:
     # The result as host arrays (host CPU), or its copy in flight (a device).
     host: HostResult | None = None
     copy: ResultCopy | None = None
+    # Tracing only: clock marks of the closure (start, worker called, worker returned, end)
+    # and of the publish; written on the stream thread, read by the host after the batch ran.
+    marks: list[int] | None = None
+    publish_ns: int = 0
     lock: threading.RLock = attrs.field(factory=threading.RLock)
 
     def wait_started(self) -> None:
@@ -140,6 +145,8 @@ class _PublishOnce:
             if self.calls > 1:
                 raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
             self.published = new_seq_lens
+            if self._flight.marks is not None:
+                self._flight.publish_ns = time.perf_counter_ns()
             relayed = new_seq_lens
             if self._bounds is not None:  # unchecked yet: keep it inside the reservation
                 relayed = torch.clamp(new_seq_lens, *self._bounds)
@@ -181,9 +188,12 @@ class Launcher:
         on_stream = overlap or forward_timeout is not None
         self._stream: Stream | None = make_stream(device) if on_stream else None
 
-    def launch(self, plan: LaunchPlan, *, batch_id: int) -> InFlight:
-        """Run ``plan`` on the stream (overlap) or now; the handle to settle it with."""
-        flight = InFlight(plan=plan, batch_id=batch_id)
+    def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
+        """Run ``plan`` on the stream (overlap) or now; the handle to settle it with.
+
+        ``traced`` records the closure's clock marks on the flight (`InFlight.marks`).
+        """
+        flight = InFlight(plan=plan, batch_id=batch_id, marks=[] if traced else None)
         if self._stream is None:
             self._run(flight)
         else:
@@ -216,11 +226,16 @@ class Launcher:
         return drained.query
 
     def _run(self, flight: InFlight) -> None:
+        marks = flight.marks
+        if marks is not None:
+            marks.append(time.perf_counter_ns())
         try:
             if not flight.abandoned:
                 self._launch_on_stream(flight)
         finally:
             flight.started.set()
+            if marks is not None:
+                marks.append(time.perf_counter_ns())
 
     def _launch_on_stream(self, flight: InFlight) -> None:
         batch = flight.plan.batch
@@ -242,8 +257,12 @@ class Launcher:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
                 flight.started.set()
+                if flight.marks is not None:
+                    flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
+                if flight.marks is not None:
+                    flight.marks.append(time.perf_counter_ns())
                 scope.keep_alive(result.keep_alive_refs)
             with flight.lock:
                 if flight.abandoned:

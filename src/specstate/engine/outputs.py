@@ -117,6 +117,10 @@ class OutputTable:
         out: list[int] = self._output_tokens[slot, :n].tolist()
         return out
 
+    def lengths(self, slots: IntArray) -> IntArray:
+        """Settled output counts of ``slots`` as a new array (a finished row keeps its last)."""
+        return self._output_lengths[slots]
+
     def num_outputs(self, slot: int) -> int:
         """How many outputs the request in ``slot`` has settled."""
         return int(self._output_lengths[slot])

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from specstate.core.ledger import ResultProcessorLedgerView
@@ -55,6 +56,7 @@ class Settlement:
     finished: tuple[Req, ...]
     num_settled_rows: int
     num_skipped_rows: int
+    live: npt.NDArray[np.bool_]  # per row: its request still held the launched output row
 
 
 @attrs.frozen(kw_only=True)
@@ -164,6 +166,7 @@ class ResultProcessor:
             finished=tuple(finished),
             num_settled_rows=num_live - chunks,  # a non-final chunk settles nothing
             num_skipped_rows=b - num_live,
+            live=live,
         )
 
     def _commit(self, slots: IntArray, accept: IntArray, rows: IntArray | None) -> None:

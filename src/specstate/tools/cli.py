@@ -6,15 +6,18 @@ Subcommands available now:
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
 * ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
 * ``specstate bench {host,compare,engine,overlap}`` — host time per round (`specstate.tools.bench`).
+* ``specstate trace FILE`` — summarize a recorded trace, one request, Perfetto
+  (`specstate.tools.trace`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from specstate.tools import bench, demo, generate, lint
+from specstate.tools import bench, demo, generate, lint, trace
 
 __all__ = ["main"]
 
@@ -38,12 +41,24 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_arguments(
         commands.add_parser("bench", help="measure host time per round; compare with a peer")
     )
+    trace.add_arguments(
+        commands.add_parser("trace", help="summarize a recorded trace; export Perfetto")
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specstate`` command; returns the process exit code."""
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except BrokenPipeError:  # the reader went away (``specstate trace F | head``): no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return demo.run(args)
     if args.command == "lint":
@@ -52,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return generate.run(args)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "trace":
+        return trace.run(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects others
 
 

@@ -12,14 +12,17 @@ decoding, and that every invariant held and no KV slot leaked. Three runs of the
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
 import torch
 
 from specstate.core.request import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerProtocol
 
 __all__ = ["PROMPTS", "add_arguments", "run"]
@@ -68,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=_positive, default=96)
     parser.add_argument("--page-size", type=_positive, default=16)
     parser.add_argument("--quiet", action="store_true", help="no per-step progress")
+    parser.add_argument(
+        "--trace", type=Path, metavar="FILE", help="record the spec+overlap run (JSONL)"
+    )
+    parser.add_argument(
+        "--perfetto",
+        type=Path,
+        metavar="FILE",
+        help="write both speculative runs as a Perfetto / Chrome timeline (two processes)",
+    )
 
 
 def _worker(algorithm: str, num_steps: int) -> WorkerProtocol:
@@ -93,6 +105,7 @@ def _serve(
     *,
     overlap: bool,
     progress: Callable[[str], None] | None,
+    trace: TraceRecorder | None = None,
 ) -> _RunResult:
     from specstate.reference import embedded
 
@@ -108,7 +121,7 @@ def _serve(
         check_ownership=True,
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    with Engine(worker, limits=limits, config=config) as engine:
+    with Engine(worker, limits=limits, config=config, trace=trace) as engine:
         reqs = [engine.submit(f"{label}-{i}", p, params) for i, p in enumerate(prompts)]
         start = time.perf_counter()
         steps = 0
@@ -151,8 +164,17 @@ def run(args: argparse.Namespace) -> int:
         f"{args.page_size}, invariant checks after every step"
     )
     base = _serve("baseline", _worker("none", 0), prompts, args, overlap=False, progress=progress)
+    tracing = args.trace is not None or args.perfetto is not None
+    spec_trace = TraceRecorder() if tracing else None
+    both_trace = TraceRecorder() if tracing else None
     spec = _serve(
-        "spec", _worker(args.algorithm, args.num_steps), prompts, args, overlap=False, progress=None
+        "spec",
+        _worker(args.algorithm, args.num_steps),
+        prompts,
+        args,
+        overlap=False,
+        progress=None,
+        trace=spec_trace,
     )
     both = _serve(
         "spec+overlap",
@@ -161,7 +183,16 @@ def run(args: argparse.Namespace) -> int:
         args,
         overlap=True,
         progress=progress,
+        trace=both_trace,
     )
+    if args.trace is not None and both_trace is not None:
+        both_trace.write_jsonl(args.trace)
+        say(f"trace of the spec+overlap run: {args.trace} (read it with: specstate trace FILE)")
+    if args.perfetto is not None and spec_trace is not None and both_trace is not None:
+        events = spec_trace.chrome_trace(pid=1, name="spec, normal loop")
+        events += both_trace.chrome_trace(pid=2, name="spec+overlap, overlap loop")
+        args.perfetto.write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
+        say(f"timeline of both speculative runs: {args.perfetto} (open in ui.perfetto.dev)")
     lossless = base.outputs == spec.outputs == both.outputs
     clean = base.clean and spec.clean and both.clean
     say("")

@@ -3,8 +3,9 @@
 Input, one JSON object per line: ``{"id", "input_ids", "max_new_tokens", "stop_token_ids"?}``.
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths"}``, plus ``"error"`` (the reason) for a request that ended with an error; the
-exit code is then 1. With ``--trace FILE`` every step is written as one JSON line (what was
-launched, what finished or was retracted, queue sizes, free pages).
+exit code is then 1. ``--trace FILE`` records the run (spans, rounds, events: the JSONL of
+`specstate.engine.trace`, read back by ``specstate trace FILE``) and ``--perfetto FILE`` writes
+its timeline as Chrome / Perfetto trace events.
 
 Input is read strictly: a line with an unknown field or a wrong type (a string of digits for
 ``input_ids``, a float, a bool, a null ``id``) fails before any request runs, naming the file,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -26,7 +28,8 @@ import torch
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerProtocol
 
 if TYPE_CHECKING:
@@ -59,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunked-prefill", type=int, default=None)
     parser.add_argument("--input", type=Path, required=True, help="requests, JSONL")
     parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
-    parser.add_argument("--trace", type=Path, help="write one JSON line per engine step")
+    parser.add_argument(
+        "--trace", type=Path, help="record spans, rounds and events (JSONL; `specstate trace`)"
+    )
+    parser.add_argument(
+        "--perfetto", type=Path, help="write the run as a Perfetto / Chrome timeline"
+    )
     parser.add_argument("--check-invariants", action="store_true")
     parser.add_argument(
         "--forward-timeout",
@@ -129,12 +137,12 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _open_output(path: Path) -> IO[str]:
-    """The output file, opened before any work (a bad path fails at once, nothing lost)."""
+def _open_output(path: Path, flag: str) -> IO[str]:
+    """An output file, opened before any work (a bad path fails at once, nothing lost)."""
     try:
         return path.open("w", encoding="utf-8")
     except OSError as exc:
-        raise InvalidRequest(f"--output {path}: cannot write ({exc.strerror or exc})") from None
+        raise InvalidRequest(f"{flag} {path}: cannot write ({exc.strerror or exc})") from None
 
 
 def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimits]:
@@ -191,22 +199,13 @@ def _check_kv_memory(args: argparse.Namespace, config: ModelConfig) -> None:
         )
 
 
-def _trace_row(step: int, engine: Engine, report: StepReport) -> str:
-    snap = engine.snapshot()
-    row: dict[str, object] = {"step": step, **attrs.asdict(report)}
-    row |= {
-        "num_waiting": snap.num_waiting,
-        "num_running": snap.num_running,
-        "num_free_pages": snap.num_free_pages,
-    }
-    return json.dumps(row)
-
-
-def _load_engine(args: argparse.Namespace, config: EngineConfig) -> Engine:
+def _load_engine(
+    args: argparse.Namespace, config: EngineConfig, trace: TraceRecorder | None
+) -> Engine:
     """The worker and the engine; a checkpoint that cannot be loaded is `InvalidConfig`."""
     try:
         worker, limits = build_worker(args)
-        return Engine(worker, limits=limits, config=config)
+        return Engine(worker, limits=limits, config=config, trace=trace)
     except SpecStateError:
         raise
     except (MemoryError, RuntimeError) as exc:
@@ -248,15 +247,20 @@ class _Writer:
             self._next += 1
 
 
-def _drive(engine: Engine, trace: IO[str] | None, writer: _Writer) -> None:
-    step = 0
+def _drive(engine: Engine, writer: _Writer) -> None:
     while not engine.is_idle:
-        report = engine.step()
-        step += 1
-        if trace is not None:
-            print(_trace_row(step, engine, report), file=trace)
+        engine.step()
         writer.flush_finished()
     writer.flush_finished()
+
+
+def _write_trace(recorder: TraceRecorder, trace: IO[str] | None, perfetto: IO[str] | None) -> None:
+    """Write what was recorded (also after a failed run: it shows what happened)."""
+    if trace is not None:
+        for record in recorder.records():
+            trace.write(json.dumps(record) + "\n")
+    if perfetto is not None:
+        json.dump({"traceEvents": recorder.chrome_trace(name="specstate generate")}, perfetto)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,15 +278,27 @@ def run(args: argparse.Namespace) -> int:
             check_ownership=args.check_invariants,
             forward_timeout_s=args.forward_timeout,
         )
-        # The output opens before the model loads: a bad path fails at once.
-        with _open_output(args.output) as out, _load_engine(args, config) as engine:
-            reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
-            trace = args.trace.open("w", encoding="utf-8") if args.trace else None
-            try:
-                _drive(engine, trace, _Writer(out, reqs))
-            finally:
-                if trace is not None:
-                    trace.close()
+        # Every output opens before the model loads: a bad path fails at once.
+        recorder = TraceRecorder() if args.trace or args.perfetto else None
+        with ExitStack() as files:
+            out = files.enter_context(_open_output(args.output, "--output"))
+            trace = (
+                None
+                if args.trace is None
+                else files.enter_context(_open_output(args.trace, "--trace"))
+            )
+            perfetto = (
+                None
+                if args.perfetto is None
+                else files.enter_context(_open_output(args.perfetto, "--perfetto"))
+            )
+            with _load_engine(args, config, recorder) as engine:
+                reqs = [engine.submit(r.request_id, r.input_ids, r.params) for r in requests]
+                try:
+                    _drive(engine, _Writer(out, reqs))
+                finally:
+                    if recorder is not None:
+                        _write_trace(recorder, trace, perfetto)
     except SpecStateError as exc:
         print(f"specstate generate: {exc}", file=sys.stderr)
         return 2
