@@ -40,6 +40,7 @@ from specstate.core.errors import (
     ForwardTimeout,
     InvalidConfig,
     InvalidRequest,
+    LedgerViolation,
     UsageError,
     WorkerResultError,
 )
@@ -53,7 +54,12 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
-from specstate.engine.invariants import check_engine
+from specstate.engine.invariants import (
+    InvariantViolation,
+    SettlementProbe,
+    check_engine,
+    check_settlement,
+)
 from specstate.engine.launch import InFlight, Launcher
 from specstate.engine.outputs import OutputTable
 from specstate.engine.result_copy import HostResult
@@ -274,6 +280,7 @@ class Engine:
             req_to_token=self.allocator.req_to_token,
             checker=self.checker,
             forward_timeout=config.forward_timeout_s,
+            check=config.check_invariants,
         )
         worker.attach(
             WorkerMemory(
@@ -478,8 +485,21 @@ class Engine:
             )
         else:
             ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
-            settlement = self._settle_result(plan, host)
+            probe = SettlementProbe.take(self, flight) if self.config.check_invariants else None
+            try:
+                settlement = self._settle_result(plan, host)
+            except LedgerViolation as exc:
+                if probe is not None and not probe.live.all():
+                    # Checking: the ledger refused a write for a row that was not live.
+                    raise InvariantViolation(
+                        "commit-settlement",
+                        f"batch {flight.batch_id}: settlement wrote a row whose request ended "
+                        f"or was retracted while the batch was in flight ({exc})",
+                    ) from exc
+                raise
             ended += settlement.finished
+            if probe is not None:
+                check_settlement(self, flight, host, probe)
         for req in ended:
             self._end(req)
         self._drain(self._num_retired)

@@ -143,7 +143,9 @@ class _PublishOnce:
                 return  # the host gave up on this forward: its frontier is not relayed
             self.calls += 1
             if self.calls > 1:
-                raise RelayError(f"on_publish called {self.calls} times in one forward (at most 1)")
+                raise RelayError(
+                    f"[relay] on_publish called {self.calls} times in one forward (at most 1)"
+                )
             self.published = new_seq_lens
             if self._flight.marks is not None:
                 self._flight.publish_ns = time.perf_counter_ns()
@@ -170,6 +172,7 @@ class Launcher:
         req_to_token: torch.Tensor,
         checker: OwnershipChecker,
         forward_timeout: float | None = None,
+        check: bool = False,
     ) -> None:
         self._worker = worker
         self._checker = checker
@@ -179,7 +182,7 @@ class Launcher:
         self._max_accept = max_accept
         self._vocab_size = vocab_size
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
-        self.isolator = ForwardIsolator(overlap=overlap)
+        self.isolator = ForwardIsolator(overlap=overlap, check=check)
         self._device = device
         # On the host CPU a result is checked before anything is relayed; on a device, after
         # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.result_check`).

@@ -426,7 +426,8 @@ class FutureMap:
         host = indices.cpu()
         stale = host[~marks[host]]
         if stale.numel() > 0:
-            msg = f"consume once: slots {stale.tolist()} have no {writer} since their last read"
+            slots = stale.tolist()
+            msg = f"[relay] consume once: slots {slots} have no {writer} since their last read"
             raise RelayError(msg)
         marks[host] = False
 

@@ -8,7 +8,11 @@ lengths: whatever the worker rebound is rolled back. Only the next-iteration con
 recommitted, explicitly, by the scheduler (DESIGN.md §1).
 
 A shallow snapshot restores bindings, not contents: it cannot undo an in-place write to a tensor.
-That is why nobody writes a scheduler-owned tensor in place (prepare/filter/merge rebind).
+That is why nobody writes a scheduler-owned tensor in place (prepare/filter/merge rebind). With
+``check`` on (the engine's ``check_invariants``), the scope records the version counter of every
+tensor the batch holds (its fields, its sampling state and its relay payload) on entry and
+raises `IsolationError` naming the ``isolation`` invariant and the field if one moved on exit:
+a worker wrote a scheduler-owned tensor in place.
 
 Under overlap, the device may still read tensors of iteration N while the host rebinds fields
 for N+1. A two-slot keep-alive ring pins each isolated batch, its snapshot and the result's
@@ -27,9 +31,12 @@ from __future__ import annotations
 from types import TracebackType
 
 import attrs
+import torch
 
+from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import SpecStateError
+from specstate.relay.future_map import RelayPayload
 
 __all__ = ["ForwardIsolation", "ForwardIsolator", "IsolationError", "KeepAliveRing", "RingEntry"]
 
@@ -76,6 +83,7 @@ class ForwardIsolation:
         self._state = "new"
         self._bindings: dict[str, object] = {}
         self._entry: RingEntry | None = None
+        self._versions: list[tuple[str, torch.Tensor, int]] = []  # check: tensors on entry
 
     def __enter__(self) -> ForwardIsolation:
         if self._state != "new":
@@ -83,6 +91,8 @@ class ForwardIsolation:
         self._isolator._claim(self._batch)
         self._state = "active"
         batch = self._batch
+        if self._isolator.check:
+            self._versions = [(name, t, t._version) for name, t in _tensors(batch)]
         if self._speculative:
             self._bindings = batch.field_bindings()
         else:
@@ -112,6 +122,14 @@ class ForwardIsolation:
         finally:
             self._state = "closed"
             self._isolator._release(self._batch)
+        if exc is None:  # NOTE: never mask the exception already in flight
+            for name, tensor, version in self._versions:
+                if tensor._version != version:
+                    raise IsolationError(
+                        f"[isolation] the scheduler-owned tensor {name} of a batch of "
+                        f"{self._batch.batch_size} requests was written in place inside the "
+                        f"forward (version {version} -> {tensor._version})"
+                    )
 
 
 class ForwardIsolator:
@@ -121,8 +139,9 @@ class ForwardIsolator:
         overlap: whether the engine overlaps scheduling with the forward (enables the ring).
     """
 
-    def __init__(self, *, overlap: bool) -> None:
+    def __init__(self, *, overlap: bool, check: bool = False) -> None:
         self.overlap = overlap
+        self.check = check
         self.ring = KeepAliveRing()
         self._active: set[int] = set()
 
@@ -139,3 +158,17 @@ class ForwardIsolator:
 
     def _release(self, batch: ScheduleBatch) -> None:
         self._active.discard(id(batch))
+
+
+def _tensors(batch: ScheduleBatch) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the batch holds: its fields, its sampling state, its relay payload."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, value in batch.field_bindings().items():
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+        elif isinstance(value, SamplingInfo | RelayPayload):
+            for field in attrs.fields(type(value)):
+                inner = getattr(value, field.name)
+                if isinstance(inner, torch.Tensor):
+                    found.append((f"{name}.{field.name}", inner))
+    return found

@@ -255,12 +255,13 @@ def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) 
         want = n + int(total[r])
         if entry.kv_committed_len != want or req.seqlen != want + 1:
             raise InvariantViolation(
+                "commit-settlement",
                 f"request r{r}: committed {entry.kv_committed_len}, seqlen {req.seqlen}; "
-                f"expected {want} and {want + 1}"
+                f"expected {want} and {want + 1}",
             )
         p = engine.allocator.window.page_size
         if entry.kv_allocated_len % p or entry.kv_allocated_len < want:
-            raise InvariantViolation(f"request r{r}: allocated {entry.kv_allocated_len}")
+            raise InvariantViolation("reserve", f"request r{r}: allocated {entry.kv_allocated_len}")
 
 
 def host_benchmark(
