@@ -191,3 +191,24 @@ def test_plot_draws_the_timeline_and_the_histogram(ckpt: SpecCheckpoints, tmp_pa
     trace.write_jsonl(path)
     assert main(["trace", str(path), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_check_replays_the_invariants_offline(
+    ckpt: SpecCheckpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recorded run checks clean; a doctored commit or frontier is named, exit 1."""
+    _, trace, _ = _traced_run(ckpt, True)
+    records = list(trace.records())
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["trace", str(path), "--check"]) == 0
+    assert capsys.readouterr().out.startswith("0 violations")
+    decode = [r for r in records if r["type"] == "round" and r["verify"]]
+    late = decode[len(decode) // 2]["rows"]
+    i = late["settled"].index(True)
+    late["committed"][i] += 1  # a commit the accept length does not explain
+    late["frontier_out"][i] += 3  # and a frontier it does not explain
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["trace", str(path), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "[commit-settlement] request" in out and "[publish] request" in out

@@ -93,6 +93,30 @@ def _list_option(
     parser.add_argument(flag, type=parse, default=default, metavar="LIST", help=f"default {shown}")
 
 
+def _accept_rates(text: str) -> tuple[float, ...]:
+    """Synthetic acceptance: one probability per draft position of the timed worker (3)."""
+    try:
+        rates = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers") from None
+    if len(rates) != 3 or not all(0.0 <= r <= 1.0 for r in rates):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give 3 probabilities in [0, 1], one per draft position"
+        )
+    return rates
+
+
+def _accept_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--accept-rates",
+        type=_accept_rates,
+        default=None,
+        metavar="P1,P2,P3",
+        help="synthetic acceptance: draft k is accepted with probability Pk given the ones "
+        "before it (default: every row accepts 2 tokens a round)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
@@ -114,6 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per size")
     engine.add_argument("--page-size", type=_count(1), default=16)
     engine.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    _accept_option(engine)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
     overlap = benches.add_parser("overlap", help="overlap efficiency against a timed device")
     _list_option(overlap, "--device-ms", _milliseconds, (1.0, 2.0, 5.0, 10.0))
@@ -127,6 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="async: the forward is enqueued and the result's copy event completes after the "
         "device time, as on a GPU; blocking: the forward stream's thread sleeps",
     )
+    _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
 
 
@@ -384,6 +410,7 @@ def _decode_step_seconds(
     overlap: bool,
     device_seconds: float,
     asynchronous: bool = False,
+    accept_rates: Sequence[float] | None = None,
 ) -> list[float]:
     """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests.
 
@@ -394,7 +421,9 @@ def _decode_step_seconds(
     from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
     from specstate.tools.timed_worker import TimedWaitWorker
 
-    worker = TimedWaitWorker(device_seconds=device_seconds, asynchronous=asynchronous)
+    worker = TimedWaitWorker(
+        device_seconds=device_seconds, asynchronous=asynchronous, accept_rates=accept_rates
+    )
     # Every round before and in the window, plus slack for the overlap loop's lookahead.
     max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
     context = _PROMPT_LEN + max_new
@@ -454,6 +483,7 @@ def _run_engine(args: argparse.Namespace) -> int:
             page_size=args.page_size,
             overlap=args.overlap,
             device_seconds=0.0,
+            accept_rates=args.accept_rates,
         )
         step = _Stat.of(seconds)
         per_req = round(step.median / bs, 3)
@@ -502,6 +532,7 @@ def _overlap_row(args: argparse.Namespace, device_ms: float) -> _OverlapRow:
                 overlap=overlap,
                 device_seconds=device_seconds,
                 asynchronous=args.device_model == "async",
+                accept_rates=args.accept_rates,
             )
         )
 

@@ -19,6 +19,12 @@ decode row accepts the same run length, so a workload's growth is known in advan
 
     round k (decode):  S  ->  S + accept      (one publish of the new frontier per forward)
 
+Synthetic acceptance (``accept_rates``, like SGLang's ``SIMULATE_ACC_LEN`` and vLLM's
+synthetic mode): draft position ``k`` (1-based) is accepted with probability
+``accept_rates[k - 1]`` given the ones before it were, drawn per row and round from a seeded
+generator, so the system can be measured at a chosen acceptance apart from any drafter; the
+accept length is one plus the accepted leading drafts.
+
 Invariant: every result satisfies the forward contract of `specstate.engine.worker`: EXTEND
 returns stride 1, accept 1 and ``new_seq_lens == seq_lens``; DECODE returns stride
 ``num_steps + 1``, ``accept`` per row and ``new_seq_lens == seq_lens + accept``.
@@ -27,8 +33,10 @@ returns stride 1, accept 1 and ``new_seq_lens == seq_lens``; DECODE returns stri
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Final
 
+import numpy as np
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
@@ -53,10 +61,13 @@ class TimedWaitWorker:
         accept: tokens every decode row accepts per round, bonus included,
             ``1 <= accept <= num_steps + 1``.
         asynchronous: model an asynchronous device (see the module docstring).
+        accept_rates: synthetic acceptance, one probability per draft position (``num_steps``
+            of them, each in ``[0, 1]``); ``accept`` is then ignored.
+        seed: seeds the synthetic acceptance.
 
     Raises:
-        InvalidConfig: a negative wait, fewer than one draft step, or ``accept`` outside
-            ``[1, num_steps + 1]``.
+        InvalidConfig: a negative wait, fewer than one draft step, ``accept`` outside
+            ``[1, num_steps + 1]``, or rates that are not ``num_steps`` probabilities.
     """
 
     def __init__(
@@ -66,6 +77,8 @@ class TimedWaitWorker:
         num_steps: int = 3,
         accept: int = 2,
         asynchronous: bool = False,
+        accept_rates: Sequence[float] | None = None,
+        seed: int = 0,
     ) -> None:
         if not device_seconds >= 0.0:  # also rejects NaN
             raise InvalidConfig(f"device_seconds must be >= 0, got {device_seconds}")
@@ -73,6 +86,14 @@ class TimedWaitWorker:
             raise InvalidConfig(f"num_steps must be >= 1, got {num_steps}")
         if not 1 <= accept <= num_steps + 1:
             raise InvalidConfig(f"accept must be in [1, {num_steps + 1}], got {accept}")
+        if accept_rates is not None and (
+            len(accept_rates) != num_steps or not all(0.0 <= r <= 1.0 for r in accept_rates)
+        ):
+            raise InvalidConfig(
+                f"accept_rates must be {num_steps} probabilities in [0, 1], got {accept_rates}"
+            )
+        self._rates = None if accept_rates is None else np.asarray(accept_rates, dtype=float)
+        self._rng = np.random.default_rng(seed)
         self._device_seconds = device_seconds
         self._asynchronous = asynchronous
         self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
@@ -86,8 +107,9 @@ class TimedWaitWorker:
 
     @property
     def accept(self) -> int:
-        """Tokens every decode row accepts per round (bonus included)."""
-        return self._accept
+        """Tokens a decode row accepts per round (bonus included); with synthetic
+        acceptance, the most it can accept (``num_steps + 1``)."""
+        return self._accept if self._rates is None else self._num_steps + 1
 
     @property
     def capabilities(self) -> WorkerCapabilities:
@@ -117,7 +139,12 @@ class TimedWaitWorker:
         device = batch.seq_lens.device  # the result lives where the batch does
         if batch.forward_mode.is_decode():
             stride = self._num_steps + 1
-            accept_lens = torch.full((rows,), self._accept, dtype=torch.int64, device=device)
+            if self._rates is None:
+                accept_lens = torch.full((rows,), self._accept, dtype=torch.int64, device=device)
+            else:
+                hits = self._rng.random((rows, self._num_steps)) < self._rates
+                runs = 1 + np.cumprod(hits, axis=1).sum(axis=1)
+                accept_lens = torch.from_numpy(runs.astype(np.int64)).to(device)
             new_seq_lens = batch.seq_lens + accept_lens
         else:
             stride = 1

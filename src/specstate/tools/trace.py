@@ -11,6 +11,13 @@ FILE is the JSONL a `specstate.engine.trace.TraceRecorder` wrote (``specstate de
   settle work that ran while a forward was running: 0 in the normal loop, near 1 when the
   overlap loop hides the host), and the bubbles: forward-stream idle gaps between batches.
 
+``--check`` replays the rounds offline through the relations a trace can show, by name:
+``ledger-order`` (``protected <= committed <= allocated`` after each round),
+``commit-settlement`` (a settled decode row advanced its request's committed by exactly its
+accept length since the request's previous round; a skipped row is not counted), and
+``publish`` (a decode row published ``frontier_in + accept``, a prefill row ``frontier_in``);
+it prints each violation and exits 1 if there is one.
+
 ``--request ID`` prints that request's rounds: mode, the frontier it ran from and published,
 its accept length and bonus token, and its three clocks after settlement. ``--perfetto OUT``
 writes the Chrome / Perfetto trace-event JSON (open it at ui.perfetto.dev). ``--plot OUT.png``
@@ -44,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="a trace JSONL (specstate demo/generate --trace)")
     parser.add_argument("--request", metavar="ID", help="that request's rounds, one a line")
     parser.add_argument("--perfetto", type=Path, metavar="OUT", help="write trace-event JSON")
+    parser.add_argument("--check", action="store_true", help="replay the invariants offline")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="draw timeline + histogram")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -247,6 +255,42 @@ def plot(records: list[dict[str, Any]], out: Path, *, rounds: int = 4) -> None:
     plt.close(fig)
 
 
+def check(records: list[dict[str, Any]]) -> list[str]:
+    """Violations of the offline relations of the module docstring, in round order."""
+    problems: list[str] = []
+    last: dict[tuple[str, int], int] = {}  # (request, incarnation) -> committed after a round
+    for r in records:
+        if r["type"] != "round":
+            continue
+        rows, batch = r["rows"], r["batch"]
+        out = rows["frontier_out"]
+        for i, rid in enumerate(rows["id"]):
+            if not rows["settled"][i]:
+                continue
+            key = (rid, rows["incarnation"][i])
+            committed, accept = rows["committed"][i], rows["accept"][i]
+            where = f"request {rid}, batch {batch}"
+            if not rows["protected"][i] <= committed <= rows["allocated"][i]:
+                problems.append(
+                    f"[ledger-order] {where}: protected {rows['protected'][i]}, committed "
+                    f"{committed}, allocated {rows['allocated'][i]}"
+                )
+            if r["verify"] and key in last and committed - last[key] != accept:
+                problems.append(
+                    f"[commit-settlement] {where}: committed moved {last[key]} -> {committed}, "
+                    f"accept length {accept}"
+                )
+            if out is not None:
+                want = rows["frontier_in"][i] + (accept if r["verify"] else 0)
+                if out[i] != want:
+                    problems.append(
+                        f"[publish] {where}: published {out[i]}, expected {want} "
+                        f"(frontier {rows['frontier_in'][i]}, accept {accept})"
+                    )
+            last[key] = committed
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the command; 0 on success, 2 on a bad file or an unknown request."""
     try:
@@ -268,6 +312,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.request is not None:
         return _print_request(records, args.request)
+    if args.check:
+        problems = check(records)
+        for line in problems:
+            print(line)
+        rounds = sum(1 for r in records if r["type"] == "round")
+        print(f"{len(problems)} violations in {rounds} rounds")
+        return 1 if problems else 0
     summary = summarize(records)
     if args.json:
         print(json.dumps(summary))

@@ -1,0 +1,127 @@
+"""Prometheus metrics of an engine: acceptance counters and engine gauges, read at scrape time.
+
+``register_metrics(engine)`` adds a collector to a ``prometheus_client`` registry (the optional
+``metrics`` extra: ``pip install 'specstate[metrics]'``). Nothing is recorded on the hot path:
+every scrape reads the engine's own counters (the output table's accept-length histogram,
+`Engine.snapshot`), so the exported numbers are exactly the engine's.
+
+Counters (``specstate_spec_*``) count settled verify rows only: a row whose request ended or was
+retracted before its result settled proposed drafts that nobody verified, and is in neither the
+numerator nor the denominator. So the per-request sums reconcile exactly: the accepted tokens are
+the sum of every request's ``Req.accept_lengths``, the verifies their count.
+
+* ``specstate_spec_verifies_total``: settled verify rows;
+* ``specstate_spec_draft_tokens_total``: draft tokens they proposed (``D - 1`` each);
+* ``specstate_spec_accepted_tokens_total``: tokens they accepted, the bonus included;
+* ``specstate_spec_accepted_drafts_total``: accepted draft tokens (accepted minus one a verify);
+* ``specstate_spec_accepted_drafts_by_position_total{position}``: verifies whose draft at
+  ``position`` (1-based) was accepted;
+* ``specstate_spec_verifies_by_accept_length_total{length}``: the accept-length histogram.
+
+Gauges: ``specstate_requests{state}`` (waiting, prefilling, running), ``specstate_kv_pages``
+and ``specstate_kv_free_pages``, ``specstate_batches_in_flight``,
+``specstate_quarantined_requests``, ``specstate_deferred_releases``.
+
+A scrape from another thread reads a moment of the engine without locking it (it never writes);
+the numbers of one scrape can straddle one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specstate.engine.engine import Engine
+
+__all__ = ["SpecstateCollector", "register_metrics"]
+
+
+class SpecstateCollector:
+    """A ``prometheus_client`` collector of one engine (see the module docstring)."""
+
+    def __init__(self, engine: Engine, *, prefix: str = "specstate") -> None:
+        self._engine = engine
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        """The metric families of this scrape."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        engine, p = self._engine, self._prefix
+        snap = engine.snapshot()
+        metrics = snap.metrics
+        drafts_per_verify = max(engine.worker.capabilities.num_draft_tokens - 1, 0)
+
+        def counter(name: str, doc: str, value: float) -> Any:
+            family = CounterMetricFamily(f"{p}_spec_{name}", doc)
+            family.add_metric([], value)
+            return family
+
+        yield counter("verifies", "Settled verify rows.", metrics.num_verifies)
+        yield counter(
+            "draft_tokens",
+            "Draft tokens proposed by settled verifies.",
+            metrics.num_verifies * drafts_per_verify,
+        )
+        yield counter(
+            "accepted_tokens",
+            "Tokens accepted by settled verifies, bonus included.",
+            metrics.num_accepted_tokens,
+        )
+        yield counter("accepted_drafts", "Accepted draft tokens.", metrics.num_correct_drafts)
+        by_position = CounterMetricFamily(
+            f"{p}_spec_accepted_drafts_by_position",
+            "Settled verifies whose draft at this position (1-based) was accepted.",
+            labels=["position"],
+        )
+        for k in range(1, drafts_per_verify + 1):
+            accepted = sum(n for length, n in metrics.histogram if length >= k + 1)
+            by_position.add_metric([str(k)], accepted)
+        yield by_position
+        by_length = CounterMetricFamily(
+            f"{p}_spec_verifies_by_accept_length",
+            "Settled verifies by accept length (bonus included).",
+            labels=["length"],
+        )
+        for length, n in metrics.histogram:
+            by_length.add_metric([str(length)], n)
+        yield by_length
+        requests = GaugeMetricFamily(f"{p}_requests", "Requests by state.", labels=["state"])
+        requests.add_metric(["waiting"], snap.num_waiting)
+        requests.add_metric(["prefilling"], snap.num_prefilling)
+        requests.add_metric(["running"], snap.num_running)
+        yield requests
+        for name, doc, value in (
+            ("kv_pages", "KV pages in the pool.", snap.num_pages),
+            ("kv_free_pages", "Free KV pages.", snap.num_free_pages),
+            ("batches_in_flight", "Launched batches not settled yet.", snap.num_in_flight),
+            (
+                "quarantined_requests",
+                "Requests whose KV waits for an abandoned forward.",
+                len(snap.quarantined),
+            ),
+            (
+                "deferred_releases",
+                "Ended requests whose KV waits for a launched batch to retire.",
+                len(snap.deferred_releases),
+            ),
+        ):
+            gauge = GaugeMetricFamily(f"{p}_{name}", doc)
+            gauge.add_metric([], value)
+            yield gauge
+
+
+def register_metrics(
+    engine: Engine, registry: Any = None, *, prefix: str = "specstate"
+) -> SpecstateCollector:
+    """Register ``engine``'s collector (on the default registry unless one is given).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
+    """
+    from prometheus_client import REGISTRY
+
+    collector = SpecstateCollector(engine, prefix=prefix)
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector
