@@ -337,6 +337,14 @@ class Engine:
             )
         self._requests[request_id] = req
         self.scheduler.enqueue(req)
+        if self._trace is not None:
+            self._trace.event(
+                "submit",
+                request_id,
+                self._num_launched,
+                prompt_len=len(req.prompt_ids),
+                max_new_tokens=sampling.max_new_tokens,
+            )
         return req
 
     def abort(self, request_id: str, reason: str = "aborted by user") -> bool:

@@ -143,9 +143,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     ids = {i for r in rounds for i in r["rows"]["id"]}
     return {
         "requests": len(ids),
-        "ended": dict(
-            Counter(e["reason"] or e["event"] for e in events if e["event"] != "retract")
-        ),
+        "ended": dict(Counter(e["reason"] for e in events if e["event"] in ("finish", "abort"))),
         "retractions": sum(1 for e in events if e["event"] == "retract"),
         "rounds": dict(Counter(r["mode"] for r in rounds)),
         "num_verifies": verifies,
@@ -178,26 +176,32 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _print_request(records: list[dict[str, Any]], request_id: str) -> int:
-    print("batch  mode    in  out  accept  bonus  committed  allocated  protected  outputs")
-    found = False
+    """That request's rounds and events, in batch order (a submission before its rounds)."""
+    lines: list[tuple[int, int, str]] = []  # (batch, 0 submit / 1 round / 2 other event, text)
     for r in records:
         if r["type"] == "round" and request_id in r["rows"]["id"]:
             rows, i = r["rows"], r["rows"]["id"].index(request_id)
-            found = True
             if not rows["settled"][i]:
-                print(f"{r['batch']:5d}  {r['mode']:6s}  (skipped: the request had ended)")
-                continue
-            out = rows["frontier_out"][i] if rows["frontier_out"] is not None else "-"
-            print(
-                f"{r['batch']:5d}  {r['mode']:6s} {rows['frontier_in'][i]:3d} {out:>4} "
-                f"{rows['accept'][i]:7d} {rows['bonus'][i]:6d} {rows['committed'][i]:10d} "
-                f"{rows['allocated'][i]:10d} {rows['protected'][i]:10d} {rows['outputs'][i]:8d}"
-            )
+                text = f"{r['batch']:5d}  {r['mode']:6s}  (skipped: the request had ended)"
+            else:
+                out = rows["frontier_out"][i] if rows["frontier_out"] is not None else "-"
+                text = (
+                    f"{r['batch']:5d}  {r['mode']:6s} {rows['frontier_in'][i]:3d} {out:>4} "
+                    f"{rows['accept'][i]:7d} {rows['bonus'][i]:6d} {rows['committed'][i]:10d} "
+                    f"{rows['allocated'][i]:10d} {rows['protected'][i]:10d} "
+                    f"{rows['outputs'][i]:8d}"
+                )
+            lines.append((r["batch"], 1, text))
         elif r["type"] == "event" and r["id"] == request_id:
-            print(f"{r['batch']:5d}  {r['event']} {r['reason']}")
-    if not found:
+            extra = "".join(f" {k} {r[k]}" for k in ("prompt_len", "max_new_tokens") if k in r)
+            order = 0 if r["event"] == "submit" else 2
+            lines.append((r["batch"], order, f"{r['batch']:5d}  {r['event']} {r['reason']}{extra}"))
+    if not any(order == 1 for _, order, _ in lines):
         print(f"specstate trace: request {request_id!r} is not in the trace", file=sys.stderr)
         return 2
+    print("batch  mode    in  out  accept  bonus  committed  allocated  protected  outputs")
+    for _, _, text in sorted(lines, key=lambda x: (x[0], x[1])):
+        print(text)
     return 0
 
 
