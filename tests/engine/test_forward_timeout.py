@@ -20,6 +20,7 @@ import pytest
 from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import SpecCheckpoints, make_spec_checkpoints
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
@@ -27,7 +28,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason, Req
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import check_engine
-from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.worker import OnPublish, WorkerProtocol
 
 PROMPTS = [[3, 14, 15, 92], [65, 35, 89]]
 LATE_PROMPTS = [[79, 32, 38, 46], [26, 43]]
@@ -35,11 +36,11 @@ NEW_TOKENS = 8
 TIMEOUT_S = 2.0  # far above a forward of these tiny models, even on a loaded machine
 
 
-class _Wedges:
+class _Wedges(SpyWorker):
     """Delegates to ``inner``; its ``wedge_on``-th decode forward waits for `release` first."""
 
     def __init__(self, inner: WorkerProtocol, *, wedge_on: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._wedge_on = wedge_on
         self._decodes = 0
         self.entered = threading.Event()  # the wedged forward has started
@@ -47,15 +48,6 @@ class _Wedges:
         self.returned = threading.Event()  # the wedged forward has returned
         self._wedged_thread: int | None = None
         self.calls_after_wedge = 0  # later forwards on the wedged (abandoned) stream's thread
-
-    @property
-    def capabilities(self) -> WorkerCapabilities:
-        """The inner worker's."""
-        return self._inner.capabilities
-
-    def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
-        self._inner.attach(memory)
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
