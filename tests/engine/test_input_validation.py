@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,7 @@ from specstate import (
     SamplingParams,
 )
 from specstate.engine.invariants import check_engine
+from specstate.engine.worker import WorkerCapabilities
 from specstate.tools.timed_worker import TimedWaitWorker
 
 LIMITS = RequestLimits(vocab_size=32, max_context_len=64, eos_token_ids={31})
@@ -136,3 +138,24 @@ def test_generate_reports_a_bad_config_instead_of_looping(tmp_path: Path) -> Non
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "chunked_prefill must be None or an integer >= 1, got -1" in proc.stderr
+
+
+def test_a_greedy_only_worker_refuses_sampled_requests_at_submit() -> None:
+    """supports_sampling=False: temperature > 0 is refused at submit, not at the forward."""
+
+    class _GreedyOnly(TimedWaitWorker):
+        @property
+        def capabilities(self) -> WorkerCapabilities:
+            return attrs.evolve(super().capabilities, supports_sampling=False)
+
+    engine = Engine(
+        _GreedyOnly(device_seconds=0.0),
+        limits=RequestLimits(vocab_size=32, max_context_len=64),
+        config=EngineConfig(overlap=False, kv_tokens=256, check_invariants=True),
+    )
+    with pytest.raises(InvalidRequest, match="is greedy-only"):
+        engine.submit("s", [1, 2], SamplingParams(temperature=0.7))
+    assert engine.is_idle
+    engine.submit("g", [1, 2], SamplingParams(max_new_tokens=3))
+    engine.run_until_idle()
+    engine.close()

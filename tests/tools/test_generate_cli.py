@@ -244,3 +244,11 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(
     assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--kv-tokens", huge]) == 2
     err = capsys.readouterr().err
     assert f"--kv-tokens {huge}: the KV cache needs" in err and "Traceback" not in err
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help of a command shows each option's default."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "KV token slots (default: 16384)" in out and "(default: float32)" in out

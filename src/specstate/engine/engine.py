@@ -319,6 +319,12 @@ class Engine:
         if request_id in self._requests and not self._requests[request_id].is_finished:
             raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
         req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
+        caps = self.worker.capabilities
+        if sampling.temperature > 0 and not caps.supports_sampling:
+            raise InvalidRequest(
+                f"request {request_id!r}: temperature {sampling.temperature} asks for sampling, "
+                f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
+            )
         if len(req.prompt_ids) + sampling.max_new_tokens > self.limits.max_context_len:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt of {len(req.prompt_ids)} tokens plus "

@@ -69,6 +69,8 @@ class WorkerCapabilities:
         keeps_draft_kv: whether drafting writes KV into the request's reserved slots.
         supports_overlap: whether the worker may run under the overlap loop.
         supports_mixed_chunk: whether running requests may ride in a prefill batch.
+        supports_sampling: whether the worker samples (temperature > 0); a greedy-only
+            worker sets False, and the engine refuses a sampled request at `Engine.submit`.
     """
 
     algorithm: str
@@ -78,6 +80,7 @@ class WorkerCapabilities:
     keeps_draft_kv: bool = False
     supports_overlap: bool = True
     supports_mixed_chunk: bool = True
+    supports_sampling: bool = True
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

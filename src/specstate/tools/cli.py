@@ -22,6 +22,17 @@ from specstate.tools import bench, demo, generate, lint, trace
 __all__ = ["main"]
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """``--help`` shows each option's default (unless it is None or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if shown and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     from specstate import __version__
 
@@ -31,18 +42,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specstate {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo.add_arguments(commands.add_parser("demo", help="the main job on the embedded model"))
+    defaults = _ShowDefaults
+    demo.add_arguments(
+        commands.add_parser(
+            "demo", help="the main job on the embedded model", formatter_class=defaults
+        )
+    )
     lint.build_parser(
-        commands.add_parser("lint", help="report counter writes outside owner scopes")
+        commands.add_parser(
+            "lint", help="report counter writes outside owner scopes", formatter_class=defaults
+        )
     )
     generate.add_arguments(
-        commands.add_parser("generate", help="run a JSONL of requests on a checkpoint")
+        commands.add_parser(
+            "generate", help="run a JSONL of requests on a checkpoint", formatter_class=defaults
+        )
     )
     bench.add_arguments(
-        commands.add_parser("bench", help="measure host time per round; compare with a peer")
+        commands.add_parser(
+            "bench",
+            help="measure host time per round; compare with a peer",
+            formatter_class=defaults,
+        )
     )
     trace.add_arguments(
-        commands.add_parser("trace", help="summarize a recorded trace; export Perfetto")
+        commands.add_parser(
+            "trace", help="summarize a recorded trace; export Perfetto", formatter_class=defaults
+        )
     )
     return parser
 

@@ -65,11 +65,15 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` command's arguments."""
     parser.description = "Serve a built-in workload on the embedded model and report."
-    parser.add_argument("--algorithm", choices=("eagle", "draft_model", "ngram"), default="eagle")
-    parser.add_argument("--num-steps", type=_positive, default=4)
-    parser.add_argument("--requests", type=_positive, default=len(PROMPTS))
-    parser.add_argument("--max-new-tokens", type=_positive, default=96)
-    parser.add_argument("--page-size", type=_positive, default=16)
+    parser.add_argument(
+        "--algorithm", choices=("eagle", "draft_model", "ngram"), default="eagle", help="drafting"
+    )
+    parser.add_argument("--num-steps", type=_positive, default=4, help="draft steps per round")
+    parser.add_argument(
+        "--requests", type=_positive, default=len(PROMPTS), help="requests in the workload"
+    )
+    parser.add_argument("--max-new-tokens", type=_positive, default=96, help="tokens per request")
+    parser.add_argument("--page-size", type=_positive, default=16, help="KV page size")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress")
     parser.add_argument(
         "--trace", type=Path, metavar="FILE", help="record the spec+overlap run (JSONL)"

@@ -53,13 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Generate for a JSONL of requests with speculation and overlap."
     parser.add_argument("--model", type=Path, required=True, help="HF Llama checkpoint dir")
     parser.add_argument("--draft", type=Path, help="draft checkpoint (draft_model) or head (eagle)")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="none")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
     parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--kv-tokens", type=int, default=16384)
-    parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--chunked-prefill", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=1, help="KV page size")
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule the next batch while the forward runs",
+    )
+    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV token slots")
+    parser.add_argument("--max-running", type=int, default=32, help="most requests at once")
+    parser.add_argument(
+        "--chunked-prefill", type=int, default=None, help="prefill tokens per forward"
+    )
     parser.add_argument("--input", type=Path, required=True, help="requests, JSONL")
     parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
     parser.add_argument(
@@ -80,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=(*_DTYPES, "checkpoint"),
         default="float32",
-        help="parameter and KV dtype (default float32: lossless on a CPU; 'checkpoint' keeps the "
+        help="parameter and KV dtype (float32 is lossless on a CPU; 'checkpoint' keeps the "
         "saved dtype)",
     )
 
