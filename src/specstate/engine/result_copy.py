@@ -17,7 +17,6 @@ its copy event.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import attrs
@@ -26,6 +25,7 @@ import numpy.typing as npt
 import torch
 
 from specstate.batch.result import GenerationBatchResult
+from specstate.relay.streams import CudaEvent
 
 __all__ = ["HostResult", "ResultCopy"]
 
@@ -85,7 +85,7 @@ class ResultCopy:
     def __init__(
         self,
         host: torch.Tensor,
-        event: torch.cuda.Event | None,
+        event: CudaEvent | None,
         layout: tuple[int, int, bool, bool],
         keep: tuple[torch.Tensor, ...],
     ) -> None:
@@ -127,14 +127,14 @@ class ResultCopy:
             packed.record_stream(copy)  # the caching allocator must not reuse it early
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(copy)
-        return cls(host, event, layout, (packed,))
+        return cls(host, CudaEvent(event, None, packed.device), layout, (packed,))
 
     def wait(self, timeout: float | None = None) -> HostResult | None:
         """Block until the copy is done (up to ``timeout`` seconds); None if it is not."""
         if self._event is not None:
             if timeout is None:
                 self._event.synchronize()
-            elif not _poll(self._event, timeout):
+            elif not self._event.synchronize_within(timeout):
                 return None
         self._keep = ()
         b, stride, has_frontier, has_invalid = self._layout
@@ -167,16 +167,3 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
         stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         _COPY_STREAMS[device] = stream
     return stream
-
-
-def _poll(event: torch.cuda.Event, seconds: float) -> bool:
-    """Wait for ``event`` up to ``seconds`` (sleeping between queries); whether it is done."""
-    deadline = time.monotonic() + seconds
-    pause = 1e-5
-    while not event.query():  # type: ignore[no-untyped-call]
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 1e-3)
-    return True
