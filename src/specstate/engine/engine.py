@@ -168,12 +168,22 @@ def _is_count(value: object, low: int) -> bool:
 
 @attrs.frozen(kw_only=True)
 class StepReport:
-    """What one step did."""
+    """What one step did.
+
+    Attributes:
+        launched_mode: the forward mode of the batch launched, or None.
+        launched_size: its number of requests.
+        finished: ids of the requests that ended (finished, aborted, failed) in this step.
+        retracted: ids of the requests retracted in this step.
+        ended: the `Req` objects of ``finished``, in the same order (they stay valid after
+            the engine forgets them, see ``EngineConfig.finished_history``).
+    """
 
     launched_mode: str | None
     launched_size: int
     finished: tuple[str, ...]
     retracted: tuple[str, ...]
+    ended: tuple[Req, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -404,11 +414,16 @@ class Engine:
             check_engine(self)
         if rec is not None:
             self._record_events(rec, finished, retracted)
+        ended = tuple(self._requests[rid] for rid in finished)
         self._remember_ended(finished)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
-            launched_mode=mode, launched_size=size, finished=finished, retracted=retracted
+            launched_mode=mode,
+            launched_size=size,
+            finished=finished,
+            retracted=retracted,
+            ended=ended,
         )
 
     def run_until_idle(self, *, max_steps: int = 100_000) -> None:

@@ -117,6 +117,10 @@ class OutputTable:
         out: list[int] = self._output_tokens[slot, :n].tolist()
         return out
 
+    def all_lengths(self) -> IntArray:
+        """Settled output counts of every slot, as a new array (slot 0 is padding)."""
+        return self._output_lengths.copy()
+
     def lengths(self, slots: IntArray) -> IntArray:
         """Settled output counts of ``slots`` as a new array (a finished row keeps its last)."""
         return self._output_lengths[slots]

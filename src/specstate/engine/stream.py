@@ -1,0 +1,60 @@
+"""Streaming: each request's newly emitted tokens after every step, without polling requests.
+
+``for event in stream(engine): ...`` steps the engine until it is idle and, after each step,
+yields one `TokenEvent` per request that emitted tokens or ended in that step: the tokens it
+emitted since its previous event, and, on its last event, its `FinishState`. Which requests
+changed is found with one array comparison over the output table's lengths; only those are
+touched. Tokens are yielded once each and exactly as ``Req.emitted_ids`` ends up (a request
+that is retracted and re-admitted continues where it stopped; tokens past a stop or the cap
+are never yielded). Requests can be submitted between events; the loop ends when the engine is
+idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+
+from specstate.core.errors import InvalidConfig
+from specstate.core.request import FinishState, Req
+from specstate.engine.engine import Engine
+
+__all__ = ["TokenEvent", "stream"]
+
+
+@attrs.frozen
+class TokenEvent:
+    """New tokens of one request after one step, and its finish on its last event."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    finish: FinishState | None = None
+
+
+def stream(engine: Engine, *, max_steps: int = 100_000) -> Iterator[TokenEvent]:
+    """Step ``engine`` until idle, yielding every request's new tokens (module docstring).
+
+    Raises:
+        InvalidConfig: the engine is not idle after ``max_steps`` steps.
+    """
+    sent: dict[Req, int] = {}  # tokens yielded so far, by request (a Req hashes by identity)
+    seen = engine.outputs.all_lengths()
+    for _ in range(max_steps):
+        if engine.is_idle:
+            return
+        report = engine.step()
+        now = engine.outputs.all_lengths()
+        ended = report.ended
+        changed = [engine.outputs.holder(int(s)) for s in np.flatnonzero(now != seen)]
+        seen = now
+        for req in dict.fromkeys([*(r for r in changed if r is not None), *ended]):
+            emitted = req.emitted_ids
+            start = sent.get(req, 0)
+            if len(emitted) > start or req.is_finished:
+                sent[req] = len(emitted)
+                yield TokenEvent(req.request_id, tuple(emitted[start:]), req.finish)
+            if req.is_finished:
+                sent.pop(req, None)
+    raise InvalidConfig(f"engine not idle after {max_steps} steps")
