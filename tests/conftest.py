@@ -8,7 +8,7 @@ import pytest
 import torch
 from memory_harness import Memory, build_memory
 
-from specstate import OwnershipChecker
+from specstate.internals import OwnershipChecker
 
 
 @pytest.fixture

@@ -1,100 +1,176 @@
 """specstate: the scheduling state of speculative decoding under overlap scheduling.
 
-An engine implements one adapter for its model runner and gets, from specstate, request clocks,
-KV reservation for the speculative window, the device relay between iterations, forward
-isolation, result settlement and invariant checking, with one owner per counter, checked by
-mypy, by `specstate lint` and at run time. See DESIGN.md and docs/ for the model.
+An engine team implements one adapter for its model runner (`WorkerProtocol`) and gets, from
+specstate, request clocks, KV reservation for the speculative window, the device relay between
+iterations, forward isolation, result settlement, retraction, finish handling and invariant
+checking, with one owner per counter, checked by mypy, by ``specstate lint`` and at run time.
+
+Two layers:
+
+* ``specstate`` (this module) is what users and worker authors need: `Engine`,
+  `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
+  streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
+  `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
+  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+* `specstate.internals` holds the parts the engine composes (the ledger and its role views,
+  pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
+
+The design (three clocks, one owner per counter, the 2x reservation, the publish fence) is
+documented in the project's docs, on the "Design" page. Names are imported lazily, so
+``import specstate`` (and ``specstate --version``) does not import torch until a name is used.
 """
 
 from __future__ import annotations
 
-from specstate.batch.forward_batch import ForwardBatch
-from specstate.batch.forward_mode import ForwardMode
-from specstate.batch.result import GenerationBatchResult
-from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
-from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import (
-    DoubleRelease,
-    ForwardTimeout,
-    InvalidConfig,
-    InvalidRequest,
-    InvalidTransition,
-    KvPoolExhausted,
-    LedgerViolation,
-    OwnershipError,
-    RelayError,
-    ReservationExceeded,
-    SpecStateError,
-    StaleResult,
-    UsageError,
-    WorkerResultError,
-)
-from specstate.core.ledger import (
-    AllocatorLedgerView,
-    KvLedger,
-    KvLedgerSnapshot,
-    LedgerBatchSnapshot,
-    LedgerReader,
-    LedgerViews,
-    ResultProcessorLedgerView,
-    SchedulerLedgerView,
-    WorkerLedgerView,
-)
-from specstate.core.ownership import OwnershipChecker, Role, RoleScope
-from specstate.core.request import (
-    FinishReason,
-    FinishState,
-    Req,
-    ReqSnapshot,
-    ReqStatus,
-    RequestLimits,
-    SamplingParams,
-)
-from specstate.engine.engine import Engine, EngineConfig, EngineSnapshot, StepReport
-from specstate.engine.finish import resolve_finish
-from specstate.engine.invariants import InvariantViolation, check_engine
-from specstate.engine.results import AcceptMetrics
-from specstate.engine.worker import (
-    AlgorithmRegistry,
-    OnPublish,
-    WorkerCapabilities,
-    WorkerMemory,
-    WorkerProtocol,
-)
-from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
-from specstate.memory.pools import (
-    ReqToTokenPool,
-    SlotHandle,
-    TokenSlotAllocator,
-)
-from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
-from specstate.memory.sizing import (
-    DecodeAllocLens,
-    SpecWindow,
-    page_aligned_decode_alloc_lens,
-)
-from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
-from specstate.relay.future_map import (
-    ForwardInputs,
-    FutureMap,
-    MixedTails,
-    RelayPayload,
-    ResolvedSeqLens,
-    Unresolved,
-    is_unresolved,
-)
-from specstate.relay.isolation import ForwardIsolation, ForwardIsolator, IsolationError
-from specstate.relay.streams import CpuStream, Event, Stream, make_stream
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
+
+if TYPE_CHECKING:
+    from specstate.batch.forward_batch import ForwardBatch
+    from specstate.batch.forward_mode import ForwardMode
+    from specstate.batch.result import GenerationBatchResult
+    from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
+    from specstate.core.errors import (
+        DoubleRelease,
+        ForwardTimeout,
+        InvalidConfig,
+        InvalidRequest,
+        InvalidTransition,
+        KvPoolExhausted,
+        LedgerViolation,
+        OwnershipError,
+        RelayError,
+        ReservationExceeded,
+        SpecStateError,
+        StaleResult,
+        UsageError,
+        WorkerResultError,
+    )
+    from specstate.core.ledger import WorkerLedgerView
+    from specstate.core.request import (
+        FinishReason,
+        FinishState,
+        Req,
+        ReqSnapshot,
+        ReqStatus,
+        RequestLimits,
+        SamplingParams,
+    )
+    from specstate.engine.engine import Engine, EngineConfig, EngineSnapshot, StepReport
+    from specstate.engine.invariants import InvariantViolation, check_engine
+    from specstate.engine.results import AcceptMetrics
+    from specstate.engine.stream import TokenEvent, stream
+    from specstate.engine.worker import (
+        AlgorithmRegistry,
+        OnPublish,
+        WorkerCapabilities,
+        WorkerMemory,
+        WorkerProtocol,
+    )
+    from specstate.memory.sizing import SpecWindow
+    from specstate.relay.future_map import RelayPayload
+    from specstate.relay.isolation import IsolationError
+    from specstate.relay.streams import Event
+
+# Each public name and the module that defines it (imported on first use).
+_EXPORTS: dict[str, str] = {
+    "ForwardBatch": "specstate.batch.forward_batch",
+    "ForwardMode": "specstate.batch.forward_mode",
+    "GenerationBatchResult": "specstate.batch.result",
+    "PenaltyAccumulator": "specstate.batch.sampling",
+    "SamplingInfo": "specstate.batch.sampling",
+    "DoubleRelease": "specstate.core.errors",
+    "ForwardTimeout": "specstate.core.errors",
+    "InvalidConfig": "specstate.core.errors",
+    "InvalidRequest": "specstate.core.errors",
+    "InvalidTransition": "specstate.core.errors",
+    "KvPoolExhausted": "specstate.core.errors",
+    "LedgerViolation": "specstate.core.errors",
+    "OwnershipError": "specstate.core.errors",
+    "RelayError": "specstate.core.errors",
+    "ReservationExceeded": "specstate.core.errors",
+    "SpecStateError": "specstate.core.errors",
+    "StaleResult": "specstate.core.errors",
+    "UsageError": "specstate.core.errors",
+    "WorkerResultError": "specstate.core.errors",
+    "WorkerLedgerView": "specstate.core.ledger",
+    "FinishReason": "specstate.core.request",
+    "FinishState": "specstate.core.request",
+    "Req": "specstate.core.request",
+    "ReqSnapshot": "specstate.core.request",
+    "ReqStatus": "specstate.core.request",
+    "RequestLimits": "specstate.core.request",
+    "SamplingParams": "specstate.core.request",
+    "Engine": "specstate.engine.engine",
+    "EngineConfig": "specstate.engine.engine",
+    "EngineSnapshot": "specstate.engine.engine",
+    "StepReport": "specstate.engine.engine",
+    "InvariantViolation": "specstate.engine.invariants",
+    "check_engine": "specstate.engine.invariants",
+    "AcceptMetrics": "specstate.engine.results",
+    "TokenEvent": "specstate.engine.stream",
+    "stream": "specstate.engine.stream",
+    "AlgorithmRegistry": "specstate.engine.worker",
+    "OnPublish": "specstate.engine.worker",
+    "WorkerCapabilities": "specstate.engine.worker",
+    "WorkerMemory": "specstate.engine.worker",
+    "WorkerProtocol": "specstate.engine.worker",
+    "SpecWindow": "specstate.memory.sizing",
+    "RelayPayload": "specstate.relay.future_map",
+    "IsolationError": "specstate.relay.isolation",
+    "Event": "specstate.relay.streams",
+}
+
+# Names this module exported before 0.1.0 that now live in `specstate.internals`; they still
+# resolve here, with a DeprecationWarning, until 0.2.
+_MOVED_TO_INTERNALS = frozenset(
+    {
+        "AllocatorLedgerView",
+        "CpuStream",
+        "DecodeAllocLens",
+        "DeferredReleases",
+        "ForwardInputs",
+        "ForwardIsolation",
+        "ForwardIsolator",
+        "FutureMap",
+        "KvAllocator",
+        "KvLedger",
+        "KvLedgerSnapshot",
+        "LedgerBatchSnapshot",
+        "LedgerReader",
+        "LedgerViews",
+        "MixedTails",
+        "OwnershipChecker",
+        "ReleasedKv",
+        "ReqToTokenPool",
+        "ResolvedSeqLens",
+        "ResultProcessorLedgerView",
+        "RetractionOutcome",
+        "Role",
+        "RoleScope",
+        "ScheduleBatch",
+        "SchedulerLedgerView",
+        "SlotHandle",
+        "Stream",
+        "TokenSlotAllocator",
+        "Unresolved",
+        "is_unresolved",
+        "make_stream",
+        "page_aligned_decode_alloc_lens",
+        "resolve_batch_forward_inputs",
+        "resolve_batch_seq_lens",
+        "resolve_finish",
+        "retract_for_decode",
+        "retraction_order",
+    }
+)
 
 __all__ = [
     "AcceptMetrics",
     "AlgorithmRegistry",
-    "AllocatorLedgerView",
-    "CpuStream",
-    "DecodeAllocLens",
-    "DeferredReleases",
     "DoubleRelease",
     "Engine",
     "EngineConfig",
@@ -103,57 +179,33 @@ __all__ = [
     "FinishReason",
     "FinishState",
     "ForwardBatch",
-    "ForwardInputs",
-    "ForwardIsolation",
-    "ForwardIsolator",
     "ForwardMode",
     "ForwardTimeout",
-    "FutureMap",
     "GenerationBatchResult",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
     "InvariantViolation",
     "IsolationError",
-    "KvAllocator",
-    "KvLedger",
-    "KvLedgerSnapshot",
     "KvPoolExhausted",
-    "LedgerBatchSnapshot",
-    "LedgerReader",
-    "LedgerViews",
     "LedgerViolation",
-    "MixedTails",
     "OnPublish",
-    "OwnershipChecker",
     "OwnershipError",
     "PenaltyAccumulator",
     "RelayError",
     "RelayPayload",
-    "ReleasedKv",
     "Req",
     "ReqSnapshot",
     "ReqStatus",
-    "ReqToTokenPool",
     "RequestLimits",
     "ReservationExceeded",
-    "ResolvedSeqLens",
-    "ResultProcessorLedgerView",
-    "RetractionOutcome",
-    "Role",
-    "RoleScope",
     "SamplingInfo",
     "SamplingParams",
-    "ScheduleBatch",
-    "SchedulerLedgerView",
-    "SlotHandle",
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
     "StepReport",
-    "Stream",
-    "TokenSlotAllocator",
-    "Unresolved",
+    "TokenEvent",
     "UsageError",
     "WorkerCapabilities",
     "WorkerLedgerView",
@@ -162,12 +214,26 @@ __all__ = [
     "WorkerResultError",
     "__version__",
     "check_engine",
-    "is_unresolved",
-    "make_stream",
-    "page_aligned_decode_alloc_lens",
-    "resolve_batch_forward_inputs",
-    "resolve_batch_seq_lens",
-    "resolve_finish",
-    "retract_for_decode",
-    "retraction_order",
+    "stream",
 ]
+
+if not TYPE_CHECKING:  # mypy sees the imports above; at run time names load on first use
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is not None:
+            value = getattr(importlib.import_module(module), name)
+            globals()[name] = value  # later lookups skip this function
+            return value
+        if name in _MOVED_TO_INTERNALS:
+            warnings.warn(
+                f"specstate.{name} moved to specstate.internals.{name}; "
+                "the top-level alias goes away in 0.2",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module("specstate.internals"), name)
+        raise AttributeError(f"module 'specstate' has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(__all__))

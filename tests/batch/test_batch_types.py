@@ -6,19 +6,13 @@ import attrs
 import pytest
 import torch
 
-from specstate import (
-    InvalidConfig,
-    OwnershipChecker,
-    RelayError,
-    Req,
-    RequestLimits,
-    SamplingParams,
-)
+from specstate import InvalidConfig, RelayError, Req, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.internals import OwnershipChecker
 from specstate.relay.future_map import RelayPayload, Unresolved
 
 LIMITS = RequestLimits(vocab_size=32, max_context_len=64)

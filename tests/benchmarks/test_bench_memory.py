@@ -12,7 +12,8 @@ import torch
 from memory_harness import Memory, build_memory
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from specstate import Req, Role
+from specstate import Req
+from specstate.internals import Role
 
 BATCH_SIZES = [1, 64, 256, 1024]
 

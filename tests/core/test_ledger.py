@@ -9,14 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from specstate import (
-    KvLedger,
-    LedgerViolation,
-    OwnershipChecker,
-    OwnershipError,
-    ReservationExceeded,
-    Role,
-)
+from specstate import LedgerViolation, OwnershipError, ReservationExceeded
+from specstate.internals import KvLedger, OwnershipChecker, Role
 
 ROW_WIDTH = 32
 MAX_SLOTS = 6

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from specstate import OwnershipChecker, OwnershipError, Role
+from specstate import OwnershipError
+from specstate.internals import OwnershipChecker, Role
 
 
 def test_require_passes_only_for_an_owner(checker: OwnershipChecker) -> None:

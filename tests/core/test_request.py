@@ -12,15 +12,14 @@ from specstate import (
     InvalidConfig,
     InvalidRequest,
     InvalidTransition,
-    OwnershipChecker,
     OwnershipError,
     Req,
     ReqStatus,
     RequestLimits,
-    Role,
     SamplingParams,
     StaleResult,
 )
+from specstate.internals import OwnershipChecker, Role
 
 LIMITS = RequestLimits(vocab_size=100, max_context_len=16, eos_token_ids={2})
 

@@ -11,18 +11,12 @@ from hf_oracle import greedy, make_checkpoint
 from spy_worker import SpyWorker
 from transformers import LlamaForCausalLM
 
-from specstate import (
-    FinishReason,
-    InvalidRequest,
-    KvLedger,
-    ReqStatus,
-    RequestLimits,
-    SamplingParams,
-)
+from specstate import FinishReason, InvalidRequest, ReqStatus, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import OnPublish, WorkerMemory
+from specstate.internals import KvLedger
 from specstate.reference.workers import PlainWorker
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)

@@ -9,9 +9,10 @@ import torch
 from hf_oracle import make_checkpoint
 from spy_worker import SpyWorker
 
-from specstate import RequestLimits, Role, SamplingParams
+from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.internals import Role
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)
 

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specstate import OwnershipChecker, Req, RequestLimits, Role, SamplingParams
+from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import LedgerViolation
 from specstate.core.request import FinishReason, ReqStatus
 from specstate.engine.finish import resolve_finish
 from specstate.engine.outputs import OutputTable
+from specstate.internals import OwnershipChecker, Role
 
 VOCAB = 12
 EOS = frozenset({11})

@@ -25,6 +25,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import OnPublish, WorkerProtocol
+from specstate.relay.future_map import RelayPayload
 
 Corrupt = Callable[[GenerationBatchResult], GenerationBatchResult]
 NEW_TOKENS = 12
@@ -133,6 +134,21 @@ CASES: dict[str, tuple[Corrupt, int, str]] = {
         lambda r: attrs.evolve(r, invalid_rows=torch.zeros(r.batch_size + 1, dtype=torch.bool)),
         0,
         "it must be a bool tensor of shape",
+    ),
+    "no next_draft_input": (
+        lambda r: attrs.evolve(r, next_draft_input=None),
+        0,
+        "no next_draft_input",
+    ),
+    "bonus tokens of the wrong shape": (
+        lambda r: attrs.evolve(
+            r,
+            next_draft_input=RelayPayload(
+                bonus_tokens=torch.zeros(r.batch_size + 1, dtype=torch.int64)
+            ),
+        ),
+        0,
+        "next_draft_input.bonus_tokens of dtype torch.int64 and shape",
     ),
 }
 

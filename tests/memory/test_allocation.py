@@ -6,13 +6,8 @@ import pytest
 import torch
 from memory_harness import Memory, build_memory
 
-from specstate import (
-    DoubleRelease,
-    KvPoolExhausted,
-    LedgerViolation,
-    OwnershipError,
-    Role,
-)
+from specstate import DoubleRelease, KvPoolExhausted, LedgerViolation, OwnershipError
+from specstate.internals import Role
 from specstate.memory.allocation import DeferredReleases
 from specstate.memory.sizing import ceil_to_page
 

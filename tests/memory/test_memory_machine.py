@@ -23,15 +23,8 @@ from hypothesis.stateful import (
 )
 from memory_harness import Memory, build_memory
 
-from specstate import (
-    FinishReason,
-    FinishState,
-    KvPoolExhausted,
-    Req,
-    ReqStatus,
-    Role,
-    StaleResult,
-)
+from specstate import FinishReason, FinishState, KvPoolExhausted, Req, ReqStatus, StaleResult
+from specstate.internals import Role
 from specstate.memory.retraction import retract_for_decode
 from specstate.memory.sizing import SpecWindow
 

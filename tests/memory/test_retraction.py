@@ -6,7 +6,8 @@ import pytest
 import torch
 from memory_harness import Memory, build_memory
 
-from specstate import FinishReason, InvalidTransition, Req, ReqStatus, Role
+from specstate import FinishReason, InvalidTransition, Req, ReqStatus
+from specstate.internals import Role
 from specstate.memory.retraction import retract_for_decode, retraction_order
 
 

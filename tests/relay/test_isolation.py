@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstate import OwnershipChecker, Req, RequestLimits, SamplingParams
+from specstate import Req, RequestLimits, SamplingParams
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.internals import OwnershipChecker
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
 from specstate.relay.isolation import ForwardIsolator, IsolationError

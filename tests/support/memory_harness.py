@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specstate import KvLedger, OwnershipChecker, Req, RequestLimits, Role, SamplingParams
+from specstate import Req, RequestLimits, SamplingParams
+from specstate.internals import KvLedger, OwnershipChecker, Role
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 from specstate.memory.sizing import SpecWindow

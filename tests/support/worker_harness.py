@@ -31,12 +31,11 @@ from specstate import (
     Req,
     ReqStatus,
     RequestLimits,
-    Role,
     SamplingInfo,
     SamplingParams,
-    ScheduleBatch,
 )
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
+from specstate.internals import Role, ScheduleBatch
 
 CPU = torch.device("cpu")
 

@@ -35,7 +35,30 @@ def _extend_positions(
 
 @attrs.frozen(kw_only=True)
 class ForwardBatch:
-    """Everything one forward reads; frozen, so a worker cannot write scheduler state."""
+    """Everything one forward reads; frozen, so a worker cannot write scheduler state.
+
+    Attributes:
+        forward_mode: EXTEND (prefill or chunk), DECODE (one round), MIXED (an extend to the
+            worker: running requests ride as 1-token extends of their bonus) or IDLE.
+        request_ids: one id per row.
+        req_pool_indices: ``[B]`` int64 request slots: row ``i``'s KV positions live at
+            ``req_to_token[req_pool_indices[i], position]``.
+        seq_lens: ``[B]`` device frontier. DECODE: the KV-ready prefix ``S`` before this
+            forward (the bonus token sits at ``S``). EXTEND: prefix plus this chunk.
+        seq_lens_cpu: host mirror of ``seq_lens`` when the host knows it, else None (under
+            overlap the frontier is decided on the device).
+        input_ids: flat input tokens (EXTEND: ``[sum(extend_lens)]``; DECODE: ``[B]`` bonus
+            tokens), or None for IDLE.
+        positions: the position of every input token, on the device, or None for IDLE.
+        out_cache_loc: token slots an extend writes its KV to (one per input token), or None
+            for DECODE (the worker writes inside the reserved window of each row).
+        prefix_lens: per-row KV prefix before an extend: host ints, or a device tensor for a
+            MIXED batch (a running tail's prefix is its device frontier); None for DECODE.
+        extend_lens: per-row input tokens of an extend, or None for DECODE.
+        sampling_info: per-row sampling parameters as tensors.
+        spec_info: the relay payload the previous round (or chunk) of these rows stashed, or
+            None when no row has one.
+    """
 
     forward_mode: ForwardMode
     request_ids: tuple[str, ...]

@@ -32,8 +32,13 @@ class GenerationBatchResult:
             ``next_token_ids[i * stride : i * stride + accept_lens[i]]``.
         accept_lens: ``[batch_size]`` accepted tokens per row, bonus included (non-spec: 1).
         stride: tokens per row in ``next_token_ids`` for the forward that produced it.
-        new_seq_lens: ``[batch_size]`` next device frontier, or None for a prefill.
-        next_draft_input: the relay payload of the next round, or None.
+        new_seq_lens: ``[batch_size]`` next device frontier (extend: ``seq_lens``; decode:
+            ``seq_lens + accept_lens``). May be None only when the worker handed the frontier
+            to ``on_publish`` in this forward; otherwise the batch fails with
+            `WorkerResultError`.
+        next_draft_input: the relay payload of the next round. Required (the None default
+            exists only so that its absence is reported as `WorkerResultError` naming the
+            rule): its ``bonus_tokens`` ``[batch_size]`` are the next round's input tokens.
         keep_alive_refs: objects the scheduler pins for two iterations (device lifetime).
         copy_done: recorded after the device-to-host copy of the result; None when synchronous.
         invalid_rows: ``[batch_size]`` bool, True for a row the worker could not compute (the

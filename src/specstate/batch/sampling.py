@@ -81,11 +81,17 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 class SamplingInfo:
     """Per-row sampling parameters of a batch, as tensors.
 
-    ``top_ks`` holds the vocabulary size for rows without top-k; ``frequency_penalties`` and
-    ``penalty_counts`` are None when no row is penalized. ``accumulator`` is None on a forward
-    copy: a worker cannot fold tokens. ``greedy_host`` is what the host knows without reading
-    the device: True when every row is greedy, False when some row samples, None when unknown
-    (then `is_all_greedy` reads ``temperatures``, a device synchronization).
+    Attributes:
+        temperatures: ``[B]`` float; 0 for a greedy row.
+        top_ks: ``[B]`` int; the vocabulary size for rows without top-k.
+        top_ps: ``[B]`` float; 1.0 for rows without nucleus sampling.
+        frequency_penalties: ``[B]`` float, or None when no row is penalized.
+        penalty_counts: ``[B, vocab]`` counts of each row's output tokens, or None.
+        accumulator: folds settled tokens into ``penalty_counts`` (scheduler only); None on a
+            forward copy: a worker cannot fold tokens.
+        greedy_host: what the host knows without reading the device: True when every row is
+            greedy, False when some row samples, None when unknown (then `is_all_greedy`
+            reads ``temperatures``, a device synchronization).
     """
 
     temperatures: torch.Tensor

@@ -83,13 +83,20 @@ class FinishReason(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class FinishState:
-    """How a request ended: the reason and how many output tokens the user sees."""
+    """How a request ended: the reason and how many output tokens the user sees.
+
+    Attributes:
+        reason: why it ended.
+        finished_len: output tokens the user sees (``Req.emitted_ids``); tokens settled past
+            a stop or the cap are cut.
+        detail: a human-readable reason (the stop token, the abort message, the error).
+        traceback: for an ERROR finish, the worker failure's formatted traceback; else "".
+    """
 
     reason: FinishReason
     finished_len: int
     detail: str = ""
     traceback: str = ""
-    """For an ERROR finish: the worker failure's formatted traceback."""
 
 
 def _stop_ids(value: Iterable[int]) -> frozenset[int]:
@@ -122,7 +129,17 @@ def _is_finite(value: object) -> bool:
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """How to sample one request. ``temperature == 0`` means greedy."""
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    Attributes:
+        max_new_tokens: the cap on output tokens (>= 1).
+        stop_token_ids: tokens that end the request (included in the output), in addition to
+            the model's EOS ids.
+        ignore_eos: when True, the model's EOS ids do not end the request.
+        temperature: 0 for greedy (argmax), else the softmax temperature.
+        top_k: sample among the ``top_k`` most likely tokens; None for the whole vocabulary.
+        top_p: nucleus sampling mass in (0, 1]; 1.0 disables it.
+    """
 
     max_new_tokens: int = 128
     stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_ids)
@@ -160,7 +177,13 @@ class SamplingParams:
 
 @attrs.frozen(kw_only=True)
 class RequestLimits:
-    """What the model accepts: its vocabulary, context length and end-of-sequence ids."""
+    """What the model accepts: its vocabulary, context length and end-of-sequence ids.
+
+    Attributes:
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        max_context_len: prompt plus output may not exceed it.
+        eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
+    """
 
     vocab_size: int
     max_context_len: int
@@ -188,7 +211,16 @@ class RequestLimits:
 
 @attrs.frozen(kw_only=True)
 class ReqSnapshot:
-    """One request at one instant, for tests, traces and users."""
+    """One request at one instant, for tests, traces and users.
+
+    Attributes:
+        request_id: the id given to `Engine.submit`.
+        status: its lifecycle state.
+        incarnation: how many times it was retracted.
+        prompt_len: prompt tokens.
+        output_ids: every settled output token.
+        finish: how it ended, or None while it runs.
+    """
 
     request_id: str
     status: ReqStatus

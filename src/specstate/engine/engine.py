@@ -188,7 +188,22 @@ class StepReport:
 
 @attrs.frozen(kw_only=True)
 class EngineSnapshot:
-    """The engine at one instant."""
+    """The engine at one instant (`Engine.snapshot`).
+
+    Attributes:
+        num_waiting: requests queued for admission (new or retracted).
+        num_prefilling: admitted requests whose prompt is not fully prefilled yet.
+        num_running: requests decoding.
+        num_in_flight: batches launched and not settled yet (0 or 1 under overlap).
+        num_open_slots: request slots holding a live or deferred request.
+        num_free_pages: KV pages free in the token pool.
+        num_pages: KV pages in the token pool.
+        deferred_releases: requests that ended while a batch was in flight; their KV is
+            released when that batch retires.
+        quarantined: requests whose KV is held until an abandoned forward stream drains
+            (after a `ForwardTimeout`).
+        metrics: acceptance statistics so far.
+    """
 
     num_waiting: int
     num_prefilling: int
@@ -203,7 +218,24 @@ class EngineSnapshot:
 
 
 class Engine:
-    """Drives one `WorkerProtocol` with specstate's scheduling state; see the module docstring.
+    """Drives one `WorkerProtocol` with specstate's scheduling state.
+
+    The engine replaces a server's scheduler loop, KV pool and ``req_to_token`` layout: it owns
+    the ledger, the KV allocator, the scheduler, the result processor, the FutureMap, the
+    forward isolator and the forward stream; the worker only runs forwards. Each `step` is one
+    iteration: ``schedule N -> launch N -> settle N`` (normal loop) or ``schedule N+1 -> launch
+    N+1 on the forward stream -> settle N`` (overlap loop, ``EngineConfig(overlap=True)``).
+
+    Use: ``submit`` requests, then ``step`` (or ``run_until_idle``, ``generate``, or
+    `specstate.stream`) until they finish; read ``Req.emitted_ids`` and ``Req.finish``;
+    ``close`` when done (the engine is also a context manager).
+
+    Threading: one thread drives an engine; a call from another thread raises `UsageError`
+    and changes nothing. After ``close``, every call but ``close`` raises `UsageError`.
+
+    Invariant: after every ``step`` with ``check_invariants`` on, `check_engine` holds (the
+    ledger is ordered, the pools balance, every open slot belongs to exactly one live or
+    deferred request, and every idle running request has ``seqlen == committed + 1``).
 
     Args:
         worker: the model runner.

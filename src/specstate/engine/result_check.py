@@ -22,6 +22,8 @@ Always on (a fixed number of array operations per round, whatever the batch size
 * shapes and dtypes: ``next_token_ids`` ``[B * stride]`` and ``accept_lens`` ``[B]``, both
   integer (not bool, not floating point);
 * accept lengths in ``[1, min(stride, max_accept)]`` for a decode round, exactly 1 otherwise;
+* ``next_draft_input`` present, its ``bonus_tokens`` an integer ``[B]`` tensor (the next
+  round's input tokens are relayed from it);
 * ``invalid_rows``, if given, a ``[B]`` bool tensor (an invalid row ends its request with an
   error at settlement);
 * every *accepted* token id of a valid row inside the vocabulary ``[0, vocab_size)``;
@@ -68,6 +70,18 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
         raise WorkerResultError(
             f"worker published a frontier of dtype {frontier.dtype} and shape "
             f"{tuple(frontier.shape)}; expected integer ({b},)"
+        )
+    payload = result.next_draft_input
+    if payload is None:
+        raise WorkerResultError(
+            "worker returned no next_draft_input; the next round's input tokens (its bonus "
+            "tokens) are relayed from it"
+        )
+    bonus = payload.bonus_tokens
+    if tuple(bonus.shape) != (b,) or bonus.dtype not in _INTEGER_DTYPES:
+        raise WorkerResultError(
+            f"worker returned next_draft_input.bonus_tokens of dtype {bonus.dtype} and shape "
+            f"{tuple(bonus.shape)}; expected integer ({b},)"
         )
     invalid = result.invalid_rows
     if invalid is not None and (invalid.dtype != torch.bool or tuple(invalid.shape) != (b,)):

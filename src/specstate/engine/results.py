@@ -61,7 +61,14 @@ class Settlement:
 
 @attrs.frozen(kw_only=True)
 class AcceptMetrics:
-    """Acceptance statistics over every settled verify."""
+    """Acceptance statistics over every settled verify.
+
+    Attributes:
+        num_verifies: settled verify rows (one per request per speculative round).
+        num_accepted_tokens: tokens those verifies accepted, bonus included.
+        num_proposed_drafts: draft tokens proposed to those verifies.
+        histogram: ``(accept_length, count)`` pairs, ascending, nonzero counts only.
+    """
 
     num_verifies: int
     num_accepted_tokens: int

@@ -26,7 +26,13 @@ __all__ = ["TokenEvent", "stream"]
 
 @attrs.frozen
 class TokenEvent:
-    """New tokens of one request after one step, and its finish on its last event."""
+    """New tokens of one request after one step, and its finish on its last event.
+
+    Attributes:
+        request_id: the request.
+        tokens: output tokens it emitted since its previous event (may be empty on the last).
+        finish: how it ended, on its last event; None before.
+    """
 
     request_id: str
     tokens: tuple[int, ...]

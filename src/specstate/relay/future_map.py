@@ -101,7 +101,15 @@ class DraftDims:
 
 @attrs.frozen(kw_only=True)
 class RelayPayload:
-    """The next round's inputs for a set of slots: ``[n]`` bonus tokens plus optional extras."""
+    """The next round's inputs for a set of slots: ``[n]`` bonus tokens plus optional extras.
+
+    Attributes:
+        bonus_tokens: ``[n]`` integer tokens, each row's last accepted (or sampled) token: the
+            next round's input at the row's frontier.
+        topk_p: ``[n, k]`` draft probabilities a tree or EAGLE drafter carries over, or None.
+        topk_index: ``[n, k]`` token ids matching ``topk_p``, or None.
+        hidden_states: ``[n, hidden]`` features an EAGLE head continues from, or None.
+    """
 
     bonus_tokens: torch.Tensor
     topk_p: torch.Tensor | None = None

@@ -1,6 +1,7 @@
 """Frozen values and append-only outputs: assignments and list mutation must fail mypy."""
 
-from specstate import KvLedgerSnapshot, Req, SamplingParams
+from specstate import Req, SamplingParams
+from specstate.internals import KvLedgerSnapshot
 
 
 def tamper(snap: KvLedgerSnapshot, req: Req, params: SamplingParams) -> None:

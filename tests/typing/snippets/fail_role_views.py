@@ -2,7 +2,7 @@
 
 import torch
 
-from specstate import AllocatorLedgerView, ResultProcessorLedgerView, SchedulerLedgerView
+from specstate.internals import AllocatorLedgerView, ResultProcessorLedgerView, SchedulerLedgerView
 
 
 def scheduler(view: SchedulerLedgerView, slots: torch.Tensor, n: torch.Tensor) -> None:

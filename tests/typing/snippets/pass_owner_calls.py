@@ -4,13 +4,13 @@ from typing import assert_type
 
 import torch
 
-from specstate import (
+from specstate import WorkerLedgerView
+from specstate.internals import (
     KvLedger,
     KvLedgerSnapshot,
     OwnershipChecker,
     ResultProcessorLedgerView,
     Role,
-    WorkerLedgerView,
 )
 
 

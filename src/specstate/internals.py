@@ -1,0 +1,84 @@
+"""The parts `specstate.Engine` composes, for engine builders who compose their own.
+
+Most users need only the top-level ``specstate`` module. What is here is stable but lower
+level: the KV ledger and its typed role views (`KvLedger.views`: one writer per counter), the
+slot pools and the KV allocator with its 2x speculative reservation, retraction, the FutureMap
+relay and its batch helpers, forward isolation, the CPU/CUDA forward streams, the scheduler's
+`ScheduleBatch`, and finish resolution. `OwnershipChecker` and `Role` are the run-time half of
+ownership checking.
+
+The ledger is built only by a composing factory (`specstate.Engine` is one); everyone else
+receives a typed view of it. The project's ruff configuration bans importing `KvLedger`
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.core.ledger import (
+    AllocatorLedgerView,
+    KvLedger,
+    KvLedgerSnapshot,
+    LedgerBatchSnapshot,
+    LedgerReader,
+    LedgerViews,
+    ResultProcessorLedgerView,
+    SchedulerLedgerView,
+)
+from specstate.core.ownership import OwnershipChecker, Role, RoleScope
+from specstate.engine.finish import resolve_finish
+from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
+from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
+from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
+from specstate.memory.sizing import DecodeAllocLens, page_aligned_decode_alloc_lens
+from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
+from specstate.relay.future_map import (
+    ForwardInputs,
+    FutureMap,
+    MixedTails,
+    ResolvedSeqLens,
+    Unresolved,
+    is_unresolved,
+)
+from specstate.relay.isolation import ForwardIsolation, ForwardIsolator
+from specstate.relay.streams import CpuStream, Stream, make_stream
+
+__all__ = [
+    "AllocatorLedgerView",
+    "CpuStream",
+    "DecodeAllocLens",
+    "DeferredReleases",
+    "ForwardInputs",
+    "ForwardIsolation",
+    "ForwardIsolator",
+    "FutureMap",
+    "KvAllocator",
+    "KvLedger",
+    "KvLedgerSnapshot",
+    "LedgerBatchSnapshot",
+    "LedgerReader",
+    "LedgerViews",
+    "MixedTails",
+    "OwnershipChecker",
+    "ReleasedKv",
+    "ReqToTokenPool",
+    "ResolvedSeqLens",
+    "ResultProcessorLedgerView",
+    "RetractionOutcome",
+    "Role",
+    "RoleScope",
+    "ScheduleBatch",
+    "SchedulerLedgerView",
+    "SlotHandle",
+    "Stream",
+    "TokenSlotAllocator",
+    "Unresolved",
+    "is_unresolved",
+    "make_stream",
+    "page_aligned_decode_alloc_lens",
+    "resolve_batch_forward_inputs",
+    "resolve_batch_seq_lens",
+    "resolve_finish",
+    "retract_for_decode",
+    "retraction_order",
+]
