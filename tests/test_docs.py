@@ -47,3 +47,12 @@ def test_relative_links_point_at_files(page: Path) -> None:
         if not (page.parent / target).exists()
     ]
     assert missing == []
+
+
+def test_every_page_is_in_the_site_navigation() -> None:
+    """mkdocs.yml lists every docs page (a page left out is built but unreachable)."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", nav, re.M))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages - listed == set()
+    assert listed - pages == set()

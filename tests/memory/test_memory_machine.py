@@ -44,7 +44,10 @@ class Tracked:
 
 
 def _writes(window: SpecWindow, s: int) -> list[int]:
-    """Positions the draft and the verify of one round write, with frontier ``s`` (notes §4.4)."""
+    """Positions the draft and the verify of one round write, with frontier ``s``.
+
+    The layout is SGLang spec v2's round layout.
+    """
     p, steps, topk, d = window.page_size, window.num_steps, window.topk, window.num_draft_tokens
     verify = list(range(s, s + d))
     if p == 1 or topk == 1:

@@ -17,7 +17,7 @@ from specstate.memory.sizing import (
     spec_decode_tokens_needed,
 )
 
-# (allocated, committed, reserve, page_size, cur, nxt, needed), notes §4.1 verbatim.
+# (allocated, committed, reserve, page_size, cur, nxt, needed): SGLang spec v2's vectors.
 SECTION_4_1_VECTORS = [
     ([8], [10], 4, 4, [8], [16], 8),
     ([4], [8], 4, 4, [4], [12], 8),
@@ -42,7 +42,7 @@ def test_page_aligned_decode_alloc_lens_matches_notes_vectors(
     nxt: list[int],
     needed: int,
 ) -> None:
-    """Every unit vector of notes §4.1 is reproduced exactly, from lists and from tensors."""
+    """Every SGLang spec v2 sizing vector is reproduced exactly, from lists and tensors."""
     for a, c in ((allocated, committed), (torch.tensor(allocated), torch.tensor(committed))):
         lens = page_aligned_decode_alloc_lens(a, c, reserve=reserve, page_size=page_size)
         assert lens.cur.dtype == lens.nxt.dtype == torch.int64

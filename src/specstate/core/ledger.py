@@ -10,7 +10,7 @@ arrays) so a whole batch is settled with a few vectorized ops::
       owned by the     confirmed by the        slots held for drafts and
       prefix cache     target model            the in-flight verify
 
-Owners (DESIGN.md §1, one writer per counter):
+Owners (docs/design.md, "The owner map"; one writer per counter):
 
 * ``cache_protected_len`` — the scheduler (prefix match); reset to 0 at release.
 * ``kv_committed_len`` — the scheduler sets it to the extend end (prefill / chunk);

@@ -1,6 +1,6 @@
 """Roles and the run-time ownership check: each counter has one writer, and this says who acts.
 
-Ownership of every counter is enforced three ways (DESIGN.md §3):
+Ownership of every counter is enforced three ways (docs/ownership.md):
 
 1. **Static.** Each role is handed a Protocol-typed view exposing only its mutators
    (`specstate.core.ledger.WorkerLedgerView` has no ``advance_committed``), and value types are

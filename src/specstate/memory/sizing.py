@@ -205,7 +205,7 @@ def _cur_nxt(
 def page_aligned_decode_alloc_lens(
     allocated: LengthsLike, committed: LengthsLike, *, reserve: int, page_size: int
 ) -> DecodeAllocLens:
-    """Compute the speculative decode reservation of a batch (notes §4.1).
+    """Compute the speculative decode reservation of a batch (docs/memory.md, "Sizing").
 
     Args:
         allocated: ``kv_allocated_len`` per request.

@@ -5,7 +5,7 @@ worker runs it takes a *shallow* snapshot of the batch's field bindings and hand
 forward-only copy of the sampling state; on exit — also on exceptions — every binding is put
 back by identity. Worker-internal modes (TARGET_VERIFY, DRAFT_EXTEND), verify inputs, temporary
 lengths: whatever the worker rebound is rolled back. Only the next-iteration contract is then
-recommitted, explicitly, by the scheduler (DESIGN.md §1).
+recommitted, explicitly, by the scheduler (docs/design.md, "The four boundaries").
 
 A shallow snapshot restores bindings, not contents: it cannot undo an in-place write to a tensor.
 That is why nobody writes a scheduler-owned tensor in place (prepare/filter/merge rebind). With
