@@ -5,10 +5,10 @@ of the ledger. It is called by the scheduler (checked at run time) and acts as t
 every ledger write. Every batch-wide operation is a fixed number of tensor ops.
 
 Reservation under overlap (docs/design.md, "The reservation"): the device frontier S may
-lead the host's committed length c by one verify (up to ``max_accept <= L`` tokens). Draft
-writes end at ``S + L`` and verify writes ``[S, S + D)`` with ``D <= L``, so reserving from the committed base,
-``nxt = max(allocated, ceil_P(c + 2L))``, puts every write of the in-flight round inside
-``[0, allocated)``::
+lead the host's committed length c by one verify (up to ``max_accept <= L`` tokens).
+Draft writes end at ``S + L`` and verify writes ``[S, S + D)`` with ``D <= L``, so
+reserving from the committed base, ``nxt = max(allocated, ceil_P(c + 2L))``, puts every
+write of the in-flight round inside ``[0, allocated)``::
 
     c          S = c + lead          S + L            c + 2L     allocated
     |--lead <= L--|--draft / verify <= L--|               |...page...|
