@@ -50,3 +50,17 @@ def test_demo_writes_a_trace_and_a_timeline(
             max(0.0, min(h1, f1) - max(h0, f0)) for h0, h1 in host for f0, f1 in forward
         )
     assert overlap[1] == 0.0 < overlap[2]
+
+
+def test_demo_threads_reach_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    """--threads N sets torch's intra-op threads for the runs (and the header says so)."""
+    import torch
+
+    before = torch.get_num_threads()
+    argv = ["demo", "--algorithm", "ngram", "--requests", "1", "--max-new-tokens", "2"]
+    try:
+        assert main([*argv, "--threads", "2", "--quiet"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert "page size 16, 2 torch thread(s)," in capsys.readouterr().out

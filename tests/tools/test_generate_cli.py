@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,6 +77,19 @@ def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
         ('{"id": "a", "input_ids": [1], "max_new_tokens": 2.5}', '"max_new_tokens" must be'),
         ('{"id": "a", "input_ids": [1], "max_tokens": 5}', "unknown fields ['max_tokens']"),
         ('["a", [1]]', "a request line must be a JSON object"),
+        ('{"id": "a", "input_ids": [1], "temperature": -1}', '"temperature" must be a number >= 0'),
+        ('{"id": "a", "input_ids": [1], "temperature": "0.7"}', '"temperature" must be a number'),
+        ('{"id": "a", "input_ids": [1], "temperature": true}', '"temperature" must be a number'),
+        ('{"id": "a", "input_ids": [1], "temperature": NaN}', '"temperature" must be a number'),
+        ('{"id": "a", "input_ids": [1], "top_p": 0}', '"top_p" must be a number in (0, 1]'),
+        ('{"id": "a", "input_ids": [1], "top_p": 1.5}', '"top_p" must be a number in (0, 1]'),
+        ('{"id": "a", "input_ids": [1], "top_k": 0}', '"top_k" must be an integer >= 1 or null'),
+        ('{"id": "a", "input_ids": [1], "top_k": 2.5}', '"top_k" must be an integer >= 1'),
+        ('{"id": "a", "input_ids": [1], "seed": -1}', '"seed" must be an integer in [0, 2^64)'),
+        ('{"id": "a", "input_ids": [1], "seed": "7"}', '"seed" must be an integer'),
+        ('{"id": "a", "text": 5}', '"text" must be a string'),
+        ('{"id": "a", "text": "hi", "input_ids": [1]}', 'give "input_ids" or "text", not both'),
+        ('{"id": "a", "text": "\\ud800"}', '"text" is not valid Unicode'),
     ],
 )
 def test_wrong_json_types_are_refused_not_misread(
@@ -252,3 +269,316 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "KV token slots (default: 16384)" in out and "(default: float32)" in out
+
+
+def _write_lines(path: Path, *rows: dict[str, object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_sampling_fields_reach_the_sampler_and_a_seed_reproduces(tmp_path: Path) -> None:
+    """temperature / top_k / top_p / seed map onto SamplingParams and the worker's seed:
+    greedy rows equal HF; top_k 1 or a tiny top_p sample the argmax; a line's seed acts as
+    --seed, the same seed reproduces a sampled run and another seed changes it."""
+    hf = make_checkpoint(tmp_path / "ckpt")
+    prompt = [3, 4, 5]
+    lines: list[dict[str, object]] = [
+        {"id": "greedy", "input_ids": prompt, "max_new_tokens": 12},
+        {"id": "top_k_1", "input_ids": prompt, "max_new_tokens": 12, "temperature": 1.5,
+         "top_k": 1},
+        {"id": "tiny_top_p", "input_ids": prompt, "max_new_tokens": 12, "temperature": 1.5,
+         "top_p": 1e-9},
+        {"id": "hot", "input_ids": prompt, "max_new_tokens": 24, "temperature": 2.0},
+        {"id": "hot2", "input_ids": [9], "max_new_tokens": 24, "temperature": 2.0},
+    ]  # fmt: skip
+    plain = _write_lines(tmp_path / "plain.jsonl", *lines)
+    seeded = _write_lines(
+        tmp_path / "seeded.jsonl", *lines[:3], *({**x, "seed": 5} for x in lines[3:])
+    )
+
+    def outputs(requests: Path, *extra: str) -> dict[str, Any]:
+        out = tmp_path / "out.jsonl"
+        argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram"]
+        assert main([*argv, "--input", str(requests), "--output", str(out), *extra]) == 0
+        return {r["id"]: r["output_ids"] for r in _rows(out)}
+
+    first = outputs(seeded)
+    expected = greedy(hf, prompt, 12)
+    assert first["greedy"] == first["top_k_1"] == first["tiny_top_p"] == expected
+    assert outputs(seeded) == first
+    assert outputs(plain, "--seed", "5") == first
+    other = outputs(plain, "--seed", "6")
+    assert other["greedy"] == expected
+    assert (other["hot"], other["hot2"]) != (first["hot"], first["hot2"])
+
+
+def test_lines_with_different_seeds_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run has one sampler seed: a line whose seed differs exits 2 naming it."""
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "a", "input_ids": [1], "seed": 1},
+        {"id": "b", "input_ids": [1]},
+        {"id": "c", "input_ids": [1], "seed": 2},
+    )
+    argv = ["generate", "--model", str(tmp_path / "none"), "--input", str(requests)]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert 'in.jsonl:3: "seed" 2 differs from 1 (' in err and "in.jsonl:1)" in err
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--seed", "2"]) == 2
+    assert 'in.jsonl:1: "seed" 1 differs from 2 (--seed)' in capsys.readouterr().err
+
+
+def test_text_prompts_on_a_byte_level_model(tmp_path: Path) -> None:
+    """On a byte-level checkpoint a "text" prompt is its UTF-8 bytes (after BOS when the
+    config names one) and the row carries the output decoded; id rows carry no text."""
+    from specstate.reference import embedded
+
+    hf = make_checkpoint(tmp_path / "bytes", vocab_size=260)  # no BOS/EOS: bytes only
+    text = "héllo, wörld"
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "t", "text": text, "max_new_tokens": 8},
+        {"id": "i", "input_ids": list(text.encode()), "max_new_tokens": 8},
+    )
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(requests), "--output", str(out)]
+    assert main([*argv, "--model", str(tmp_path / "bytes")]) == 0
+    by_text, by_ids = _rows(out)
+    assert by_text["output_ids"] == by_ids["output_ids"] == greedy(hf, list(text.encode()), 8)
+    ids = by_text["output_ids"]
+    assert isinstance(ids, list)
+    assert by_text["text"] == bytes(i for i in ids if i < 256).decode(errors="replace")
+    assert "text" not in by_ids
+    # The embedded model names BOS 256: a text prompt starts with it, as in training.
+    prompt = "def add(a, b):\n    "
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "t", "text": prompt, "max_new_tokens": 16},
+        {"id": "i", "input_ids": [embedded.BOS_ID, *prompt.encode()], "max_new_tokens": 16},
+    )
+    summary = tmp_path / "summary.json"
+    assert main([*argv, "--model", str(embedded.target_dir()), "--summary-json", str(summary)]) == 0
+    assert json.loads(summary.read_text())["prompt_tokens"] == 2 * (1 + len(prompt.encode()))
+    by_text, by_ids = _rows(out)
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    assert by_text["text"] == embedded.decode(by_ids["output_ids"])
+
+
+def test_text_on_a_model_that_is_not_byte_level_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A text prompt on a 97-token vocabulary exits 2, one line naming the line and why."""
+    make_checkpoint(tmp_path / "ckpt")
+    capsys.readouterr()  # transformers' own progress bar
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "a", "input_ids": [1]},
+        {"id": "b", "text": "hello"},
+    )
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(requests)]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert 'in.jsonl:2: "text" needs a byte-level model' in err and "vocab_size 97" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_request_the_engine_refuses_names_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt id outside the vocabulary (checked at submit) names the line, exit 2."""
+    make_checkpoint(tmp_path / "ckpt")
+    requests = _write_lines(
+        tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]}, {"id": "b", "input_ids": [500]}
+    )
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(requests)]
+    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "in.jsonl:2: " in err and "500" in err and "Traceback" not in err
+
+
+def test_summary_progress_and_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary (stderr and --summary-json) agrees with the rows; the bar shows only when
+    asked (stderr is not a terminal here); --quiet prints nothing; --threads reaches torch."""
+    make_checkpoint(tmp_path / "ckpt")
+    lines = [{"id": k, "input_ids": v, "max_new_tokens": 9} for k, v in PROMPTS.items()]
+    requests = _write_lines(tmp_path / "in.jsonl", *lines)
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--input", str(requests)]
+    argv += ["--output", str(out), "--algorithm", "ngram", "--num-steps", "3"]
+    before = torch.get_num_threads()
+    try:
+        assert main([*argv, "--summary-json", str(summary), "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    assert "req/s" not in err and "3/3" not in err  # no bar when stderr is not a terminal
+    got = json.loads(summary.read_text())
+    rows = _rows(out)
+    accepts = [a for r in rows for a in r["accept_lengths"]]
+    generated = sum(len(r["output_ids"]) for r in rows)
+    assert got["requests"] == got["finished"] == 3 and got["failed"] == 0
+    assert got["finish_reasons"] == {"length": 3}
+    assert got["generated_tokens"] == generated == 27
+    assert got["prompt_tokens"] == sum(len(v) for v in PROMPTS.values())
+    assert got["verifies"] == len(accepts)
+    assert got["mean_accept_length"] == pytest.approx(sum(accepts) / len(accepts), abs=1e-4)
+    assert got["algorithm"] == "ngram" and got["num_steps"] == 3 and got["threads"] == 2
+    assert got["tokens_per_second"] == pytest.approx(generated / got["wall_s"], rel=1e-2)
+    assert "3 requests: 3 finished, 0 failed" in err
+    assert f"{generated} tokens in " in err and " tok/s " in err
+    assert f"mean accept length {got['mean_accept_length']:.2f}" in err
+    assert main([*argv, "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "3/3" in err and "req/s" in err and "3 requests: 3 finished" in err
+    assert main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+FACTORIES = """\
+import argparse
+
+from specstate import RequestLimits
+from specstate.tools.timed_worker import TimedWaitWorker
+
+SEEN = []
+
+
+def make(args: argparse.Namespace):
+    SEEN.append(args)
+    worker = TimedWaitWorker(device_seconds=0.0, num_steps=args.num_steps, accept=args.num_steps)
+    return worker, RequestLimits(vocab_size=32, max_context_len=64)
+
+
+def worker_only(args):
+    return make(args)[0]
+
+
+def no_worker(args):
+    return None, make(args)[1]
+
+
+def raises(args):
+    raise ValueError("boom")
+
+
+class Builders:
+    make = staticmethod(make)
+
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def factories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A module of worker factories in the working directory, under a name unique to the test."""
+    name = f"factories_{request.node.name.split('[')[0]}_{abs(hash(request.node.name))}"
+    (tmp_path / f"{name}.py").write_text(FACTORIES)
+    (tmp_path / "broken_factories.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the cwd the CLI adds goes away after
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_custom_worker_drives_generate(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--worker MODULE:FACTORY: the factory gets the parsed args (the run's seed included)
+    and the engine drives the worker it returns; no --model is needed."""
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        {"id": "a", "input_ids": [1, 2, 3], "max_new_tokens": 10, "seed": 11},
+        {"id": "b", "input_ids": [4], "max_new_tokens": 5},
+    )
+    for spec in (f"{factories}:make", f"{factories}:Builders.make"):
+        argv = ["generate", "--worker", spec, "--num-steps", "3", "--input", str(requests)]
+        assert main([*argv, "--output", "out.jsonl"]) == 0
+        rows = _rows(tmp_path / "out.jsonl")
+        assert [r["output_ids"] for r in rows] == [[7] * 10, [7] * 5]  # the worker's token
+        assert all(set(r["accept_lengths"]) <= {3} for r in rows)
+    seen = sys.modules[factories].SEEN
+    assert [a.seed for a in seen] == [11, 11] and seen[0].model is None
+    assert "timed_wait K=3: mean accept length 3.00" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [
+        ("no_such_module_xyz:make", "no module named 'no_such_module_xyz'"),
+        ("broken_factories:make", "importing broken_factories failed: ModuleNotFoundError"),
+        ("{m}", "expected MODULE:FACTORY"),
+        ("{m}:missing", "has no attribute 'missing'"),
+        ("{m}:NOT_CALLABLE", "NOT_CALLABLE is a int, not a callable factory"),
+        ("{m}:worker_only", "must return (worker, limits)"),
+        ("{m}:no_worker", "it returned (NoneType, RequestLimits)"),
+        ("{m}:raises", "the factory raised ValueError: boom (at "),
+    ],
+)
+def test_a_bad_worker_factory_is_one_line(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], attr: str, message: str
+) -> None:
+    """A missing module or attribute, a failing import or factory, or a wrong return exit 2
+    with one line naming --worker and what is wrong."""
+    requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]})
+    spec = attr.format(m=factories)
+    argv = ["generate", "--worker", spec, "--input", str(requests), "--output", "o.jsonl"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"specstate generate: --worker {spec}" in err and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_neither_model_nor_worker_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --model and --worker there is nothing to run: exit 2, one line."""
+    requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]})
+    assert main(["generate", "--input", str(requests), "--output", str(tmp_path / "o")]) == 2
+    assert "--model DIR is required (or --worker MODULE:FACTORY)" in capsys.readouterr().err
+
+
+def test_help_tells_about_threads_with_no_overlap(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help says that with --no-overlap the forward runs on the main thread."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--threads N torch intra-op threads" in out
+    assert "With --no-overlap the forward runs on the main thread" in out
+
+
+def test_the_documented_worker_factory_drives_generate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The factory module of docs/cli.md, saved as a file, runs under --worker: its n-gram
+    worker (K = --num-steps) emits what plain greedy decoding emits."""
+    from specstate.reference import embedded
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    (tmp_path / "my_workers_doc.py").write_text(next(b for b in blocks if "def make_worker" in b))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "my_workers_doc", raising=False)
+    requests = _write_lines(
+        tmp_path / "in.jsonl", {"id": "a", "text": "def add(a, b):\n    ", "max_new_tokens": 24}
+    )
+    argv = ["generate", "--model", str(embedded.target_dir()), "--input", str(requests)]
+    assert main([*argv, "--output", "plain.jsonl"]) == 0
+    capsys.readouterr()
+    custom = ["--worker", "my_workers_doc:make_worker", "--num-steps", "3"]
+    assert main([*argv, *custom, "--output", "custom.jsonl"]) == 0
+    assert "ngram K=3: mean accept length" in capsys.readouterr().err
+    (plain,), (ours,) = _rows(tmp_path / "plain.jsonl"), _rows(tmp_path / "custom.jsonl")
+    assert ours["output_ids"] == plain["output_ids"] and ours["text"] == plain["text"]
+    assert max(ours["accept_lengths"]) <= 4
+    sys.modules.pop("my_workers_doc", None)
