@@ -16,6 +16,12 @@ New token ``i`` of request ``b`` attends causally to
 Token slot 0 is the padding slot: padding rows (``req_pool_index 0``, ``out_cache_loc 0``) write
 there harmlessly; no real request may list slot 0 in the used part of its row.
 
+A tree forward (draft-tree verify, a tree drafting level) is a `TreeAttentionBatch`: its
+`TreeMask` ``(start, visible)`` replaces the causal rule. New token ``t`` of request ``b`` sees
+positions ``[0, start[b])`` of its row plus ``start[b] + j`` for every ``j`` with
+``visible[t, j]`` (its ancestors in the tree and itself); its RoPE position is ``positions[t]``
+(``S + depth``), wherever its KV is stored. A plain `AttentionBatch` plans causally, unchanged.
+
 The numerics follow Hugging Face's ``LlamaForCausalLM`` (RMSNorm in float32, default RoPE, SwiGLU
 MLP, grouped-query attention), so logits match transformers within float tolerance. The model is
 inference-only: `PagedLlama.forward` runs without autograd. Hugging Face file formats live in
@@ -42,6 +48,8 @@ __all__ = [
     "ModelOutput",
     "PagedLlama",
     "RMSNorm",
+    "TreeAttentionBatch",
+    "TreeMask",
     "plan_forward",
 ]
 
@@ -127,6 +135,16 @@ class KvCache:
         """Token slots per layer, padding slot 0 included."""
         return int(self._keys[0].shape[0])
 
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self._keys[0].device
+
+    @property
+    def num_layers(self) -> int:
+        """Layers whose K and V this cache holds."""
+        return len(self._keys)
+
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores ``k``/``v`` ``[T, kv_heads, head_dim]`` of ``layer`` at token slots ``loc``.
 
@@ -139,6 +157,36 @@ class KvCache:
         """Returns copies of the K and V of ``layer`` at ``slots`` (any shape; adds 2 dims)."""
         return self._keys[layer][slots], self._values[layer][slots]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the K and V of every layer from token slots ``src`` to ``dst`` (both ``[N]``).
+
+        Every source is read before any destination is written, so ``src`` and ``dst`` may
+        overlap (a compaction that shifts entries left). Duplicate destinations are allowed only
+        for padding slot 0, as in `write`.
+        """
+        src, dst = src.long(), dst.long()
+        for keys, values in zip(self._keys, self._values, strict=True):
+            keys.index_copy_(0, dst, keys.index_select(0, src))
+            values.index_copy_(0, dst, values.index_select(0, src))
+
+
+@attrs.frozen(kw_only=True)
+class TreeMask:
+    """Per-token visibility of a tree forward (see the module docstring).
+
+    Attributes:
+        start: ``[B]`` int64; positions ``[0, start[b])`` of row ``b`` are visible to all of the
+            row's new tokens (the committed prefix ``S``).
+        visible: ``[T, W]`` bool; new token ``t`` of row ``b`` also sees position
+            ``start[b] + j`` where ``visible[t, j]`` (its tree ancestors and itself).
+
+    Invariant (checked at forward): ``start[b] + W <= prefix_lens[b] + extend_lens[b]``: a tree
+    token sees only positions whose KV is valid before or written by this forward.
+    """
+
+    start: torch.Tensor
+    visible: torch.Tensor
+
 
 @attrs.frozen(kw_only=True)
 class AttentionBatch:
@@ -147,7 +195,8 @@ class AttentionBatch:
     Shapes: ``T`` new tokens concatenated per request, ``B`` requests, all index tensors
     integer-typed on the model's device. ``input_ids``, ``positions``, ``out_cache_loc`` are
     ``[T]``; ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` are ``[B]``;
-    ``req_to_token`` is ``[max_requests + 1, row_width]``.
+    ``req_to_token`` is ``[max_requests + 1, row_width]``. New tokens attend causally; a
+    `TreeAttentionBatch` attends by a tree mask instead.
 
     Invariant: ``sum(extend_lens) == T`` and ``prefix_lens + extend_lens <= row_width``
     (checked at forward, which must read them on the host anyway).
@@ -181,6 +230,36 @@ class AttentionBatch:
         if self.req_to_token.ndim != 2:
             shape = tuple(self.req_to_token.shape)
             raise InvalidConfig(f"AttentionBatch: req_to_token must be 2-D, got {shape}")
+
+
+@attrs.frozen(kw_only=True)
+class TreeAttentionBatch(AttentionBatch):
+    """An `AttentionBatch` whose new tokens attend by a tree mask instead of causally.
+
+    Attributes:
+        tree: who sees what (`TreeMask`); ``positions`` carry each token's RoPE position
+            (``S + depth``), ``out_cache_loc`` where its KV is stored.
+
+    Invariant: ``tree.start`` is ``[B]`` and ``tree.visible`` a bool ``[T, W]`` (checked here);
+    ``tree.start + W <= prefix_lens + extend_lens`` per row (checked at forward).
+    """
+
+    tree: TreeMask
+
+    def __attrs_post_init__(self) -> None:
+        AttentionBatch.__attrs_post_init__(self)
+        tree = self.tree
+        if (
+            tree.start.shape != self.prefix_lens.shape
+            or tree.visible.ndim != 2
+            or tree.visible.dtype != torch.bool
+            or tree.visible.shape[0] != self.input_ids.shape[0]
+        ):
+            start, visible = tuple(tree.start.shape), tuple(tree.visible.shape)
+            raise InvalidConfig(
+                f"TreeAttentionBatch: tree start {start} and visible {visible} "
+                f"({tree.visible.dtype}) must be [B] and bool [T, W]"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -226,6 +305,14 @@ def _check_lengths(batch: AttentionBatch) -> int:
             f"AttentionBatch: prefix_lens + extend_lens reach {max_kv}, past req_to_token row"
             f" width {row_width}"
         )
+    tree = batch.tree if isinstance(batch, TreeAttentionBatch) else None
+    if tree is not None and ext.numel():
+        start, width = tree.start.long(), tree.visible.shape[1]
+        if bool((start < 0).any()) or bool((start + width > pre + ext).any()):
+            raise InvalidConfig(
+                f"TreeAttentionBatch: tree start {start.tolist()} + width {width} must lie inside"
+                f" prefix_lens + extend_lens {(pre + ext).tolist()}"
+            )
     pools = batch.req_pool_indices
     if pools.numel() and (int(pools.min()) < 0 or int(pools.max()) >= num_rows):
         raise InvalidConfig(f"AttentionBatch: req_pool_indices {pools.tolist()} outside {num_rows}")
@@ -246,13 +333,43 @@ def plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: in
     starts = torch.cumsum(ext, 0) - ext
     token_offset = torch.arange(token_req.shape[0], device=device) - starts[token_req]
     max_ext = int(ext.max()) if ext.numel() else 0
-    # Padded query rows (i >= extend_len) still see column 0, so no row of the mask is empty
-    # (an empty row makes SDPA return NaN); their outputs are dropped.
-    last_visible = pre[:, None] + torch.arange(max_ext, device=device)[None, :]
-    mask = (cols[None, None, :] <= last_visible[:, :, None])[:, None]
+    if not isinstance(batch, TreeAttentionBatch):
+        # Padded query rows (i >= extend_len) still see column 0, so no row of the mask is
+        # empty (an empty row makes SDPA return NaN); their outputs are dropped.
+        last_visible = pre[:, None] + torch.arange(max_ext, device=device)[None, :]
+        mask = (cols[None, None, :] <= last_visible[:, :, None])[:, None]
+    else:
+        mask = _tree_mask(batch.tree, token_req, token_offset, ext, cols, max_ext)[:, None]
     cos, sin = _rope(batch.positions, config)
     out_cache_loc = batch.out_cache_loc.long()
     return ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
+
+
+def _tree_mask(
+    tree: TreeMask,
+    token_req: torch.Tensor,
+    token_offset: torch.Tensor,
+    ext: torch.Tensor,
+    cols: torch.Tensor,
+    max_ext: int,
+) -> torch.Tensor:
+    """``[B, max_ext, max_kv]`` visibility of a tree forward (see `TreeMask`).
+
+    Padded query rows see column 0 only, so no row of the mask is empty.
+    """
+    num_reqs, width = ext.shape[0], tree.visible.shape[1]
+    start = tree.start.long()
+    mask = (cols[None, :] < start[:, None])[:, None, :].repeat(1, max_ext, 1)
+    if width:
+        visible = tree.visible.new_zeros(num_reqs, max_ext, width)
+        visible[token_req, token_offset] = tree.visible
+        rel = cols[None, :] - start[:, None]  # [B, max_kv] column relative to the tree start
+        in_tree = (rel >= 0) & (rel < width)
+        index = rel.clamp(0, width - 1)[:, None, :].expand(num_reqs, max_ext, cols.shape[0])
+        mask |= visible.gather(2, index) & in_tree[:, None, :]
+    padded = torch.arange(max_ext, device=ext.device)[None, :] >= ext[:, None]
+    mask |= padded[:, :, None] & (cols == 0)[None, None, :]
+    return mask
 
 
 def _rope(positions: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,12 +9,17 @@
 
 =============  ==========================================================================
 ``none``       `PlainWorker`: ``target``, ``device``, ``dtype``, ``seed``
-``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``device``, ``dtype``,
-               ``seed``
-``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``device``, ``dtype``, ``seed``
+``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``topk``,
+               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
+``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``topk``,
+               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
 ``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
                ``seed``
 =============  ==========================================================================
+
+``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
+verify it greedily (`specstate.reference.workers.tree`); such a worker is greedy-only
+(``capabilities.supports_sampling`` is False, so the engine refuses sampled requests).
 
 ``target`` / ``draft`` are Hugging Face Llama checkpoint directories or in-memory `PagedLlama`
 models; ``eagle`` is a directory in the `specstate.reference.eagle_head` format.
@@ -37,6 +42,14 @@ from specstate.reference.workers.ngram import NgramWorker, TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
 from specstate.reference.workers.sources import ModelSource
+from specstate.reference.workers.tree import (
+    DraftTree,
+    TreeRoundWorker,
+    TreeShape,
+    TreeVerdict,
+    VerifiedTree,
+    verify_greedy_tree,
+)
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
@@ -49,6 +62,7 @@ __all__ = [
     "ChainVerdict",
     "DraftChain",
     "DraftModelWorker",
+    "DraftTree",
     "EagleWorker",
     "ModelSource",
     "NgramWorker",
@@ -56,10 +70,15 @@ __all__ = [
     "TokenChoice",
     "TokenHistory",
     "TokenSampler",
+    "TreeRoundWorker",
+    "TreeShape",
+    "TreeVerdict",
     "VerifiedRound",
+    "VerifiedTree",
     "default_registry",
     "filtered_probs",
     "verify_greedy_chain",
+    "verify_greedy_tree",
     "verify_sampled_chain",
 ]
 

@@ -12,6 +12,12 @@ One DECODE round of row ``b`` (``S`` = frontier, ``x0`` = bonus, ``K`` = num_ste
     drafter   extend [x0, d1..dK] @ S..S+K                          (post-verify)
     next      bonus y_m at S + a
 
+With ``topk > 1`` a DECODE round drafts a tree (`specstate.reference.workers.tree`): the drafter
+expands the top-k children of the k best nodes per level under a tree mask, the target verifies
+the ``num_draft_tokens`` best nodes, the accepted path's target KV is moved to ``S .. S+a-1``
+and the drafter re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` (post-verify). Greedy
+only (``supports_sampling`` False).
+
 Invariant: after every forward, the drafter's KV below each row's frontier is the drafter's KV
 of that row's settled tokens (EXTEND writes every chunk; the post-verify extend rewrites
 ``S..S+K``, of which ``S..S+m`` are accepted), so a drafter equal to the target drafts the
@@ -24,10 +30,10 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
-from specstate.engine.worker import WorkerCapabilities, WorkerMemory
-from specstate.reference.model import PagedLlama
+from specstate.engine.worker import WorkerMemory
+from specstate.reference.model import AttentionBatch, ModelOutput, PagedLlama
 from specstate.reference.workers.layout import chain_attention
-from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
+from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import (
     ModelSource,
     build_model,
@@ -35,6 +41,7 @@ from specstate.reference.workers.sources import (
     read_source_config,
 )
 from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree, tree_capabilities
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
@@ -46,20 +53,24 @@ def _no_rows(device: torch.device) -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64, device=device)
 
 
-class DraftModelWorker(ChainRoundWorker):
-    """Chain drafting with a separate Llama (see the module docstring).
+class DraftModelWorker(TreeRoundWorker):
+    """Chain (or, with ``topk > 1``, tree) drafting with a separate Llama (module docstring).
 
     Args:
         target: the target checkpoint directory or in-memory `PagedLlama`.
         draft: the drafter, same vocabulary as the target (may be the target itself).
-        num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
+        num_steps: K, draft steps per round (a chain verifies D = K + 1 tokens).
+        topk: branches per tree node; 1 (the default) drafts a chain.
+        num_draft_tokens: D, tree nodes verified per round, root included (default: ``K + 1``
+            for a chain, ``K * topk + 1`` for a tree).
         device: where both models live (default: the engine memory's device).
         dtype: parameter and KV dtype of both (default: each checkpoint's).
         seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
-        InvalidConfig: ``num_steps < 1``; a vocabulary mismatch (naming both checkpoints and
-            sizes); a checkpoint that is not a Llama (the loader's error).
+        InvalidConfig: ``num_steps < 1``, ``topk < 1`` or a tree size `TreeShape` refuses; a
+            vocabulary mismatch (naming both checkpoints and sizes); a checkpoint that is not a
+            Llama (the loader's error).
     """
 
     def __init__(
@@ -68,6 +79,8 @@ class DraftModelWorker(ChainRoundWorker):
         target: ModelSource,
         draft: ModelSource,
         num_steps: int = 3,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -76,8 +89,8 @@ class DraftModelWorker(ChainRoundWorker):
             raise InvalidConfig(f"draft_model worker needs num_steps >= 1, got {num_steps}")
         runner = TargetRunner(target, device=device, dtype=dtype)
         check_same_vocab(target, runner.config, draft, read_source_config(draft, dtype=dtype))
-        capabilities = WorkerCapabilities.chain(
-            "draft_model", num_steps=num_steps, keeps_draft_kv=True
+        capabilities = tree_capabilities(
+            "draft_model", num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens
         )
         super().__init__(runner, capabilities, seed=seed)
         self._draft_source = draft
@@ -124,4 +137,21 @@ class DraftModelWorker(ChainRoundWorker):
             verified.chain,
         )
         self.draft_model(chain, logit_rows=_no_rows(verified.chain.device))
+        return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)
+
+    def _tree_forward(
+        self, attention: AttentionBatch, features: torch.Tensor | None
+    ) -> ModelOutput:
+        del features  # a plain Llama drafts from tokens alone
+        out: ModelOutput = self.draft_model(attention)
+        return out
+
+    def _tree_root_features(self, batch: ForwardBatch, start: torch.Tensor) -> None:
+        del batch, start
+
+    def _commit_tree(self, verified: VerifiedTree) -> RelayPayload:
+        # Rewrites the drafter's KV of the accepted path at S .. S+a-1 (and harmless
+        # leftovers up to S+K): the drafting steps never wrote the path's last node.
+        attention = verified.path_attention(self._target.req_to_token)
+        self.draft_model(attention, logit_rows=_no_rows(verified.start.device))
         return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)

@@ -16,6 +16,14 @@ the one just before its first token, so every forward relays it to the next thro
                             [f_(S-1), H[S], .., H[S+K-1]]
                             relay: bonus = y_m, hidden = H[S+m] (the feature of the new bonus)
 
+With ``topk > 1`` a DECODE round drafts a tree instead (`specstate.reference.workers.tree`):
+the head expands the top-k children of the k best nodes per level (a node's feature is the
+head's ``h`` of its parent, the root's the relayed ``f_(S-1)``), the target verifies the
+``num_draft_tokens`` best nodes under a tree mask, the accepted path's target KV is moved to
+``S .. S+a-1``, and the head re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` with the
+TRUE features ``[f_(S-1), H(p_0) .. H(p_(K-1))]``; relay: bonus = y at the path's end ``m``,
+hidden = ``H(m)``. Greedy only (``supports_sampling`` False).
+
 Invariant: after every forward, the head's KV below each row's frontier was computed from the
 row's settled tokens and the target's true features, and the relayed hidden state is the target
 feature at ``frontier - 1``.
@@ -29,33 +37,39 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
-from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.engine.worker import WorkerMemory
 from specstate.reference.checkpoint import CONFIG_FILE
 from specstate.reference.eagle_head import EagleHead, load_eagle_head, read_eagle_config
+from specstate.reference.model import AttentionBatch, ModelOutput
 from specstate.reference.workers.layout import chain_attention
-from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
+from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree, tree_capabilities
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
 __all__ = ["EagleWorker"]
 
 
-class EagleWorker(ChainRoundWorker):
-    """Chain drafting with an EAGLE head (see the module docstring).
+class EagleWorker(TreeRoundWorker):
+    """Chain (or, with ``topk > 1``, tree) drafting with an EAGLE head (module docstring).
 
     Args:
         target: the target checkpoint directory or in-memory `PagedLlama`.
         eagle: the head directory (`specstate.reference.eagle_head` format).
-        num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
+        num_steps: K, draft steps per round (a chain verifies D = K + 1 tokens).
+        topk: branches per tree node; 1 (the default) drafts a chain.
+        num_draft_tokens: D, tree nodes verified per round, root included (default: ``K + 1``
+            for a chain, ``K * topk + 1`` for a tree).
         device: where the target and head live (default: the engine memory's device).
         dtype: the target's parameter and KV dtype; the head computes in it too.
         seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
-        InvalidConfig: ``num_steps < 1``; a head whose hidden or vocab size differs from the
-            target's (naming both files); a bad checkpoint or head config (the loader's error).
+        InvalidConfig: ``num_steps < 1``, ``topk < 1`` or a tree size `TreeShape` refuses; a
+            head whose hidden or vocab size differs from the target's (naming both files); a bad
+            checkpoint or head config (the loader's error).
     """
 
     def __init__(
@@ -64,6 +78,8 @@ class EagleWorker(ChainRoundWorker):
         target: ModelSource,
         eagle: str | os.PathLike[str],
         num_steps: int = 3,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -79,7 +95,9 @@ class EagleWorker(ChainRoundWorker):
                     f"EAGLE head {os.fspath(eagle)}/{CONFIG_FILE} has {name} {ours} but target "
                     f"{source_label(target)} has {name} {theirs}"
                 )
-        capabilities = WorkerCapabilities.chain("eagle", num_steps=num_steps, keeps_draft_kv=True)
+        capabilities = tree_capabilities(
+            "eagle", num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens
+        )
         super().__init__(runner, capabilities, seed=seed)
         self._eagle_dir = eagle
         self._head: EagleHead | None = None
@@ -157,3 +175,25 @@ class EagleWorker(ChainRoundWorker):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         next_hidden = hidden[rows, verified.verdict.last_accepted]
         return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens, hidden_states=next_hidden)
+
+    def _tree_forward(
+        self, attention: AttentionBatch, features: torch.Tensor | None
+    ) -> ModelOutput:
+        if features is None:
+            raise InvalidConfig("eagle tree drafting needs node features")
+        out: ModelOutput = self.head(attention, features)
+        return out
+
+    def _tree_root_features(self, batch: ForwardBatch, start: torch.Tensor) -> torch.Tensor:
+        return self._relayed_features(batch, torch.ones_like(start, dtype=torch.bool))
+
+    def _commit_tree(self, verified: VerifiedTree) -> RelayPayload:
+        first = self._relayed_features(
+            verified.batch, torch.ones_like(verified.start, dtype=torch.bool)
+        )
+        features = verified.path_features(first)
+        attention = verified.path_attention(self._target.req_to_token)
+        self.head(attention, features.reshape(-1, features.shape[2]), logit_rows=verified.start[:0])
+        return RelayPayload(
+            bonus_tokens=verified.verdict.bonus_tokens, hidden_states=verified.last_hidden
+        )

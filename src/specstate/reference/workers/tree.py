@@ -1,0 +1,665 @@
+"""Tree drafting (greedy): grow a draft tree, verify it in one target forward, compact the KV.
+
+A chain drafter proposes one token per step; a tree drafter (EAGLE-2 / SGLang style) expands
+the ``topk`` best children of several nodes per step and lets the target verify all of them at
+once. The scheduler never sees the tree: it gets the accepted run, its length and the next
+draft state, exactly as from a chain. One DECODE round of row ``b`` (``S`` = frontier, ``x0`` =
+bonus, ``K`` = num_steps, ``k`` = topk, ``D`` = num_draft_tokens)::
+
+    grow      x0@S -> top-k children (level 1, all expanded); for level l = 1 .. K-1 forward
+              the k expanded nodes of level l (tree attention: prefix [0, S) + ancestors), each
+              proposes its top-k children; the k best of those k*k by cumulative draft
+              log-probability are the next level's expanded nodes. Drafter KV of the
+              expanded nodes sits in scratch positions S + 1 + (l-1)*k + i.
+    select    the D - 1 best candidates by cumulative score (ties: shallower first), plus the
+              root; nodes ordered depth-major, so a parent precedes its children.
+    verify    target forward of the D nodes at KV positions S .. S+D-1 (node n at S + n), RoPE
+              position S + depth(n), tree mask = ancestors-or-self; y_n = argmax at node n.
+              Node n is accepted when its token is y_(parent n) and its parent is accepted;
+              the deepest accepted node m ends the path root = p_0, p_1, .., p_(a-1) = m.
+              run = y_(p_0) .. y_(p_(a-1))  (= the path's drafts, then the bonus y_m)
+              accept_len a = depth(m) + 1, in [1, K + 1]
+    publish   S + a
+    compact   target KV of p_j moves from position S + p_j to S + j (j < a): the committed
+              prefix [S, S + a) is contiguous, as if a chain of the accepted tokens ran.
+    commit    the drafter re-extends the path [x0, p_1 .. p_K] at S .. S+K (the subclass:
+              EAGLE with the true target features of the path, relaying H of m).
+
+The result has stride ``D`` (as a chain's: ``D = K + 1`` there), each row's run padded with 0:
+a path of depth ``d`` needs ``d + 1`` nodes, so ``a <= min(D, K + 1)``, which is the engine's
+bound ``min(stride, max_accept)``. Siblings are the top-k of one distribution, so their tokens
+differ: at most one child of an accepted node is accepted, the accepted nodes form one path, and
+the run is the target's own greedy continuation (lossless) whatever the drafter proposed.
+
+Every write stays inside the engine's reservation ``[S, S + L)`` with
+``L >= max(K * k, D)`` (`SpecWindow.alloc_len_per_decode`): the target writes ``[S, S + D)``,
+the drafter ``[S, S + max(1 + (K-1)*k, K+1))``; both are ``<= max(K * k, D)`` for ``k >= 2``.
+
+Invariant: after a round the target's and the drafter's KV at ``[S, S + a)`` of each row equal
+what a chain forward of the accepted tokens would have written (up to float summation order),
+so every later round reads the same prefix a chain worker would.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvalidConfig
+from specstate.engine.worker import OnPublish, WorkerCapabilities
+from specstate.reference.model import (
+    AttentionBatch,
+    KvCache,
+    ModelOutput,
+    TreeAttentionBatch,
+    TreeMask,
+)
+from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
+from specstate.reference.workers.round import ChainRoundWorker
+from specstate.reference.workers.target import TargetRunner
+from specstate.relay.future_map import RelayPayload
+
+__all__ = [
+    "DraftForward",
+    "DraftTree",
+    "TreeRoundWorker",
+    "TreeShape",
+    "TreeVerdict",
+    "VerifiedTree",
+    "compact_kv",
+    "grow_tree",
+    "select_tree",
+    "tree_attention",
+    "tree_capabilities",
+    "verify_greedy_tree",
+]
+
+DraftForward = Callable[[AttentionBatch, torch.Tensor | None], ModelOutput]
+"""``forward(attention, features)``: one drafter forward (``features`` ``[T, hidden]`` or None)."""
+
+
+@attrs.frozen(kw_only=True)
+class TreeShape:
+    """The draft tree's size: ``num_steps`` levels, ``topk`` branches, ``num_draft_tokens`` nodes.
+
+    Raises:
+        InvalidConfig: ``num_steps < 1``, ``topk < 1``, ``num_draft_tokens < 2``, or more nodes
+            than the candidates the expansion produces (``topk + (num_steps-1) * topk**2``).
+    """
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __attrs_post_init__(self) -> None:
+        steps, topk, nodes = self.num_steps, self.topk, self.num_draft_tokens
+        if steps < 1 or topk < 1 or nodes < 2:
+            raise InvalidConfig(
+                f"a draft tree needs num_steps >= 1, topk >= 1 and num_draft_tokens >= 2; got "
+                f"{steps}, {topk}, {nodes}"
+            )
+        if nodes - 1 > self.num_candidates:
+            raise InvalidConfig(
+                f"num_draft_tokens {nodes} exceeds the {self.num_candidates} candidates of "
+                f"{steps} steps of topk {topk} plus the root"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates the expansion scores: ``topk`` at level 1, ``topk**2`` per later level."""
+        return self.topk + (self.num_steps - 1) * self.topk**2
+
+    @property
+    def scratch_width(self) -> int:
+        """Drafter KV positions drafting writes from ``S``: the root and the expanded nodes."""
+        return 1 + (self.num_steps - 1) * self.topk
+
+    @property
+    def path_width(self) -> int:
+        """Depths a path may reach, plus one: ``num_steps + 1`` (``max_accept``)."""
+        return self.num_steps + 1
+
+
+def tree_capabilities(
+    algorithm: str, *, num_steps: int, topk: int, num_draft_tokens: int | None
+) -> WorkerCapabilities:
+    """Capabilities of a drafter with draft KV: a chain for ``topk == 1``, else a greedy tree.
+
+    ``num_draft_tokens`` defaults to ``num_steps + 1`` for a chain (the only legal value) and to
+    ``num_steps * topk + 1`` for a tree. A tree worker declares ``supports_sampling=False``: the
+    engine refuses sampled requests at submit.
+
+    Raises:
+        InvalidConfig: ``num_steps < 1``, ``topk < 1``, a chain with ``num_draft_tokens`` other
+            than ``num_steps + 1``, or a tree `TreeShape` refuses.
+    """
+    if num_steps < 1 or topk < 1:
+        raise InvalidConfig(
+            f"{algorithm} worker needs num_steps >= 1 and topk >= 1, got {num_steps}, {topk}"
+        )
+    if topk == 1:
+        if num_draft_tokens not in (None, num_steps + 1):
+            raise InvalidConfig(
+                f"{algorithm} chain (topk 1) of {num_steps} steps verifies num_draft_tokens = "
+                f"{num_steps + 1}, got {num_draft_tokens}"
+            )
+        return WorkerCapabilities.chain(algorithm, num_steps=num_steps, keeps_draft_kv=True)
+    nodes = num_steps * topk + 1 if num_draft_tokens is None else num_draft_tokens
+    shape = TreeShape(num_steps=num_steps, topk=topk, num_draft_tokens=nodes)
+    return WorkerCapabilities(
+        algorithm=algorithm,
+        num_steps=shape.num_steps,
+        topk=shape.topk,
+        num_draft_tokens=shape.num_draft_tokens,
+        keeps_draft_kv=True,
+        supports_sampling=False,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class DraftTree:
+    """One draft tree per row; node 0 is the root (the bonus ``x0`` at ``S``).
+
+    Attributes:
+        tokens: ``[B, D]`` int64 node tokens.
+        parents: ``[B, D]`` int64 parent node index (the root's is 0); ``parents < index``.
+        depths: ``[B, D]`` int64 depth (root 0); the node's RoPE position is ``S + depth``.
+        ranks: ``[B, D]`` int64 rank of the node among its parent's top-k (0: the drafter's
+            first choice; the root 0). A path of rank-0 nodes is the chain a topk-1 drafter
+            would have drafted.
+        scores: ``[B, D]`` float32 cumulative draft log-probability (root 0).
+        ancestors: ``[B, D, D]`` bool, ``ancestors[b, n, m]``: ``m`` is ``n`` or an ancestor.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ranks: torch.Tensor
+    scores: torch.Tensor
+    ancestors: torch.Tensor
+
+    @classmethod
+    def from_parents(
+        cls,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        *,
+        ranks: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """The tree of ``tokens`` ``[B, D]`` whose node ``n`` hangs under ``parents[:, n] < n``.
+
+        Depths and the ancestor mask are derived from the parents.
+
+        Raises:
+            InvalidConfig: a parent index that is not smaller than its node's (root aside).
+        """
+        num_rows, width = tokens.shape
+        nodes = torch.arange(width, device=tokens.device)
+        if tuple(parents.shape) != (num_rows, width) or bool(
+            (parents[:, 1:] >= nodes[None, 1:]).any() | (parents < 0).any()
+        ):
+            raise InvalidConfig("draft tree: every node's parent must precede it")
+        eye = torch.eye(width, dtype=torch.bool, device=tokens.device)
+        # Pointer doubling: after pass i a node holds every ancestor up to 2**(i+1) levels up
+        # (the root is its own parent), so ceil(log2(width)) passes close the mask.
+        ancestors = eye | F.one_hot(parents, width).bool()
+        hop = parents
+        for _ in range(max(width - 1, 1).bit_length()):
+            ancestors = ancestors | ancestors.gather(1, hop[:, :, None].expand(-1, -1, width))
+            hop = hop.gather(1, hop)
+        zeros = torch.zeros_like(tokens)
+        return cls(
+            tokens=tokens,
+            parents=parents,
+            depths=ancestors.sum(-1) - 1,
+            ranks=zeros if ranks is None else ranks,
+            scores=zeros.float() if scores is None else scores,
+            ancestors=ancestors,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        """D, nodes per row (root included)."""
+        return int(self.tokens.shape[1])
+
+
+@attrs.frozen(kw_only=True)
+class TreeVerdict:
+    """The outcome of verifying one tree per row.
+
+    Attributes:
+        run_tokens: ``[B, K + 1]``; row ``b``'s run is ``run_tokens[b, :accept_lens[b]]``.
+        accept_lens: ``[B]`` int64, bonus included, in ``[1, K + 1]``.
+        bonus_tokens: ``[B]`` int64, the last token of each run.
+        path: ``[B, K + 1]`` node index of the accepted node at depth ``j`` (0 past the path).
+        last_node: ``[B]`` the deepest accepted node (the path's end).
+    """
+
+    run_tokens: torch.Tensor
+    accept_lens: torch.Tensor
+    bonus_tokens: torch.Tensor
+    path: torch.Tensor
+    last_node: torch.Tensor
+
+    def path_tokens(self, tree: DraftTree) -> torch.Tensor:
+        """``[B, K + 1]`` tokens of the path nodes (the root's token past the path)."""
+        return tree.tokens.gather(1, self.path)
+
+    def non_first_branch(self, tree: DraftTree) -> torch.Tensor:
+        """``[B]`` bool: the accepted path holds a node that is not its parent's first choice."""
+        depth = torch.arange(self.path.shape[1], device=self.path.device)[None, :]
+        on_path = (depth > 0) & (depth < self.accept_lens[:, None])
+        return (tree.ranks.gather(1, self.path).gt(0) & on_path).any(1)
+
+
+def _top_children(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probabilities, tokens)`` ``[N, topk]`` of the ``topk`` best tokens, best first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, tokens = logp.topk(topk, dim=-1)
+    return values, tokens
+
+
+def _stable_best(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices ``[B, count]`` of the ``count`` highest ``scores`` per row; ties: lower index."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
+
+
+def select_tree(
+    roots: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    cand_ranks: torch.Tensor,
+    num_draft_tokens: int,
+) -> DraftTree:
+    """The tree of the root and the ``num_draft_tokens - 1`` best candidates per row.
+
+    Args:
+        roots: ``[B]`` bonus tokens (node 0).
+        cand_tokens: ``[B, N]`` candidate tokens, level-major (a parent's index is smaller).
+        cand_scores: ``[B, N]`` cumulative draft log-probabilities; a child's is ``<=`` its
+            parent's, so sorting by score with ties to the lower index keeps every chosen
+            node's parent chosen.
+        cand_parents: ``[B, N]`` candidate index of the parent, -1 for a child of the root.
+        cand_ranks: ``[B, N]`` rank among the parent's top-k.
+        num_draft_tokens: D.
+
+    A candidate whose parent was not chosen (only non-finite drafter scores get there) hangs
+    under the root instead, so the result is always a valid tree.
+    """
+    num_rows, num_cands = cand_tokens.shape
+    count = num_draft_tokens - 1
+    chosen = _stable_best(cand_scores, count).sort(dim=1).values  # depth-major: parents first
+    node_of = torch.full(
+        (num_rows, num_cands + 1), 0, dtype=torch.int64, device=cand_tokens.device
+    )  # column num_cands: "the root"
+    nodes = torch.arange(1, count + 1, device=cand_tokens.device).expand(num_rows, count)
+    node_of.scatter_(1, chosen, nodes)
+    parent_cand = cand_parents.gather(1, chosen)
+    parent_cand = torch.where(parent_cand < 0, num_cands, parent_cand)
+    parents = node_of.gather(1, parent_cand)
+    column = torch.zeros(num_rows, 1, dtype=torch.int64, device=cand_tokens.device)
+    return DraftTree.from_parents(
+        torch.cat([roots[:, None].long(), cand_tokens.gather(1, chosen)], 1),
+        torch.cat([column, parents], 1),
+        ranks=torch.cat([column, cand_ranks.gather(1, chosen)], 1),
+        scores=torch.cat([column.float(), cand_scores.gather(1, chosen).float()], 1),
+    )
+
+
+def grow_tree(
+    forward: DraftForward,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start: torch.Tensor,
+    roots: torch.Tensor,
+    root_features: torch.Tensor | None,
+    shape: TreeShape,
+) -> DraftTree:
+    """Draft one tree per row (module docstring): ``num_steps`` drafter forwards, then select.
+
+    Args:
+        forward: the drafter; ``features`` of a node is the drafter output (``hidden_states``)
+            of its parent's forward, ``root_features`` for the root.
+        req_pool_indices: ``[B]`` request slots.
+        req_to_token: the engine's slot table (read only).
+        start: ``[B]`` frontier ``S``.
+        roots: ``[B]`` bonus tokens at ``S``.
+        root_features: ``[B, hidden]`` or None (a drafter without features).
+        shape: the tree's size.
+
+    Writes drafter KV only at ``req_to_token[slot, S .. S + scratch_width)``.
+    """
+    num_rows, topk = roots.shape[0], shape.topk
+    device = roots.device
+    slots = req_pool_indices.long().to(req_to_token.device)
+    out = forward(
+        chain_attention(req_pool_indices, req_to_token, start, roots[:, None]), root_features
+    )
+    scores, tokens = _top_children(out.logits, topk)  # level 1: [B, k], every node expanded
+    ranks = torch.arange(topk, device=device).expand(num_rows, topk)
+    cand_tokens, cand_scores, cand_ranks = [tokens], [scores], [ranks]
+    cand_parents = [torch.full((num_rows, topk), -1, dtype=torch.int64, device=device)]
+    front_cands = ranks  # candidate index of each expanded node
+    front_features = out.hidden_states[:, None, :].expand(-1, topk, -1)
+    front_visible = torch.zeros(
+        num_rows, topk, shape.scratch_width, dtype=torch.bool, device=device
+    )
+    front_visible[:, :, 0] = True  # the root
+    offset = topk
+    for level in range(1, shape.num_steps):
+        first = 1 + (level - 1) * topk  # scratch column of this level's first expanded node
+        columns = first + torch.arange(topk, device=device)
+        front_visible[:, torch.arange(topk, device=device), columns] = True  # itself
+        width = first + topk
+        positions = start.long()[:, None] + columns[None, :]
+        out = forward(
+            TreeAttentionBatch(
+                input_ids=tokens.reshape(-1),
+                positions=(start.long() + level)[:, None].expand(-1, topk).reshape(-1),
+                out_cache_loc=req_to_token[slots[:, None], positions.to(req_to_token.device)]
+                .reshape(-1)
+                .to(device),
+                req_pool_indices=req_pool_indices,
+                req_to_token=req_to_token,
+                prefix_lens=start.long() + first,
+                extend_lens=torch.full((num_rows,), topk, dtype=torch.int64, device=device),
+                tree=TreeMask(
+                    start=start.long(),
+                    visible=front_visible[:, :, :width].reshape(num_rows * topk, width),
+                ),
+            ),
+            front_features.reshape(num_rows * topk, -1),
+        )
+        child_scores, child_tokens = _top_children(out.logits, topk)
+        child_scores = (scores[:, :, None] + child_scores.view(num_rows, topk, topk)).flatten(1)
+        child_tokens = child_tokens.view(num_rows, topk * topk)
+        cand_tokens.append(child_tokens)
+        cand_scores.append(child_scores)
+        cand_parents.append(front_cands[:, :, None].expand(-1, -1, topk).reshape(num_rows, -1))
+        cand_ranks.append(torch.arange(topk, device=device).repeat(topk).expand(num_rows, -1))
+        if level + 1 < shape.num_steps:  # the next level's expanded nodes
+            best = _stable_best(child_scores, topk)
+            parent_slot = best // topk
+            tokens, scores = child_tokens.gather(1, best), child_scores.gather(1, best)
+            front_cands = offset + best
+            hidden = out.hidden_states.view(num_rows, topk, -1)
+            front_features = hidden.gather(
+                1, parent_slot[:, :, None].expand(-1, -1, hidden.shape[2])
+            )
+            front_visible = front_visible.gather(
+                1, parent_slot[:, :, None].expand(-1, -1, shape.scratch_width)
+            )
+        offset += topk * topk
+    return select_tree(
+        roots,
+        torch.cat(cand_tokens, 1),
+        torch.cat(cand_scores, 1),
+        torch.cat(cand_parents, 1),
+        torch.cat(cand_ranks, 1),
+        shape.num_draft_tokens,
+    )
+
+
+def tree_attention(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start: torch.Tensor,
+    tree: DraftTree,
+) -> TreeAttentionBatch:
+    """The verify forward of ``tree``: node ``n`` of row ``b`` at KV position ``S + n``.
+
+    RoPE position ``S + depth(n)``; node ``n`` sees ``[0, S)`` and its ancestors-or-self.
+    """
+    num_rows, width = tree.tokens.shape
+    start = start.long()
+    offsets = torch.arange(width, dtype=torch.int64, device=tree.tokens.device)
+    slots = req_pool_indices.long().to(req_to_token.device)
+    kv_positions = (start[:, None] + offsets[None, :]).to(req_to_token.device)
+    out_cache_loc = req_to_token[slots[:, None], kv_positions]
+    return TreeAttentionBatch(
+        input_ids=tree.tokens.reshape(-1),
+        positions=(start[:, None] + tree.depths).reshape(-1),
+        out_cache_loc=out_cache_loc.reshape(-1).to(tree.tokens.device),
+        req_pool_indices=req_pool_indices,
+        req_to_token=req_to_token,
+        prefix_lens=start,
+        extend_lens=torch.full((num_rows,), width, dtype=torch.int64, device=tree.tokens.device),
+        tree=TreeMask(start=start, visible=tree.ancestors.reshape(num_rows * width, width)),
+    )
+
+
+def verify_greedy_tree(tree: DraftTree, logits: torch.Tensor, path_width: int) -> TreeVerdict:
+    """Greedy verification of ``tree`` against the target's ``logits`` ``[B, D, V]``.
+
+    Args:
+        tree: the verified tree.
+        logits: row ``n`` scores the token after node ``n``.
+        path_width: ``K + 1`` (deeper than any node).
+
+    Raises:
+        InvalidConfig: the shapes disagree.
+    """
+    num_rows, width = tree.tokens.shape
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != (num_rows, width):
+        raise InvalidConfig(
+            f"tree verify logits {tuple(logits.shape)} do not fit {num_rows} trees of {width}"
+        )
+    targets = logits.argmax(-1)
+    matched = tree.tokens == targets.gather(1, tree.parents)
+    matched[:, 0] = True
+    # accepted: every node on the way from the root matched (the ancestor mask has the way).
+    accepted = ~(tree.ancestors & ~matched[:, None, :]).any(-1)
+    last = torch.where(accepted, tree.depths, -1).argmax(1)
+    rows = torch.arange(num_rows, device=logits.device)
+    accept_lens = tree.depths[rows, last] + 1
+    on_path = tree.ancestors[rows, last]
+    depth_slot = torch.where(on_path, tree.depths, path_width)
+    nodes = torch.arange(width, device=logits.device).expand(num_rows, width)
+    path = torch.zeros(num_rows, path_width + 1, dtype=torch.int64, device=logits.device)
+    path = path.scatter(1, depth_slot, nodes)[:, :path_width]
+    return TreeVerdict(
+        run_tokens=targets.gather(1, path),
+        accept_lens=accept_lens,
+        bonus_tokens=targets[rows, last],
+        path=path,
+        last_node=last,
+    )
+
+
+def compact_kv(
+    cache: KvCache,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start: torch.Tensor,
+    verdict: TreeVerdict,
+) -> None:
+    """Move the accepted path's KV into place: node ``p_j`` at ``S + p_j`` to ``S + j``, ``j < a``.
+
+    Positions past the path are not touched (their copy is slot 0 onto slot 0, the padding).
+    """
+    width = verdict.path.shape[1]
+    depth = torch.arange(width, device=verdict.path.device)[None, :]
+    keep = (depth < verdict.accept_lens[:, None]).to(req_to_token.device)
+    slots = req_pool_indices.long().to(req_to_token.device)[:, None]
+    base = start.long().to(req_to_token.device)[:, None]
+    src = req_to_token[slots, base + verdict.path.to(req_to_token.device)]
+    dst = req_to_token[slots, base + depth.to(req_to_token.device)]
+    device = cache.device
+    cache.copy_slots(
+        torch.where(keep, src, 0).reshape(-1).to(device),
+        torch.where(keep, dst, 0).reshape(-1).to(device),
+    )
+
+
+def _mask_non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """``[B]`` rows of ``logits`` with a non-finite value; those rows are zeroed (no host read)."""
+    finite = torch.isfinite(logits).flatten(1).all(dim=1)
+    logits.masked_fill_(~finite.view(-1, *([1] * (logits.dim() - 1))), 0.0)
+    return ~finite
+
+
+@attrs.frozen(kw_only=True)
+class VerifiedTree:
+    """A DECODE round after the target verified its tree: what post-verify commits read.
+
+    Attributes:
+        batch: the forward's frozen batch.
+        start: ``[B]`` frontier ``S`` before the round.
+        tree: the verified trees.
+        verdict: the accepted paths.
+        target_hidden: ``[B, D, hidden]`` target features of the tree's nodes.
+    """
+
+    batch: ForwardBatch
+    start: torch.Tensor
+    tree: DraftTree
+    verdict: TreeVerdict
+    target_hidden: torch.Tensor
+
+    def path_features(self, first: torch.Tensor) -> torch.Tensor:
+        """``[B, K + 1, hidden]`` ``f_(p-1)`` of the path's tokens: ``first`` (``f_(S-1)``), then
+        the target features of the path nodes ``p_0 .. p_(K-1)``."""
+        hidden = self.target_hidden
+        path = self.verdict.path[:, :-1, None].expand(-1, -1, hidden.shape[2])
+        return torch.cat([first[:, None].to(hidden.dtype), hidden.gather(1, path)], 1)
+
+    def path_attention(self, req_to_token: torch.Tensor) -> AttentionBatch:
+        """The chain extend of the path tokens at ``S .. S+K`` (drafter catch-up)."""
+        tokens = self.verdict.path_tokens(self.tree)
+        return chain_attention(self.batch.req_pool_indices, req_to_token, self.start, tokens)
+
+    @property
+    def last_hidden(self) -> torch.Tensor:
+        """``[B, hidden]`` target feature of the path's last node (the new bonus's ``f``)."""
+        rows = torch.arange(self.target_hidden.shape[0], device=self.target_hidden.device)
+        return self.target_hidden[rows, self.verdict.last_node]
+
+
+def _fit_width(run_tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``run_tokens`` ``[B, K + 1]`` cut or zero-padded to the stride ``D`` (runs fit: a <= D)."""
+    missing = width - run_tokens.shape[1]
+    if missing <= 0:
+        return run_tokens[:, :width]
+    return torch.cat([run_tokens, run_tokens.new_zeros(run_tokens.shape[0], missing)], 1)
+
+
+def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
+    if on_publish is not None:
+        on_publish(new_seq_lens)
+
+
+class TreeRoundWorker(ChainRoundWorker):
+    """`ChainRoundWorker` whose DECODE grows and verifies a draft tree when ``topk > 1``.
+
+    With ``topk == 1`` every round is the chain round, unchanged. A subclass implements the
+    chain hooks and three tree hooks: `_tree_forward` (one drafter forward),
+    `_tree_root_features` and `_commit_tree` (post-verify, after publish and compaction).
+
+    Attributes:
+        observer: if set, called with every `VerifiedTree` after its round (tests, metrics).
+    """
+
+    def __init__(
+        self, target: TargetRunner, capabilities: WorkerCapabilities, *, seed: int | None = None
+    ) -> None:
+        super().__init__(target, capabilities, seed=seed)
+        self._tree: TreeShape | None = None
+        if capabilities.topk > 1:
+            self._tree = TreeShape(
+                num_steps=capabilities.num_steps,
+                topk=capabilities.topk,
+                num_draft_tokens=capabilities.num_draft_tokens,
+            )
+        self.observer: Callable[[VerifiedTree], None] | None = None
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The tree's size, None for a chain worker."""
+        return self._tree
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """As `ChainRoundWorker`; a tree worker refuses sampled rows.
+
+        Raises:
+            InvalidConfig: a tree worker got a row with ``temperature > 0`` (the engine refuses
+                those at submit: ``supports_sampling`` is False), or see `ChainRoundWorker`.
+        """
+        if (
+            self._tree is not None
+            and batch.forward_mode is not ForwardMode.IDLE
+            and not batch.sampling_info.is_all_greedy
+        ):
+            raise InvalidConfig(
+                f"{self.capabilities.algorithm} with topk {self._tree.topk} verifies trees "
+                "greedily only; a row with temperature > 0 cannot be served"
+            )
+        return super().forward_batch_generation(batch, on_publish=on_publish)
+
+    def _run_decode(
+        self, batch: ForwardBatch, on_publish: OnPublish | None
+    ) -> GenerationBatchResult:
+        shape = self._tree
+        if shape is None:
+            return super()._run_decode(batch, on_publish)
+        start, roots = decode_roots(batch)
+        table = self._target.req_to_token
+        tree = grow_tree(
+            self._tree_forward,
+            batch.req_pool_indices,
+            table,
+            start,
+            roots,
+            self._tree_root_features(batch, start),
+            shape,
+        )
+        target = self._target.model
+        out = target(tree_attention(batch.req_pool_indices, table, start, tree))
+        num_rows, width = tree.tokens.shape
+        logits = out.logits.view(num_rows, width, -1)
+        invalid = _mask_non_finite(logits)
+        verdict = verify_greedy_tree(tree, logits, shape.path_width)
+        new_seq_lens = start + verdict.accept_lens
+        _publish(on_publish, new_seq_lens)
+        compact_kv(target.kv_cache, batch.req_pool_indices, table, start, verdict)
+        verified = VerifiedTree(
+            batch=batch,
+            start=start,
+            tree=tree,
+            verdict=verdict,
+            target_hidden=out.hidden_states.view(num_rows, width, -1),
+        )
+        payload = self._commit_tree(verified)
+        if self.observer is not None:
+            self.observer(verified)
+        return decode_result(
+            _fit_width(verdict.run_tokens, width),
+            verdict.accept_lens,
+            new_seq_lens,
+            payload,
+            invalid,
+        )
+
+    @abc.abstractmethod
+    def _tree_forward(
+        self, attention: AttentionBatch, features: torch.Tensor | None
+    ) -> ModelOutput:
+        """One drafter forward over ``attention`` (tree or chain) with node ``features``."""
+
+    @abc.abstractmethod
+    def _tree_root_features(self, batch: ForwardBatch, start: torch.Tensor) -> torch.Tensor | None:
+        """``[B, hidden]`` features of the roots (EAGLE: the relayed ``f_(S-1)``), or None."""
+
+    @abc.abstractmethod
+    def _commit_tree(self, verified: VerifiedTree) -> RelayPayload:
+        """Post-verify drafter commits (after publish and compaction); the next payload."""
