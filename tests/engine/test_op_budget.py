@@ -22,11 +22,12 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.engine.invariants import check_engine
 from specstate.tools.timed_worker import TimedWaitWorker
 
-TORCH_OPS_PER_ROUND = {1: 41, 16: 40}
+TORCH_OPS_PER_ROUND = {1: 43, 16: 42}
 """Torch calls of one steady decode round, by page size (engine and the timed-wait worker).
 
 Most are metadata reads (``shape``, ``dtype``, ``numel``, ``numpy()``): the host bookkeeping
-and the always-on check of the worker's result run on NumPy views. A page size of 1 maps new
+and the always-on check of the worker's result run on NumPy views (two of them read the relay
+payload's bonus tokens: a result without one fails its batch). A page size of 1 maps new
 pages every round (16 does not, in the counted round)."""
 
 

@@ -45,6 +45,10 @@ class GenerationBatchResult:
             reference workers: non-finite target logits). Such a row's request ends with
             `FinishReason.ERROR`; its tokens are ignored (its accept length and frontier must
             still be well formed). None: every row is valid.
+        logprobs: flat ``[batch_size * stride]`` floating point, aligned with
+            ``next_token_ids``: the log-probability of each accepted token under the target's
+            final (processed) distribution. Required when a row of the batch asks for logprobs
+            (``batch.sampling_info.logprobs``), else None; entries past a run are ignored.
     """
 
     next_token_ids: torch.Tensor
@@ -55,6 +59,7 @@ class GenerationBatchResult:
     keep_alive_refs: tuple[object, ...] = ()
     copy_done: Event | None = None
     invalid_rows: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         bs = self.accept_lens.numel()

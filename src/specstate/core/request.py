@@ -113,6 +113,29 @@ def _stop_ids(value: Iterable[int]) -> frozenset[int]:
     return frozenset(value)
 
 
+def _stop_sequences(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    """A tuple of token-id tuples, as given (`SamplingParams.problems` checks the entries).
+
+    An entry that is not a collection (a bare number) is kept as is, so that ``problems``
+    can name it; a string is not a collection of token ids.
+
+    Raises:
+        InvalidRequest: ``value`` is a string, bytes or a single number, not a collection.
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequest(
+            f"stop_sequences must be a collection of token-id sequences, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    out: list[tuple[int, ...]] = []
+    for entry in value:
+        if isinstance(entry, str | bytes) or not isinstance(entry, Iterable):
+            out.append(entry)  # type: ignore[arg-type]  # reported by `problems`
+        else:
+            out.append(tuple(entry))
+    return tuple(out)
+
+
 def _is_int(value: object) -> bool:
     """An integer that is not a bool (True is not a token id or a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -131,6 +154,12 @@ def _is_finite(value: object) -> bool:
 class SamplingParams:
     """How to sample one request. ``temperature == 0`` means greedy.
 
+    The logits of every position a request scores are processed in this order (docs/engine.md,
+    "Sampling controls"): repetition penalty, frequency and presence penalties, the
+    ``min_new_tokens`` mask; then temperature, top-k and top-p for a sampled request. With
+    speculation, verify position ``j`` is processed with the tokens before it, drafts
+    ``d1 .. dj`` included: exactly what one-token-at-a-time decoding would see.
+
     Attributes:
         max_new_tokens: the cap on output tokens (>= 1).
         stop_token_ids: tokens that end the request (included in the output), in addition to
@@ -139,6 +168,30 @@ class SamplingParams:
         temperature: 0 for greedy (argmax), else the softmax temperature.
         top_k: sample among the ``top_k`` most likely tokens; None for the whole vocabulary.
         top_p: nucleus sampling mass in (0, 1]; 1.0 disables it.
+        speculative: False: the request rides a speculative batch with zero drafts and
+            accepts exactly one token per round (its output is unchanged; only its speed).
+        repetition_penalty: Hugging Face semantics (> 0, 1.0 disables it): the logit of every
+            token present in prompt + output so far is divided by it when positive,
+            multiplied by it when negative.
+        frequency_penalty: OpenAI semantics: ``frequency_penalty * count`` is subtracted from
+            the logit of each token, ``count`` its occurrences in the output so far.
+        presence_penalty: OpenAI semantics: subtracted from the logit of every token that
+            occurs in the output so far.
+        min_new_tokens: before this many output tokens, the request's stop tokens (its
+            ``stop_token_ids`` and, unless ``ignore_eos``, the EOS ids) get logit -inf, as
+            Hugging Face's ``MinNewTokensLengthLogitsProcessor`` does; and no stop — token or
+            sequence — ends the request before it: a stop counts only when its last token is
+            output number ``min_new_tokens + 1`` or later. Stop sequences are not masked.
+        stop_sequences: token-id sequences that end the request at the first complete
+            occurrence inside the output (which may span rounds or sit inside one accepted
+            run); the matched sequence is included in the output, like a stop token.
+        seed: per-request randomness for a sampled request: the token at each position is a
+            function of ``(seed, position)`` and the target's distribution there, so the
+            request emits the same tokens whatever its batch mates, the loop, retractions or
+            the drafter. None: the worker's own random source.
+        logprobs: record the log-probability of every emitted token under the target's final
+            distribution (after the penalties, and after temperature / top-k / top-p for a
+            sampled request); `Req.logprobs` holds them, aligned with `Req.emitted_ids`.
     """
 
     max_new_tokens: int = 128
@@ -147,11 +200,28 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
+    speculative: bool = True
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_stop_sequences)
+    seed: int | None = None
+    logprobs: bool = False
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax (``temperature == 0``)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, frequency or presence penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     def problems(self, vocab_size: int) -> list[str]:
         """Every way these parameters are invalid for a vocabulary of ``vocab_size``."""
@@ -164,15 +234,52 @@ class SamplingParams:
         bad_stop = sorted(t for t in self.stop_token_ids if _is_int(t) and not 0 <= t < vocab_size)
         if bad_stop:
             found.append(f"stop_token_ids {bad_stop} outside the vocabulary [0, {vocab_size})")
-        if not isinstance(self.ignore_eos, bool):
-            found.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "speculative", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                found.append(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_finite(self.temperature) or not self.temperature >= 0.0:
             found.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             found.append(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             found.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            found.append(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _is_finite(getattr(self, name)):
+                found.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            found.append(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        elif _is_int(self.max_new_tokens) and self.min_new_tokens > self.max_new_tokens:
+            found.append(
+                f"min_new_tokens {self.min_new_tokens} exceeds max_new_tokens {self.max_new_tokens}"
+            )
+        found += _sequence_problems(self.stop_sequences, vocab_size)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            found.append(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         return found
+
+
+def _sequence_problems(sequences: tuple[tuple[int, ...], ...], vocab_size: int) -> list[str]:
+    """What is wrong with ``stop_sequences``: entries that are not non-empty id sequences."""
+    found = []
+    for i, seq in enumerate(sequences):
+        if not isinstance(seq, tuple):
+            found.append(
+                f"stop_sequences[{i}] must be a sequence of token ids, got "
+                f"{type(seq).__name__} {seq!r:.40}"
+            )
+        elif not seq:
+            found.append(f"stop_sequences[{i}] is empty")
+        elif not all(_is_int(t) for t in seq):
+            found.append(f"stop_sequences[{i}] must hold integer token ids, got {seq!r:.60}")
+        elif not all(0 <= t < vocab_size for t in seq):
+            found.append(
+                f"stop_sequences[{i}] {seq!r:.60} has ids outside the vocabulary [0, {vocab_size})"
+            )
+    return found
 
 
 @attrs.frozen(kw_only=True)
@@ -255,6 +362,10 @@ class OutputSource(Protocol):
         """Accept lengths of the verifies settled since the request took ``slot``."""
         ...
 
+    def read_logprobs(self, slot: int) -> list[float]:
+        """Log-probability of every settled output token of the request in ``slot``."""
+        ...
+
     def detach(self, slot: int) -> None:
         """The request leaves ``slot``: a result launched before this for it is stale."""
         ...
@@ -278,6 +389,7 @@ class Req:
         "_checker",
         "_finish",
         "_incarnation",
+        "_logprobs",
         "_output_ids",
         "_slot",
         "_source",
@@ -300,6 +412,7 @@ class Req:
         self._checker = checker
         self._output_ids: list[int] = []
         self._accept_lengths: list[int] = []
+        self._logprobs: list[float] = []
         self._source: OutputSource | None = None
         self._slot = 0
         self._status = ReqStatus.WAITING
@@ -367,6 +480,22 @@ class Req:
         if self._source is not None:
             return (*self._accept_lengths, *self._source.read_accept_lengths(self._slot))
         return tuple(self._accept_lengths)
+
+    @property
+    def logprobs(self) -> tuple[float, ...] | None:
+        """With ``sampling.logprobs``: the log-probability of every emitted token, aligned
+        with `emitted_ids` (under the target's final distribution); else None."""
+        if not self.sampling.logprobs:
+            return None
+        values = self.stored_logprobs()
+        end = len(values) if self._finish is None else self._finish.finished_len
+        return tuple(values[:end])
+
+    def stored_logprobs(self) -> list[float]:
+        """The log-probabilities of every settled output (also past a stop), as stored."""
+        if self._source is not None:
+            return self._source.read_logprobs(self._slot)
+        return list(self._logprobs)
 
     @property
     def finish(self) -> FinishState | None:
@@ -465,6 +594,8 @@ class Req:
             return
         self._output_ids = source.read_outputs(self._slot)
         self._accept_lengths.extend(source.read_accept_lengths(self._slot))
+        if self.sampling.logprobs:
+            self._logprobs = source.read_logprobs(self._slot)
         source.detach(self._slot)
         self._source = None
 

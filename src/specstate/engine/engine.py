@@ -62,11 +62,12 @@ from specstate.engine.invariants import (
 )
 from specstate.engine.launch import InFlight, Launcher
 from specstate.engine.outputs import OutputTable
+from specstate.engine.result_check import check_sampling_rows
 from specstate.engine.result_copy import HostResult
 from specstate.engine.results import AcceptMetrics, ResultProcessor, Settlement
 from specstate.engine.scheduler import LaunchPlan, Scheduler, SchedulerConfig
 from specstate.engine.trace import FORWARD, HOST, TraceRecorder
-from specstate.engine.worker import WorkerMemory, WorkerProtocol
+from specstate.engine.worker import WorkerCapabilities, WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 
@@ -367,6 +368,12 @@ class Engine:
                 f"request {request_id!r}: temperature {sampling.temperature} asks for sampling, "
                 f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
             )
+        unsupported = _unsupported_controls(sampling, caps)
+        if unsupported:
+            raise InvalidRequest(
+                f"request {request_id!r}: worker {caps.algorithm!r} does not support "
+                + "; ".join(unsupported)
+            )
         if len(req.prompt_ids) + sampling.max_new_tokens > self.limits.max_context_len:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt of {len(req.prompt_ids)} tokens plus "
@@ -522,6 +529,13 @@ class Engine:
         if error is None and result is not None:
             try:  # the round's one device-to-host copy (a view on the host CPU), checked
                 host = self._launcher.host_result(flight, timeout)
+                if host is not None:  # per-row speculation and logprobs, against the batch
+                    check_sampling_rows(
+                        host,
+                        flight.plan.batch.sampling_info,
+                        request_ids=flight.plan.batch.request_ids,
+                        decode=flight.plan.is_decode,
+                    )
             except WorkerResultError as exc:
                 error = exc
             else:
@@ -759,6 +773,26 @@ class Engine:
     def in_flight(self) -> InFlight | None:
         """The batch launched and not yet settled (overlap only)."""
         return self._in_flight
+
+
+def _unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:
+    """The sampling controls ``sampling`` uses that the worker does not declare, with values."""
+    found = []
+    if not sampling.speculative and caps.speculative and not caps.supports_per_request_speculation:
+        found.append("speculative=False (per-request speculation)")
+    if sampling.has_penalties and not caps.supports_penalties:
+        found.append(
+            f"penalties (repetition_penalty={sampling.repetition_penalty}, "
+            f"frequency_penalty={sampling.frequency_penalty}, "
+            f"presence_penalty={sampling.presence_penalty})"
+        )
+    if sampling.min_new_tokens and not caps.supports_min_new_tokens:
+        found.append(f"min_new_tokens={sampling.min_new_tokens}")
+    if sampling.seed is not None and sampling.temperature > 0 and not caps.supports_seeds:
+        found.append(f"seed={sampling.seed}")
+    if sampling.logprobs and not caps.supports_logprobs:
+        found.append("logprobs=True")
+    return found
 
 
 def _record_forward(rec: TraceRecorder, flight: InFlight) -> None:

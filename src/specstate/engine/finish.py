@@ -5,8 +5,11 @@ the run and the length cap can fall inside it. Every output path (streamed, fina
 asks this one function, so they agree on where a request ended:
 
 1. an abort requested by the user wins;
-2. the first stop token in the run (a ``stop_token_ids`` member, or an EOS unless
-   ``ignore_eos``) ends the request *including* that token;
+2. the first stop in the run ends the request *including* it: a stop token (a
+   ``stop_token_ids`` member, or an EOS unless ``ignore_eos``), or the last token of the first
+   complete occurrence of a ``stop_sequences`` entry inside the output (it may begin in an
+   earlier round); a stop counts only when its last token is output ``min_new_tokens``
+   (0-based) or later;
 3. otherwise, reaching ``max_new_tokens`` ends it at the cap;
 4. a stop that lies past the cap is a length finish at the cap: never more than the cap.
 
@@ -30,6 +33,7 @@ def resolve_finish(
     params: SamplingParams,
     eos_token_ids: frozenset[int],
     abort_reason: str | None = None,
+    outputs_before: Sequence[int] = (),
 ) -> FinishState | None:
     """Where, if anywhere, a request ends after settling ``run``.
 
@@ -39,6 +43,8 @@ def resolve_finish(
         params: the request's sampling parameters (cap, stop ids, ignore_eos).
         eos_token_ids: the model's end-of-sequence ids.
         abort_reason: set when the user aborted the request; it wins over everything.
+        outputs_before: the outputs settled before ``run`` (at least their last
+            ``len(longest stop sequence) - 1``), for stop sequences that began earlier.
 
     Returns:
         The finish state, or None when the request goes on.
@@ -49,12 +55,27 @@ def resolve_finish(
         return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=abort_reason)
     stops = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | eos_token_ids
     cap = params.max_new_tokens
+    tail = list(outputs_before)
     for i, token in enumerate(run):
-        if token in stops:
-            at = num_outputs_before + i + 1
+        index = num_outputs_before + i  # the token's output index
+        tail.append(token)
+        if index < params.min_new_tokens:
+            continue
+        detail = str(token) if token in stops else _sequence_ending(tail, index, params)
+        if detail is not None:
+            at = index + 1
             if at <= cap:
-                return FinishState(reason=FinishReason.STOP, finished_len=at, detail=str(token))
+                return FinishState(reason=FinishReason.STOP, finished_len=at, detail=detail)
             break
     if total >= cap:
         return FinishState(reason=FinishReason.LENGTH, finished_len=cap)
+    return None
+
+
+def _sequence_ending(tail: list[int], index: int, params: SamplingParams) -> str | None:
+    """The detail of the first stop sequence that ends at output ``index`` (``tail[-1]``)."""
+    for seq in params.stop_sequences:
+        n = len(seq)
+        if n <= index + 1 and n <= len(tail) and tuple(tail[-n:]) == seq:
+            return f"stop sequence {seq}"
     return None

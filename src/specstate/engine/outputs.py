@@ -8,6 +8,9 @@ retracted::
     tokens                 | settled outputs ...  | (scratch: a run may be written past
                                                    |  the length; it is never read)
     caps[s]                max_new_tokens           stops[s, :]  stop ids, EOS, -1 padding
+    logprobs[s, :]         one float per settled output (written only for a result with them)
+    seqs[s, q, :]          stop sequence q, left-aligned (seq_lens[s, q] tokens; last token
+                           seq_last[s, q], -1 padding); min_new[s] min_new_tokens
     accepts[:rounds[s], s] accept length of every verify settled in this slot (stored
                            round-major, so one round's writes for a batch are close)
     epochs[s]              bumped when the request leaves the slot: a batch launched before
@@ -15,7 +18,11 @@ retracted::
 
 Settling a round is a fixed number of array operations for the whole batch (`append_runs`):
 scatter every accepted run, advance the lengths, find the first stop token and the length cap
-per row with masks, record the accept lengths. Python touches a request only when it finishes
+per row with masks, record the accept lengths. Stop sequences cost nothing while no open row has
+one; otherwise one mask finds the accepted tokens that end some row's sequence, and only those
+candidates are compared with the stored outputs (a sequence may span rounds, retractions, or
+end inside a run). A stop — token or sequence — counts only when its last token is output
+``min_new_tokens`` (0-based) or later. Python touches a request only when it finishes
 (`Req.transition` copies its row back) or when someone reads its ``output_ids``.
 
 The columns are NumPy arrays: this is host-only state (never read by a device), and on a CPU
@@ -30,7 +37,7 @@ whenever a request leaves ``s``.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import numpy as np
@@ -53,14 +60,17 @@ class FinishedRows:
 
     Attributes:
         rows: positions (in the call's row order) of the finishing requests.
-        stop_at: per finishing row, ``len(outputs)`` up to and including its first stop token,
-            or -1 when the length cap ended it.
-        stop_token: the stop token, or -1.
+        stop_at: per finishing row, ``len(outputs)`` up to and including its first stop (token
+            or the last token of a stop sequence), or -1 when the length cap ended it.
+        stop_token: the stop token (a sequence's last token), or -1.
+        stop_sequence: per finishing row, the index in ``stop_sequences`` of the sequence that
+            ended it, or -1 (a stop token, or the cap); empty when no row has sequences.
     """
 
     rows: tuple[int, ...]
     stop_at: tuple[int, ...]
     stop_token: tuple[int, ...]
+    stop_sequence: tuple[int, ...] = ()
 
 
 class OutputTable:
@@ -106,6 +116,15 @@ class OutputTable:
         self._caps = np.zeros(size, dtype=np.int64)
         self._stops = np.full((size, max(1, len(self._eos))), _NO_STOP, dtype=np.int64)
         self._epochs = np.zeros(size, dtype=np.int64)
+        self._output_logprobs = np.zeros((size, self._width), dtype=np.float32)
+        self._output_logprobs_flat = self._output_logprobs.reshape(-1)
+        self._min_new = np.zeros(size, dtype=np.int64)
+        self._num_min_rows = 0  # open rows with min_new_tokens > 0
+        self._seq_tokens = np.zeros((size, 1, 1), dtype=np.int64)
+        self._seq_lens = np.zeros((size, 1), dtype=np.int64)
+        self._seq_last = np.full((size, 1), _NO_STOP, dtype=np.int64)
+        self._has_seqs = np.zeros(size, dtype=np.bool_)
+        self._num_seq_rows = 0  # open rows with stop sequences
         self._holders: list[Req | None] = [None] * size
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
@@ -133,6 +152,17 @@ class OutputTable:
         """Accept lengths of the verifies settled in ``slot`` since it opened."""
         out: list[int] = self._accepts[: int(self._rounds[slot]), slot].tolist()
         return out
+
+    def read_logprobs(self, slot: int) -> list[float]:
+        """Log-probabilities of the settled outputs of ``slot`` (0.0 where none was given)."""
+        n = int(self._output_lengths[slot])
+        out: list[float] = self._output_logprobs[slot, :n].tolist()
+        return out
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's EOS ids (stop tokens of every row that does not ignore EOS)."""
+        return frozenset(self._eos)
 
     def epochs(self, slots: IntArray) -> IntArray:
         """The current epoch of ``slots`` (a new array): a batch keeps it to detect staleness."""
@@ -184,6 +214,12 @@ class OutputTable:
         self._caps[slot] = req.sampling.max_new_tokens
         self._stops[slot] = _NO_STOP
         self._stops[slot, : len(stops)] = sorted(stops)
+        if req.sampling.logprobs:
+            self._output_logprobs[slot, : len(outputs)] = req.stored_logprobs()[: len(outputs)]
+        self._min_new[slot] = req.sampling.min_new_tokens
+        if req.sampling.min_new_tokens > 0:
+            self._num_min_rows += 1
+        self._open_sequences(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
 
@@ -191,14 +227,28 @@ class OutputTable:
         """The request leaves ``slot`` (called by `Req.transition`); bumps the slot's epoch."""
         self._holders[slot] = None
         self._epochs[slot] += 1
+        if self._min_new[slot] > 0:
+            self._num_min_rows -= 1
+            self._min_new[slot] = 0
+        if self._has_seqs[slot]:
+            self._num_seq_rows -= 1
+            self._has_seqs[slot] = False
+            self._seq_last[slot] = _NO_STOP
 
     def append_runs(
-        self, slots: IntArray, tokens: IntArray, accept: IntArray, *, verifies: bool
+        self,
+        slots: IntArray,
+        tokens: IntArray,
+        accept: IntArray,
+        *,
+        verifies: bool,
+        logprobs: npt.NDArray[np.floating[Any]] | None = None,
     ) -> FinishedRows | None:
         """Append row ``i``'s run ``tokens[i, :accept[i]]`` to ``slots[i]``; find who finished.
 
         ``tokens`` is ``[n, stride]``; only its first ``max_run`` columns can be accepted.
         With ``verifies``, each row's accept length is recorded as one settled verify.
+        ``logprobs`` (``[n, stride]``, aligned with ``tokens``) are stored with the tokens.
         Returns None when nobody reached a stop or the cap (the common case), else the rows
         that did, with where their first stop lies.
         """
@@ -212,6 +262,8 @@ class OutputTable:
         base = slots * self._width
         # Whole runs are stored (the tail past ``accept`` is scratch beyond the new length).
         self._output_tokens_flat[(base + before)[:, None] + steps] = run
+        if logprobs is not None:
+            self._output_logprobs_flat[(base + before)[:, None] + steps] = logprobs[:, :width]
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
@@ -224,23 +276,79 @@ class OutputTable:
         else:
             hit = (run[:, :, None] == stops[:, None, :]).any(axis=2)
         hit &= steps < accept[:, None]
+        if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
+            hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
+        matched = None
+        if self._num_seq_rows:
+            matched = self._match_sequences(slots, run, before, accept)
         caps = self._caps[slots]
         capped = after >= caps
-        if not (np.count_nonzero(hit) or np.count_nonzero(capped)):
+        if not (np.count_nonzero(hit) or np.count_nonzero(capped) or matched is not None):
             return None  # nobody stops or reaches the cap: the steady round ends here
-        return self._finished_rows(run, hit, before, caps, capped)
+        return self._finished_rows(run, hit, before, caps, capped, matched)
 
-    @staticmethod
+    def _match_sequences(
+        self, slots: IntArray, run: IntArray, before: IntArray, accept: IntArray
+    ) -> tuple[IntArray, IntArray] | None:
+        """Per row, the earliest stop-sequence end in this run (``finished_len``) and which
+        sequence, or None when no sequence completes.
+
+        Only accepted tokens equal to the last token of one of their row's sequences are
+        candidates; each candidate is compared with the stored outputs (this run included).
+        """
+        width = run.shape[1]
+        last = self._seq_last[slots]  # [n, q]
+        accepted = self._steps[:width] < accept[:, None]
+        cand = (run[:, :, None] == last[:, None, :]) & accepted[:, :, None]
+        if not np.count_nonzero(cand):
+            return None
+        row, step, which = np.nonzero(cand)
+        slot = slots[row]
+        end = before[row] + step  # output index of the candidate's last token
+        length = self._seq_lens[slot, which]
+        start = end - length + 1
+        ok = start >= 0  # a sequence lies inside the output
+        if self._num_min_rows:
+            ok &= end >= self._min_new[slot]
+        offsets = np.arange(self._seq_tokens.shape[2])
+        inside = offsets < length[:, None]
+        index = slot[:, None] * self._width + np.clip(start[:, None] + offsets, 0, self._width - 1)
+        got = self._output_tokens_flat[index]
+        want = self._seq_tokens[slot, which]
+        ok &= ((got == want) | ~inside).all(axis=1)
+        if not ok.any():
+            return None
+        row, end, which = row[ok], end[ok] + 1, which[ok]
+        order = np.lexsort((which, end, row))  # per row: the earliest end, then the first listed
+        row, end, which = row[order], end[order], which[order]
+        first = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        stop_at = np.full(run.shape[0], _NEVER, dtype=np.int64)
+        index_of = np.full(run.shape[0], -1, dtype=np.int64)
+        stop_at[row[first]] = end[first]
+        index_of[row[first]] = which[first]
+        return stop_at, index_of
+
     def _finished_rows(
+        self,
         run: IntArray,
         hit: npt.NDArray[np.bool_],
         before: IntArray,
         caps: IntArray,
         capped: npt.NDArray[np.bool_],
+        matched: tuple[IntArray, IntArray] | None,
     ) -> FinishedRows | None:
-        """The rows that end, and where: the first stop token unless it lies past the cap."""
+        """The rows that end, and where: the first stop unless it lies past the cap."""
         first = hit.argmax(axis=1)
         stop_at = np.where(hit.any(axis=1), before + first + 1, _NEVER)
+        stop_token = run[np.arange(run.shape[0]), first]
+        sequence = None
+        if matched is not None:
+            seq_at, seq_index = matched
+            by_sequence = seq_at < stop_at
+            stop_at = np.where(by_sequence, seq_at, stop_at)
+            last = run[np.arange(run.shape[0]), np.clip(seq_at - before - 1, 0, run.shape[1] - 1)]
+            stop_token = np.where(by_sequence, last, stop_token)
+            sequence = np.where(by_sequence, seq_index, -1)
         is_stop = stop_at <= caps
         ends = is_stop | capped
         if not ends.any():
@@ -250,8 +358,35 @@ class OutputTable:
         return FinishedRows(
             rows=tuple(rows.tolist()),
             stop_at=tuple(np.where(stop, stop_at[rows], -1).tolist()),
-            stop_token=tuple(np.where(stop, run[rows, first[rows]], -1).tolist()),
+            stop_token=tuple(np.where(stop, stop_token[rows], -1).tolist()),
+            stop_sequence=()
+            if sequence is None
+            else tuple(np.where(stop, sequence[rows], -1).tolist()),
         )
+
+    def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:
+        """Store ``slot``'s stop sequences (admission); widen the columns when needed."""
+        self._seq_last[slot] = _NO_STOP
+        self._seq_lens[slot] = 0
+        if not sequences:
+            return
+        count, longest = len(sequences), max(len(seq) for seq in sequences)
+        have_count, have_len = self._seq_lens.shape[1], self._seq_tokens.shape[2]
+        if count > have_count or longest > have_len:  # rare: widen once
+            count, longest = max(count, have_count), max(longest, have_len)
+            tokens = np.zeros((self._seq_tokens.shape[0], count, longest), dtype=np.int64)
+            tokens[:, :have_count, :have_len] = self._seq_tokens
+            lens = np.zeros((self._seq_lens.shape[0], count), dtype=np.int64)
+            lens[:, :have_count] = self._seq_lens
+            last = np.full((self._seq_last.shape[0], count), _NO_STOP, dtype=np.int64)
+            last[:, :have_count] = self._seq_last
+            self._seq_tokens, self._seq_lens, self._seq_last = tokens, lens, last
+        for q, seq in enumerate(sequences):
+            self._seq_tokens[slot, q, : len(seq)] = seq
+            self._seq_lens[slot, q] = len(seq)
+            self._seq_last[slot, q] = seq[-1]
+        self._has_seqs[slot] = True
+        self._num_seq_rows += 1
 
     def _ensure_stop_width(self, n: int) -> None:
         have = self._stops.shape[1]

@@ -30,7 +30,16 @@ Always on (a fixed number of array operations per round, whatever the batch size
 * the published frontier — the value handed to ``on_publish``, else ``new_seq_lens`` — equal to
   the host's expectation: ``seq_lens + accept_lens`` for a decode round, ``seq_lens`` (the
   extend end) otherwise. A frontier that disagrees with the accept lengths would make the next
-  round read and write KV at the wrong positions, possibly in pages another request owns.
+  round read and write KV at the wrong positions, possibly in pages another request owns;
+* ``logprobs``, if given, a floating point ``[B * stride]`` tensor whose entries at the accepted
+  positions of valid rows are finite and not above 0.
+
+At settlement, against the batch's own sampling state (`check_sampling_rows`, a few array
+operations, none when no row uses the controls):
+
+* a row whose request is not speculative (``SamplingParams(speculative=False)``) accepted
+  exactly one token in a decode round;
+* the result carries ``logprobs`` when a row of the batch asked for them.
 """
 
 from __future__ import annotations
@@ -42,10 +51,11 @@ import numpy.typing as npt
 import torch
 
 from specstate.batch.result import GenerationBatchResult
+from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import WorkerResultError
 from specstate.engine.result_copy import HostResult
 
-__all__ = ["check_form", "check_values"]
+__all__ = ["check_form", "check_sampling_rows", "check_values"]
 
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
@@ -74,8 +84,8 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
     payload = result.next_draft_input
     if payload is None:
         raise WorkerResultError(
-            "worker returned no next_draft_input; the next round's input tokens (its bonus "
-            "tokens) are relayed from it"
+            "[relay] worker returned no next_draft_input; the next round's input tokens (its "
+            "bonus tokens) are relayed from it"
         )
     bonus = payload.bonus_tokens
     if tuple(bonus.shape) != (b,) or bonus.dtype not in _INTEGER_DTYPES:
@@ -88,6 +98,15 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
         raise WorkerResultError(
             f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
             f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"
+        )
+    logprobs = result.logprobs
+    if logprobs is not None and (
+        not logprobs.dtype.is_floating_point or tuple(logprobs.shape) != (b * result.stride,)
+    ):
+        raise WorkerResultError(
+            f"worker returned logprobs of dtype {logprobs.dtype} and shape "
+            f"{tuple(logprobs.shape)}; it must be a floating point tensor of shape "
+            f"({b * result.stride},), aligned with next_token_ids"
         )
 
 
@@ -123,6 +142,58 @@ def check_values(
     valid = None if host.invalid is None else ~host.invalid
     _check_tokens(host.tokens, accept, valid, request_ids, vocab_size)
     _check_frontier(host, request_ids, accept, decode)
+    if host.logprobs is not None:
+        _check_logprobs(host.logprobs, accept, valid, request_ids)
+
+
+def check_sampling_rows(
+    host: HostResult,
+    sampling: SamplingInfo,
+    *,
+    request_ids: tuple[str, ...],
+    decode: bool,
+) -> None:
+    """Raise `WorkerResultError` unless the result honours the batch's per-row sampling state.
+
+    Args:
+        host: the result as host arrays (after `check_values`).
+        sampling: the batch's own (scheduler-side) sampling state.
+        request_ids: the batch's request ids, one per row.
+        decode: the batch was a decode round.
+    """
+    if sampling.logprobs and host.logprobs is None and host.batch_size:
+        raise WorkerResultError(
+            f"request {request_ids[0]}: the batch asks for logprobs but the worker returned "
+            "none (GenerationBatchResult.logprobs)"
+        )
+    flags = sampling.speculative_host
+    if decode and flags is not None:
+        wrong = ~flags & (host.accept != 1)
+        if np.count_nonzero(wrong):
+            row = int(np.flatnonzero(wrong)[0])
+            raise WorkerResultError(
+                f"request {request_ids[row]}: accept length {int(host.accept[row])} for a "
+                "request that does not speculate (speculative=False accepts exactly 1)"
+            )
+
+
+def _check_logprobs(
+    logprobs: npt.NDArray[np.floating[Any]],
+    accept: npt.NDArray[np.int64],
+    valid: npt.NDArray[np.bool_] | None,
+    request_ids: tuple[str, ...],
+) -> None:
+    """Every accepted token's log-probability is finite and not above 0 (rounding allowed)."""
+    accepted = np.arange(logprobs.shape[1]) < accept[:, None]
+    if valid is not None:
+        accepted &= valid[:, None]
+    bad = ~(np.isfinite(logprobs) & (logprobs <= 1e-3)) & accepted
+    if np.count_nonzero(bad):
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise WorkerResultError(
+            f"request {request_ids[row]}: log-probability {float(logprobs[row, col])} of the "
+            f"accepted token at run position {col} is not a finite number <= 0"
+        )
 
 
 def _check_tokens(

@@ -5,11 +5,12 @@ host arrays (`HostResult`). Where they come from depends on where the worker's t
 
 * on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
   copy): `HostResult.view`;
-* on a device, the launch packs the accept lengths, the tokens, the published frontier and the
-  invalid-row flags into one int64 tensor right after the forward and starts one non-blocking
-  copy into a host buffer (pinned on CUDA, on a copy stream that waits for the forward
-  stream), then records an event: `ResultCopy.start`. The host waits for that event when it
-  settles the batch (`ResultCopy.wait`), never before, and never reads a device tensor.
+* on a device, the launch packs the accept lengths, the tokens, the published frontier, the
+  invalid-row flags and the logprobs (float32 bits) into one int64 tensor right after the
+  forward and starts one non-blocking copy into a host buffer (pinned on CUDA, on a copy
+  stream that waits for the forward stream), then records an event: `ResultCopy.start`. The
+  host waits for that event when it settles the batch (`ResultCopy.wait`), never before,
+  and never reads a device tensor.
 
 Invariant: the launch path does not read any device value; the host reads a result only after
 its copy event.
@@ -45,6 +46,7 @@ class HostResult:
         invalid: ``[B]`` rows the worker marked invalid, or None.
         seq_lens: ``[B]`` the frontier the forward ran from (what the published one is checked
             against).
+        logprobs: ``[B, stride]`` float log-probabilities of the tokens, or None.
     """
 
     tokens: npt.NDArray[Any]
@@ -53,6 +55,7 @@ class HostResult:
     frontier: npt.NDArray[np.integer[Any]] | None
     invalid: npt.NDArray[np.bool_] | None
     seq_lens: npt.NDArray[np.integer[Any]]
+    logprobs: npt.NDArray[np.floating[Any]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -76,7 +79,16 @@ class HostResult:
             frontier=None if frontier is None else frontier.numpy(),
             invalid=None if result.invalid_rows is None else result.invalid_rows.numpy(),
             seq_lens=seq_lens.numpy(),
+            logprobs=None if result.logprobs is None else _host_floats(result.logprobs, b),
         )
+
+
+def _host_floats(values: torch.Tensor, b: int) -> npt.NDArray[np.floating[Any]]:
+    """A host CPU float tensor as a ``[b, stride]`` array (float32 unless it is float64)."""
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()  # bfloat16 has no NumPy dtype
+    out: npt.NDArray[np.floating[Any]] = values.numpy().reshape(b, -1)
+    return out
 
 
 class ResultCopy:
@@ -86,12 +98,12 @@ class ResultCopy:
         self,
         host: torch.Tensor,
         event: CudaEvent | None,
-        layout: tuple[int, int, bool, bool],
+        layout: tuple[int, int, bool, bool, bool],
         keep: tuple[torch.Tensor, ...],
     ) -> None:
         self._host = host
         self._event = event
-        self._layout = layout  # (batch size, stride, has frontier, has invalid rows)
+        self._layout = layout  # (batch size, stride, has frontier, invalid rows, logprobs)
         self._keep = keep  # device tensors the copy reads, alive until it is done
 
     @classmethod
@@ -112,8 +124,16 @@ class ResultCopy:
             parts.append(frontier.long())
         if result.invalid_rows is not None:
             parts.append(result.invalid_rows.long())
+        if result.logprobs is not None:  # float32 bits, read back as float32 on the host
+            parts.append(result.logprobs.float().view(torch.int32).long())
         packed = torch.cat(parts)
-        layout = (b, stride, frontier is not None, result.invalid_rows is not None)
+        layout = (
+            b,
+            stride,
+            frontier is not None,
+            result.invalid_rows is not None,
+            result.logprobs is not None,
+        )
         if packed.device.type != "cuda":
             host = torch.empty(packed.shape, dtype=torch.int64)
             host.copy_(packed, non_blocking=True)
@@ -137,7 +157,7 @@ class ResultCopy:
             elif not self._event.synchronize_within(timeout):
                 return None
         self._keep = ()
-        b, stride, has_frontier, has_invalid = self._layout
+        b, stride, has_frontier, has_invalid, has_logprobs = self._layout
         flat = self._host.numpy()
         accept = flat[:b]
         tokens = flat[b : b + b * stride].reshape(b, stride)
@@ -146,7 +166,13 @@ class ResultCopy:
         frontier = None
         if has_frontier:
             frontier, at = flat[at : at + b], at + b
-        invalid = flat[at : at + b].astype(np.bool_) if has_invalid else None
+        invalid = None
+        if has_invalid:
+            invalid, at = flat[at : at + b].astype(np.bool_), at + b
+        logprobs = None
+        if has_logprobs:
+            bits = flat[at : at + b * stride].astype(np.int32)
+            logprobs = bits.view(np.float32).reshape(b, stride)
         return HostResult(
             tokens=tokens,
             accept=accept,
@@ -154,6 +180,7 @@ class ResultCopy:
             frontier=frontier,
             invalid=invalid,
             seq_lens=seq_lens,
+            logprobs=logprobs,
         )
 
 

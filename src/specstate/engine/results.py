@@ -16,6 +16,9 @@ riding a mixed batch as 1-token extends of their bonus). Per row:
   ``next_token_ids[i * stride : i * stride + accept_len]`` — with the stride of the producing
   forward (a mixed tail accepts exactly 1: its bonus's KV is now written).
 
+The result's ``logprobs``, when present, are appended with the tokens (same rows, same slices).
+A finishing row's detail names its stop token, or its stop sequence.
+
 Python touches a request only when it finishes, or when its last prefill chunk settles.
 
 Invariant: for a settled decode row, ``committed_after - committed_before == accept_len ==
@@ -25,6 +28,7 @@ len(appended run)``; a skipped row's counters and outputs are unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -163,7 +167,9 @@ class ResultProcessor:
         with self._checker.acting(Role.RESULT_PROCESSOR):
             self._commit(slots_np, accept, decode)
             rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
-            ended = self._append(reqs, slots_np, tokens, accept, rows, verifies, n_prefill)
+            ended = self._append(
+                slots_np, tokens, accept, result.logprobs, rows, verifies, n_prefill
+            )
             for i in firsts:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
@@ -186,10 +192,10 @@ class ResultProcessor:
 
     def _append(
         self,
-        reqs: Sequence[Req],
         slots: IntArray,
         tokens: IntArray,
         accept: IntArray,
+        logprobs: npt.NDArray[np.floating[Any]] | None,
         rows: IntArray | None,
         verifies: bool,
         n_prefill: int,
@@ -198,9 +204,11 @@ class ResultProcessor:
             if rows.size == 0:
                 return None
             slots, tokens, accept = slots[rows], tokens[rows], accept[rows]
+            if logprobs is not None:
+                logprobs = logprobs[rows]
         # Prefill rows append one token and are never verifies; a decode round has none.
         return self._outputs.append_runs(
-            slots, tokens, accept, verifies=verifies and n_prefill == 0
+            slots, tokens, accept, verifies=verifies and n_prefill == 0, logprobs=logprobs
         )
 
     def _finish(
@@ -216,7 +224,8 @@ class ResultProcessor:
         if ended is not None:
             for k, row in enumerate(ended.rows):
                 req = reqs[row if rows is None else int(rows[row])]
-                finish = _finish_state(req, ended.stop_at[k], ended.stop_token[k])
+                sequence = ended.stop_sequence[k] if ended.stop_sequence else -1
+                finish = _finish_state(req, ended.stop_at[k], ended.stop_token[k], sequence)
                 self._end(req, finish)
                 finished.append(req)
         if abort_reasons:  # rare: a user abort that reached a request with a result in flight
@@ -238,8 +247,14 @@ class ResultProcessor:
         req.transition(target, finish=finish)
 
 
-def _finish_state(req: Req, stop_at: int, stop_token: int) -> FinishState:
-    """The finish of a row the output table flagged: its first stop, else the length cap."""
+def _finish_state(req: Req, stop_at: int, stop_token: int, sequence: int = -1) -> FinishState:
+    """The finish of a row the output table flagged: its first stop, else the length cap.
+
+    A stop token's detail is the token id; a stop sequence's is ``"stop sequence (a, b, c)"``.
+    """
     if stop_at >= 0:
+        if sequence >= 0:
+            detail = f"stop sequence {req.sampling.stop_sequences[sequence]}"
+            return FinishState(reason=FinishReason.STOP, finished_len=stop_at, detail=detail)
         return FinishState(reason=FinishReason.STOP, finished_len=stop_at, detail=str(stop_token))
     return FinishState(reason=FinishReason.LENGTH, finished_len=req.sampling.max_new_tokens)

@@ -121,7 +121,9 @@ class _DecodeRows:
             slots_host=slots.numpy(),
             device_slots=self.device_slots.index_select(0, index.to(self.device_slots.device)),
             incarnations=tuple(compress(self.incarnations, keep)),
-            sampling=self.sampling.select(index.to(self.sampling.temperatures.device)),
+            sampling=self.sampling.select(
+                index.to(self.sampling.temperatures.device), host_rows=keep
+            ),
             epochs=self.epochs[keep],
             request_ids=tuple(compress(self.request_ids, keep)),
         )
@@ -490,7 +492,11 @@ class Scheduler:
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(
-            [r.sampling for r in reqs], vocab_size=self._config.vocab_size, device=self._device
+            [r.sampling for r in reqs],
+            vocab_size=self._config.vocab_size,
+            device=self._device,
+            prompt_lens=[len(r.prompt_ids) for r in reqs],
+            eos_token_ids=self._outputs.eos_token_ids,
         )
 
     @staticmethod

@@ -61,6 +61,10 @@ OnPublish = Callable[[torch.Tensor], None]
 class WorkerCapabilities:
     """What a worker's algorithm needs from the scheduler; the memory sizing derives from it.
 
+    The ``supports_*`` flags of the sampling controls (docs/engine.md, "Sampling controls") are
+    False unless declared, and `Engine.submit` refuses a request that needs one the worker lacks
+    (stop sequences need nothing from a worker: the engine matches them).
+
     Attributes:
         algorithm: registry name (``none``, ``draft_model``, ``eagle``, ``ngram``, ...).
         num_steps: draft steps per round (0 without speculation).
@@ -71,6 +75,14 @@ class WorkerCapabilities:
         supports_mixed_chunk: whether running requests may ride in a prefill batch.
         supports_sampling: whether the worker samples (temperature > 0); a greedy-only
             worker sets False, and the engine refuses a sampled request at `Engine.submit`.
+        supports_per_request_speculation: a row with ``SamplingParams(speculative=False)``
+            accepts exactly one token per verify (its drafts ignored). Needed only by a
+            speculative worker; the engine fails a batch whose such row accepted more.
+        supports_penalties: ``repetition_penalty``, ``frequency_penalty`` and
+            ``presence_penalty``, each verify position seeing the drafts before it.
+        supports_min_new_tokens: stop tokens masked before ``min_new_tokens`` outputs.
+        supports_seeds: per-request ``seed`` (`specstate.batch.sampling.seeded_uniforms`).
+        supports_logprobs: ``GenerationBatchResult.logprobs`` when a row asks for them.
     """
 
     algorithm: str
@@ -81,6 +93,11 @@ class WorkerCapabilities:
     supports_overlap: bool = True
     supports_mixed_chunk: bool = True
     supports_sampling: bool = True
+    supports_per_request_speculation: bool = False
+    supports_penalties: bool = False
+    supports_min_new_tokens: bool = False
+    supports_seeds: bool = False
+    supports_logprobs: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

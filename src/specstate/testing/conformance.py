@@ -92,13 +92,13 @@ _PROMPTS: tuple[tuple[int, ...], ...] = (
 
 def _rule_of(detail: str) -> str:
     """The rule a finish detail names (``Type: message``, or a ``[name]`` prefix)."""
+    if "[isolation]" in detail:
+        return "isolation"
+    if "[relay]" in detail:  # also a result without the relay payload (WorkerResultError)
+        return "relay"
     for error, rule in _RULES:
         if detail.startswith(f"{error.__name__}:"):
             return rule
-    if "[isolation]" in detail:
-        return "isolation"
-    if "[relay]" in detail:
-        return "relay"
     return "error"
 
 

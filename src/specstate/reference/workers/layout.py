@@ -125,6 +125,7 @@ def extend_result(
     seq_lens: torch.Tensor,
     payload: RelayPayload,
     invalid_rows: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
     """EXTEND result: stride 1, accept 1, ``new_seq_lens = seq_lens`` (no ``+1``)."""
     return GenerationBatchResult(
@@ -134,6 +135,7 @@ def extend_result(
         new_seq_lens=seq_lens.long().clone(),
         next_draft_input=payload,
         invalid_rows=invalid_rows,
+        logprobs=logprobs,
     )
 
 
@@ -143,10 +145,12 @@ def decode_result(
     new_seq_lens: torch.Tensor,
     payload: RelayPayload,
     invalid_rows: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
     """DECODE result from ``run_tokens`` ``[B, D]``: row ``b``'s first ``accept_lens[b]`` count.
 
-    Tokens past each run are written as 0 (the padding the result processor never reads).
+    Tokens past each run are written as 0 (the padding the result processor never reads), and
+    so are their ``logprobs`` (``[B, D]``, aligned with ``run_tokens``), when given.
     """
     width = run_tokens.shape[1]
     keep = torch.arange(width, device=run_tokens.device)[None, :] < accept_lens[:, None]
@@ -157,6 +161,7 @@ def decode_result(
         new_seq_lens=new_seq_lens,
         next_draft_input=payload,
         invalid_rows=invalid_rows,
+        logprobs=None if logprobs is None else torch.where(keep, logprobs, 0.0).reshape(-1),
     )
 
 

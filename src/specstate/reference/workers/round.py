@@ -13,8 +13,16 @@ bonus, which is exactly a 1-token chunk (its relay payload row carries what a ch
 
 Rows with ``temperature > 0`` sample (target and drafter alike) and verify by speculative
 sampling (`specstate.reference.workers.verify`); greedy rows take the argmax, also when they
-share a batch with sampled rows. All randomness comes from the worker's one `TokenSampler`
-(``seed`` option): a run is reproducible for a fixed seed and batch composition.
+share a batch with sampled rows. All randomness of unseeded rows comes from the worker's one
+`TokenSampler` (``seed`` option): a run is reproducible for a fixed seed and batch composition.
+
+Every chain worker (``topk == 1``) serves the sampling controls (its capabilities declare them;
+a subclass that replaces the DECODE round, e.g. a tree, declares none): a DECODE round
+records the bonus in the target's token history and builds the token state at ``S``; the
+drafter drafts inside `TokenSampler.drafting` (the same controls on its logits, seeded rows
+coupled to the position they draft); the target verifies each position with the drafts before
+it (`specstate.reference.workers.target`). A request with ``speculative=False`` still rides the
+verify, with its drafts ignored: it accepts exactly one token.
 
 Invariant: ``on_publish`` is called exactly once per forward, after the target decided the
 frontier and before any post-verify work; the worker writes only its own caches and history,
@@ -87,6 +95,15 @@ class ChainRoundWorker(abc.ABC):
     ) -> None:
         self._target = target
         self._capabilities = capabilities
+        if capabilities.topk == 1:  # the chain round implements every sampling control
+            self._capabilities = attrs.evolve(
+                capabilities,
+                supports_per_request_speculation=True,
+                supports_penalties=True,
+                supports_min_new_tokens=True,
+                supports_seeds=True,
+                supports_logprobs=True,
+            )
         self._sampler = TokenSampler(seed)
 
     @property
@@ -131,21 +148,28 @@ class ChainRoundWorker(abc.ABC):
         # pending root, whose KV the next verify writes. Publish before the draft prefill.
         _publish(on_publish, batch.seq_lens.long())
         payload = self._draft_prefill(batch, out)
-        return extend_result(out.next_tokens, batch.seq_lens, payload, out.invalid_rows)
+        return extend_result(
+            out.next_tokens, batch.seq_lens, payload, out.invalid_rows, out.logprobs
+        )
 
     def _run_decode(
         self, batch: ForwardBatch, on_publish: OnPublish | None
     ) -> GenerationBatchResult:
         start, roots = decode_roots(batch)
-        drafts = self._propose(batch, start, roots)
-        verdict, hidden, invalid = self._target.verify(
+        sampling = batch.sampling_info
+        counts = self._target.begin_round(batch.req_pool_indices, start, roots, sampling)
+        with self._sampler.drafting(start, sampling, counts):
+            drafts = self._propose(batch, start, roots)
+        checked = self._target.verify_chain(
             batch.req_pool_indices,
             start,
             roots,
             drafts,
-            sampling=batch.sampling_info,
+            sampling=sampling,
             sampler=self._sampler,
+            counts=counts,
         )
+        verdict, hidden = checked.verdict, checked.hidden_states
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
@@ -154,7 +178,12 @@ class ChainRoundWorker(abc.ABC):
         )
         payload = self._commit_round(verified)
         return decode_result(
-            verdict.run_tokens, verdict.accept_lens, new_seq_lens, payload, invalid
+            verdict.run_tokens,
+            verdict.accept_lens,
+            new_seq_lens,
+            payload,
+            checked.invalid_rows,
+            checked.logprobs,
         )
 
     @abc.abstractmethod
@@ -171,7 +200,9 @@ class ChainRoundWorker(abc.ABC):
 
         Greedy rows draft the drafter's argmax; sampled rows draw from the drafter's filtered
         distribution (``batch.sampling_info``) with ``self._sampler`` and return it in
-        `DraftChain.probs` (a deterministic drafter returns None: ``q`` is one-hot).
+        `DraftChain.probs` (a deterministic drafter returns None: ``q`` is one-hot). It runs
+        inside `TokenSampler.drafting`: call ``self._sampler.choose`` once per draft step, in
+        order, and it applies the logit controls and the seeded draws of the drafted position.
         """
 
     @abc.abstractmethod

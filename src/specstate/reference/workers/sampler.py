@@ -2,10 +2,20 @@
 
 `TokenSampler` owns the worker's `torch.Generator`; the target and the drafter of a worker draw
 from it, in a fixed order, so a run is reproducible for a fixed seed and batch composition.
-A row samples when its temperature is above 0; its distribution is the filtered softmax::
+A row samples when its temperature is above 0; its distribution is the filtered softmax of its
+*processed* logits (`TokenCounts.apply`: the penalties and the ``min_new_tokens`` mask, given
+the tokens before the scored position)::
 
-    logits ──/ T──▶ softmax ──top-k──▶ keep the k most probable ──top-p──▶ keep the smallest
-    most-probable prefix whose mass reaches top_p (the first token always) ──▶ renormalize
+    logits ──controls──▶ /T ──▶ softmax ──top-k──▶ keep the k most probable ──top-p──▶ keep the
+    smallest most-probable prefix whose mass reaches top_p (the first token always) ──▶
+    renormalize
+
+A row whose request has a ``seed`` does not use the generator: its token at position ``p`` is
+the inverse CDF of its distribution (vocabulary order) at ``seeded_uniforms(seed, p)``, a pure
+function of the seed, the position and the distribution. While a drafter drafts (`drafting`),
+`choose` draws its step ``k`` with the uniform of the position it drafts, so a drafter close to
+the target proposes the token the target will draw (a coupled draft), and applies the same
+controls to the drafter's logits, advancing the counts by each drafted token.
 
 A greedy row (``T == 0``) takes the argmax of its raw logits, exactly as before sampling
 existed: `TokenSampler.choose` on an all-greedy batch computes no distribution and draws
@@ -18,16 +28,27 @@ distribution is a pure function of the logits and the row's parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import attrs
 import torch
+import torch.nn.functional as F
 
-from specstate.batch.sampling import SamplingInfo
+from specstate.batch.sampling import SamplingInfo, apply_logit_controls, seeded_uniforms
 
-__all__ = ["TokenChoice", "TokenSampler", "filtered_probs"]
+__all__ = [
+    "TokenChoice",
+    "TokenCounts",
+    "TokenSampler",
+    "filtered_probs",
+    "sample_with_uniforms",
+    "token_logprobs",
+]
 
 
 def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``values`` ``[B]`` viewed to broadcast against ``like`` ``[B, ..., V]``."""
+    """``values`` ``[B]`` viewed to broadcast against ``like`` ``[B, ...]``."""
     return values.to(like.device).view(-1, *([1] * (like.ndim - 1)))
 
 
@@ -51,6 +72,127 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingInfo) -> torch.Tensor
     return torch.zeros_like(probs).scatter(-1, order, kept)
 
 
+def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF of ``probs`` ``[..., V]`` (vocabulary order) at ``uniforms`` ``[...]``.
+
+    The token ``t`` with ``cdf(t - 1) <= u * mass < cdf(t)``: always a token of positive mass.
+    """
+    cdf = probs.double().cumsum(-1)
+    target = uniforms.to(cdf.device, torch.float64)[..., None] * cdf[..., -1:]
+    index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ranks, 0).amax(-1)  # rounding never picks a massless tail
+    return torch.minimum(index, last)
+
+
+def token_logprobs(
+    processed: torch.Tensor,
+    probs: torch.Tensor | None,
+    sampling: SamplingInfo,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, ...]`` log-probability of ``tokens`` under each row's final distribution (float32).
+
+    Greedy rows: ``log_softmax`` of the processed logits (temperature 1, no filter); sampled
+    rows: the log of their filtered distribution ``probs``.
+    """
+    index = tokens.long()[..., None]
+    greedy = torch.log_softmax(processed.float(), dim=-1).gather(-1, index).squeeze(-1)
+    if probs is None or sampling.is_all_greedy:
+        return greedy
+    sampled = probs.gather(-1, index).squeeze(-1).log()
+    is_greedy = _per_row(sampling.temperatures == 0, greedy)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+@attrs.frozen(kw_only=True)
+class TokenCounts:
+    """The token state a scored position sees: what `apply_logit_controls` needs.
+
+    One state per scored position (``[B, V]`` for one position per row, ``[B, D, V]`` for a
+    chain). Built from a worker's token history (`from_history`), then extended by drafts.
+
+    Attributes:
+        seen: ``[B, ..., V]`` float occurrences in prompt + output before the position.
+        output: ``[B, ..., V]`` float occurrences in the output before the position.
+        num_outputs: ``[B, ...]`` int64 outputs before the position.
+    """
+
+    seen: torch.Tensor
+    output: torch.Tensor
+    num_outputs: torch.Tensor
+
+    @classmethod
+    def from_history(
+        cls,
+        rows: torch.Tensor,
+        last: torch.Tensor,
+        prompt_lens: torch.Tensor | None,
+        vocab_size: int,
+    ) -> TokenCounts:
+        """The state that scores position ``last + 1`` of each row.
+
+        Args:
+            rows: ``[B, W]`` token history: position ``p`` of row ``b`` at ``rows[b, p]``
+                (positions past ``last`` are ignored).
+            last: ``[B]`` the last known position of each row.
+            prompt_lens: ``[B]`` where each row's outputs begin; None: at 0.
+            vocab_size: V.
+        """
+        positions = torch.arange(rows.shape[1], device=rows.device)[None, :]
+        last = last.long()[:, None]
+        known = positions <= last
+        prompt = (
+            torch.zeros_like(last) if prompt_lens is None else prompt_lens.long()[:, None]
+        ).to(rows.device)
+        is_output = known & (positions >= prompt)
+        zeros = torch.zeros(rows.shape[0], vocab_size, dtype=torch.float32, device=rows.device)
+        index = rows.long().clamp(0, vocab_size - 1)
+        return cls(
+            seen=zeros.scatter_add(1, index, known.float()),
+            output=zeros.scatter_add(1, index, is_output.float()),
+            num_outputs=(last + 1 - prompt).squeeze(1),
+        )
+
+    def advance(self, tokens: torch.Tensor) -> TokenCounts:
+        """The state one position later, ``tokens`` ``[B]`` (outputs) appended."""
+        one = F.one_hot(tokens.long(), self.seen.shape[-1]).to(self.seen.dtype)
+        return TokenCounts(
+            seen=self.seen + one, output=self.output + one, num_outputs=self.num_outputs + 1
+        )
+
+    def chain(self, drafts: torch.Tensor) -> TokenCounts:
+        """``[B, K+1, V]`` states of a chain: position ``j`` sees drafts ``d1 .. dj`` too."""
+        one = F.one_hot(drafts.long(), self.seen.shape[-1]).to(self.seen.dtype)
+        none = torch.zeros_like(self.seen)[:, None]
+        cumulative = torch.cat([none, one.cumsum(1)], dim=1)
+        steps = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None, :]
+        return TokenCounts(
+            seen=self.seen[:, None] + cumulative,
+            output=self.output[:, None] + cumulative,
+            num_outputs=self.num_outputs[:, None] + steps,
+        )
+
+    def apply(self, logits: torch.Tensor, sampling: SamplingInfo) -> torch.Tensor:
+        """``logits`` after the penalties and the ``min_new_tokens`` mask (a new tensor)."""
+        return apply_logit_controls(
+            logits,
+            sampling,
+            seen=self.seen,
+            output_counts=self.output,
+            num_outputs=self.num_outputs,
+        )
+
+
+@attrs.define
+class _Drafting:
+    """A drafter's round in progress: where its next token sits and the counts it sees."""
+
+    start: torch.Tensor
+    counts: TokenCounts | None
+    step: int = 0
+
+
 @attrs.frozen(kw_only=True)
 class TokenChoice:
     """Tokens chosen from a batch of logits.
@@ -59,10 +201,13 @@ class TokenChoice:
         tokens: ``[B]`` int64: the argmax for greedy rows, a sample for the others.
         probs: ``[B, V]`` the filtered distributions the sampled rows drew from (greedy rows
             carry their temperature-1 distribution, never read); None when every row is greedy.
+        logits: ``[B, V]`` the processed logits the tokens were chosen from (the raw ones when
+            no row has a logit control).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    logits: torch.Tensor | None = None
 
 
 class TokenSampler:
@@ -75,6 +220,7 @@ class TokenSampler:
     def __init__(self, seed: int | None) -> None:
         self._seed = seed
         self._generator: torch.Generator | None = None
+        self._drafting: _Drafting | None = None
 
     @property
     def seed(self) -> int | None:
@@ -110,12 +256,62 @@ class TokenSampler:
         """Independent uniforms in ``[0, 1)`` of ``shape`` (float32)."""
         return torch.rand(shape, generator=self.generator, device=device)
 
-    def choose(self, logits: torch.Tensor, sampling: SamplingInfo) -> TokenChoice:
-        """The next token of every row of ``logits`` ``[B, V]`` under ``sampling``."""
-        greedy = logits.argmax(-1)
+    @contextmanager
+    def drafting(
+        self, start: torch.Tensor, sampling: SamplingInfo, counts: TokenCounts | None
+    ) -> Iterator[None]:
+        """Inside it, `choose` call ``k`` (0-based) drafts position ``start + k + 1``.
+
+        Seeded rows draw with that position's uniform; ``counts`` (the state at ``start``) are
+        applied to the drafter's logits and advanced by each drafted token. Without seeds and
+        counts nothing changes (greedy drafting stays bit-identical).
+        """
+        if sampling.seeds is None and counts is None:
+            yield
+            return
+        self._drafting = _Drafting(start=start, counts=counts)
+        try:
+            yield
+        finally:
+            self._drafting = None
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingInfo,
+        *,
+        positions: torch.Tensor | None = None,
+        counts: TokenCounts | None = None,
+    ) -> TokenChoice:
+        """The next token of every row of ``logits`` ``[B, V]`` under ``sampling``.
+
+        Args:
+            logits: raw logits of the scored position of each row.
+            sampling: the batch's sampling state.
+            positions: ``[B]`` the position each token will occupy (seeded rows draw from it);
+                None inside `drafting` takes the drafted position.
+            counts: the state the position sees (`TokenCounts`), for the logit controls; None
+                inside `drafting` takes the drafting state.
+        """
+        drafting = self._drafting
+        if drafting is not None and positions is None and counts is None:
+            positions = drafting.start + drafting.step + 1
+            counts = drafting.counts
+        processed = logits if counts is None else counts.apply(logits, sampling)
+        greedy = processed.argmax(-1)
         if sampling.is_all_greedy:
-            return TokenChoice(tokens=greedy, probs=None)
-        probs = filtered_probs(logits, sampling)
-        sampled = self.sample(probs)
-        is_greedy = sampling.temperatures.to(logits.device) == 0
-        return TokenChoice(tokens=torch.where(is_greedy, greedy, sampled), probs=probs)
+            tokens, probs = greedy, None
+        else:
+            probs = filtered_probs(processed, sampling)
+            sampled = self.sample(probs)
+            if sampling.seeds is not None and positions is not None:
+                uniforms = seeded_uniforms(sampling.seeds, positions.long())
+                seeded = sample_with_uniforms(probs, uniforms)
+                sampled = torch.where(sampling.seeds.to(logits.device) >= 0, seeded, sampled)
+            is_greedy = sampling.temperatures.to(logits.device) == 0
+            tokens = torch.where(is_greedy, greedy, sampled)
+        if drafting is not None:
+            drafting.step += 1
+            if drafting.counts is not None:
+                drafting.counts = drafting.counts.advance(tokens)
+        return TokenChoice(tokens=tokens, probs=probs, logits=processed)

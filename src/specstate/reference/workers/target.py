@@ -10,6 +10,20 @@ worker's `TokenSampler`: argmax for greedy rows, the filtered distribution for t
     verify(S, x0, d)     [x0, d1..dK] at S .. S+K         -> ChainVerdict, hidden [B, D, H]
                                                              (greedy or speculative sampling)
 
+Sampling controls (docs/engine.md, "Sampling controls"), all per row:
+
+* logit controls (penalties, ``min_new_tokens``): the runner keeps a token history shaped like
+  ``req_to_token`` (position ``p`` of a request at ``[slot, p]``, written idempotently by every
+  forward of a batch that has controls: the extend's tokens, the chain ``[x0, d1..dK]``), and
+  processes the logits of each scored position with the counts of the tokens before it —
+  verify row ``j`` sees ``d1 .. dj`` (`TokenCounts.chain`). A row with controls is in every
+  batch that writes it, so its history is complete below its frontier;
+* seeds: a seeded sampled row's token at position ``p`` is ``F_p^-1(u(seed, p))``; its chain is
+  verified against those tokens (`verify_chain_targets`), so the emitted tokens do not depend
+  on the drafts, the batch or the loop, and each follows the target's distribution exactly;
+* ``speculative=False`` rows accept exactly ``y_0`` (a sampled one draws it from ``p_0``);
+* logprobs of the emitted tokens under the final distribution, when a row asks for them.
+
 Invariant: the target's KV at positions below a row's frontier holds exactly the target's KV of
 that row's settled tokens; verify writes only ``[S, S + D)``, inside the engine's reservation.
 """
@@ -20,21 +34,27 @@ import attrs
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
-from specstate.batch.sampling import SamplingInfo
+from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
-from specstate.reference.workers.sampler import TokenSampler, filtered_probs
+from specstate.reference.workers.sampler import (
+    TokenCounts,
+    TokenSampler,
+    filtered_probs,
+    sample_with_uniforms,
+    token_logprobs,
+)
 from specstate.reference.workers.sources import ModelSource, build_model, read_source_config
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
-    verify_greedy_chain,
+    verify_chain_targets,
     verify_sampled_chain,
 )
 
-__all__ = ["TargetExtend", "TargetRunner"]
+__all__ = ["TargetExtend", "TargetRunner", "TargetVerify"]
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +67,7 @@ class TargetExtend:
         hidden_states: ``[T, hidden]`` target features (before the final norm) of every token.
         last_rows: ``[B]`` index of each row's last new token in the packed layout.
         invalid_rows: ``[B]`` bool, True where the row's logits were not finite.
+        logprobs: ``[B]`` log-probability of each next token, when the batch asks for them.
     """
 
     attention: AttentionBatch
@@ -54,6 +75,24 @@ class TargetExtend:
     hidden_states: torch.Tensor
     last_rows: torch.Tensor
     invalid_rows: torch.Tensor
+    logprobs: torch.Tensor | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TargetVerify:
+    """What the target's verify forward produced.
+
+    Attributes:
+        verdict: the accepted runs.
+        hidden_states: ``[B, D, hidden]`` target features of the chain.
+        invalid_rows: ``[B]`` rows whose logits were not finite (verified on zeroed logits).
+        logprobs: ``[B, D]`` log-probability of each run token, when the batch asks for them.
+    """
+
+    verdict: ChainVerdict
+    hidden_states: torch.Tensor
+    invalid_rows: torch.Tensor
+    logprobs: torch.Tensor | None = None
 
 
 def _mask_non_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -93,6 +132,7 @@ class TargetRunner:
         self.config: ModelConfig = read_source_config(source, dtype=dtype)
         self._model: PagedLlama | None = None
         self._memory: WorkerMemory | None = None
+        self._history: torch.Tensor | None = None
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target with ``memory.num_token_slots`` KV slots and bind ``memory``.
@@ -109,6 +149,9 @@ class TargetRunner:
             dtype=self._dtype,
         )
         self._memory = memory
+        self._history = torch.zeros(
+            tuple(memory.req_to_token.shape), dtype=torch.int64, device=self.device_for(memory)
+        )
 
     def device_for(self, memory: WorkerMemory) -> torch.device:
         """Where this worker's models live when attached to ``memory``."""
@@ -133,18 +176,65 @@ class TargetRunner:
         """The engine's request → token-slot table (read only)."""
         return self.memory.req_to_token
 
+    def write_tokens(
+        self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
+        """Stores ``tokens[i]`` at position ``positions[i]`` of slot ``slots[i]`` (history)."""
+        if self._history is None:
+            raise InvalidConfig("worker is not attached: call attach(memory) first")
+        history = self._history  # worker-owned: written in place, idempotently
+        history.index_put_(
+            (slots.long().to(history.device), positions.long().to(history.device)),
+            tokens.long().to(history.device),
+        )
+
+    def counts_at(
+        self, slots: torch.Tensor, last: torch.Tensor, sampling: SamplingInfo
+    ) -> TokenCounts | None:
+        """The token state scoring position ``last + 1`` of each row; None without controls."""
+        if not sampling.has_logit_controls or self._history is None:
+            return None
+        rows = self._history.index_select(0, slots.long().to(self._history.device))
+        return TokenCounts.from_history(rows, last, sampling.prompt_lens, self.config.vocab_size)
+
+    def begin_round(
+        self, slots: torch.Tensor, start: torch.Tensor, roots: torch.Tensor, sampling: SamplingInfo
+    ) -> TokenCounts | None:
+        """Record the bonus ``x0`` at ``S`` and return the state at ``S`` (None: no controls)."""
+        if not sampling.has_logit_controls:
+            return None
+        self.write_tokens(slots, start, roots)
+        return self.counts_at(slots, start, sampling)
+
     def extend(self, batch: ForwardBatch, sampler: TokenSampler) -> TargetExtend:
         """Runs the EXTEND / MIXED forward and chooses the token after each row's last one."""
         attention = extend_attention(batch, self.req_to_token)
         last_rows = last_token_rows(attention.extend_lens)
         out = self.model(attention, logit_rows=last_rows)
         invalid = _mask_non_finite(out.logits)
+        sampling = batch.sampling_info
+        last = attention.positions.index_select(0, last_rows)
+        counts = None
+        if sampling.has_logit_controls:
+            slots = torch.repeat_interleave(
+                attention.req_pool_indices,
+                attention.extend_lens,
+                output_size=attention.input_ids.numel(),
+            )
+            self.write_tokens(slots, attention.positions, attention.input_ids)
+            counts = self.counts_at(attention.req_pool_indices, last, sampling)
+        choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts)
+        logprobs = None
+        if sampling.logprobs:
+            processed = out.logits if choice.logits is None else choice.logits
+            logprobs = token_logprobs(processed, choice.probs, sampling, choice.tokens)
         return TargetExtend(
             attention=attention,
-            next_tokens=sampler.choose(out.logits, batch.sampling_info).tokens,
+            next_tokens=choice.tokens,
             hidden_states=out.hidden_states,
             last_rows=last_rows,
             invalid_rows=invalid,
+            logprobs=logprobs,
         )
 
     def verify(
@@ -163,28 +253,91 @@ class TargetRunner:
             The verdict, the target's hidden states ``[B, D, hidden]`` of the chain, and the
             ``[B]`` rows whose logits were not finite (verified on zeroed logits; invalid).
         """
+        out = self.verify_chain(
+            req_pool_indices, start, roots, drafts, sampling=sampling, sampler=sampler
+        )
+        return out.verdict, out.hidden_states, out.invalid_rows
+
+    def verify_chain(
+        self,
+        req_pool_indices: torch.Tensor,
+        start: torch.Tensor,
+        roots: torch.Tensor,
+        drafts: DraftChain,
+        *,
+        sampling: SamplingInfo,
+        sampler: TokenSampler,
+        counts: TokenCounts | None = None,
+    ) -> TargetVerify:
+        """`verify`, with the run's logprobs; ``counts``: the state at ``S`` if already built
+        (`begin_round`), else it is built here when the batch has logit controls."""
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
         out = self.model(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
-        verdict = _verify(drafts, logits, sampling, sampler)
-        return verdict, out.hidden_states.view(num_rows, width, -1), invalid
+        if sampling.has_logit_controls:
+            self.write_tokens(
+                attention.req_pool_indices.repeat_interleave(width),
+                attention.positions,
+                attention.input_ids,
+            )
+            if counts is None:
+                counts = self.counts_at(req_pool_indices, start, sampling)
+        if counts is not None:  # position j sees x0 and d1 .. dj
+            logits = counts.chain(drafts.tokens).apply(logits, sampling)
+        verdict, probs = _verify(drafts, logits, sampling, sampler, start)
+        logprobs = None
+        if sampling.logprobs:
+            logprobs = token_logprobs(logits, probs, sampling, verdict.run_tokens)
+        return TargetVerify(
+            verdict=verdict,
+            hidden_states=out.hidden_states.view(num_rows, width, -1),
+            invalid_rows=invalid,
+            logprobs=logprobs,
+        )
 
 
 def _verify(
-    drafts: DraftChain, logits: torch.Tensor, sampling: SamplingInfo, sampler: TokenSampler
-) -> ChainVerdict:
-    """Greedy rows verify by argmax (bit-identical to an all-greedy batch), the others sample."""
-    greedy = verify_greedy_chain(drafts.tokens, logits)
+    drafts: DraftChain,
+    logits: torch.Tensor,
+    sampling: SamplingInfo,
+    sampler: TokenSampler,
+    start: torch.Tensor,
+) -> tuple[ChainVerdict, torch.Tensor | None]:
+    """The verdict of every row, and the filtered distributions (None: all greedy).
+
+    Greedy rows verify by argmax (bit-identical to an all-greedy batch); seeded sampled rows
+    against their seeded draws; other sampled rows by speculative sampling. A row that does not
+    speculate accepts exactly ``y_0`` (drawn from ``p_0`` when it samples without a seed).
+    """
+    speculative = sampling.speculative
+    targets = logits.argmax(-1)
     if sampling.is_all_greedy:
-        return greedy
+        return verify_chain_targets(drafts.tokens, targets, speculative), None
     probs = filtered_probs(logits, sampling)
+    fixed_rows = (sampling.temperatures == 0).to(logits.device)
+    if sampling.seeds is not None:
+        steps = torch.arange(targets.shape[1], device=targets.device)[None, :]
+        uniforms = seeded_uniforms(sampling.seeds, start.long()[:, None] + 1 + steps)
+        seeded = (sampling.seeds.to(logits.device) >= 0) & ~fixed_rows
+        targets = torch.where(seeded[:, None], sample_with_uniforms(probs, uniforms), targets)
+        fixed_rows = fixed_rows | seeded
+    fixed = verify_chain_targets(drafts.tokens, targets, speculative)
     sampled = verify_sampled_chain(drafts.tokens, drafts.probs, probs, sampler)
-    is_greedy = (sampling.temperatures == 0).to(logits.device)
-    return ChainVerdict(
-        run_tokens=torch.where(is_greedy[:, None], greedy.run_tokens, sampled.run_tokens),
-        accept_lens=torch.where(is_greedy, greedy.accept_lens, sampled.accept_lens),
-        bonus_tokens=torch.where(is_greedy, greedy.bonus_tokens, sampled.bonus_tokens),
+    if speculative is not None:  # a single token drawn from p_0 itself, not the residual
+        single = ~speculative.to(logits.device)
+        first = sampler.sample(probs[:, 0])
+        only_first = torch.cat([first[:, None], torch.zeros_like(sampled.run_tokens[:, 1:])], 1)
+        sampled = ChainVerdict(
+            run_tokens=torch.where(single[:, None], only_first, sampled.run_tokens),
+            accept_lens=torch.where(single, 1, sampled.accept_lens),
+            bonus_tokens=torch.where(single, first, sampled.bonus_tokens),
+        )
+    verdict = ChainVerdict(
+        run_tokens=torch.where(fixed_rows[:, None], fixed.run_tokens, sampled.run_tokens),
+        accept_lens=torch.where(fixed_rows, fixed.accept_lens, sampled.accept_lens),
+        bonus_tokens=torch.where(fixed_rows, fixed.bonus_tokens, sampled.bonus_tokens),
     )
+    return verdict, probs

@@ -34,7 +34,13 @@ import torch.nn.functional as F
 from specstate.core.errors import InvalidConfig
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler
 
-__all__ = ["ChainVerdict", "DraftChain", "verify_greedy_chain", "verify_sampled_chain"]
+__all__ = [
+    "ChainVerdict",
+    "DraftChain",
+    "verify_chain_targets",
+    "verify_greedy_chain",
+    "verify_sampled_chain",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -92,16 +98,34 @@ def _check_chain(drafts: torch.Tensor, scores: torch.Tensor, name: str) -> None:
         )
 
 
-def verify_greedy_chain(drafts: torch.Tensor, logits: torch.Tensor) -> ChainVerdict:
+def verify_greedy_chain(
+    drafts: torch.Tensor, logits: torch.Tensor, speculative: torch.Tensor | None = None
+) -> ChainVerdict:
     """Greedy verification of ``drafts`` ``[B, K]`` against verify ``logits`` ``[B, K+1, V]``.
+
+    ``speculative`` (``[B]`` bool, None: all): a False row accepts no draft (run = ``y_0``).
 
     Raises:
         InvalidConfig: the shapes disagree.
     """
     _check_chain(drafts, logits, "logits")
+    return verify_chain_targets(drafts, logits.argmax(-1), speculative)
+
+
+def verify_chain_targets(
+    drafts: torch.Tensor, targets: torch.Tensor, speculative: torch.Tensor | None = None
+) -> ChainVerdict:
+    """Verification against the target's own token ``targets[:, j]`` at every chain position.
+
+    The target's token at a position is fixed before the drafts are compared (the argmax, or a
+    seeded row's draw ``F_p^-1(u)``, which depends only on the seed, the position and ``p``):
+    drafts are accepted while they equal it, and the run is ``targets[:, :a]``. A row with
+    ``speculative`` False accepts exactly one token.
+    """
     num_steps = drafts.shape[1]
-    targets = logits.argmax(-1)
     matched = (drafts == targets[:, :num_steps]).long()
+    if speculative is not None:
+        matched = matched * speculative.to(matched.device)[:, None].long()
     accept_lens = matched.cumprod(1).sum(1) + 1  # the first mismatch ends the run
     bonus = targets.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
     return ChainVerdict(run_tokens=targets, accept_lens=accept_lens, bonus_tokens=bonus)
