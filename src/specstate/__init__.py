@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         RequestLimits,
         SamplingParams,
     )
+    from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
     from specstate.engine.engine import Engine, EngineConfig, EngineSnapshot, StepReport
     from specstate.engine.invariants import InvariantViolation, check_engine
     from specstate.engine.results import AcceptMetrics
@@ -104,6 +105,8 @@ _EXPORTS: dict[str, str] = {
     "ReqStatus": "specstate.core.request",
     "RequestLimits": "specstate.core.request",
     "SamplingParams": "specstate.core.request",
+    "AcceptanceEma": "specstate.engine.draft_policy",
+    "DraftPolicy": "specstate.engine.draft_policy",
     "Engine": "specstate.engine.engine",
     "EngineConfig": "specstate.engine.engine",
     "EngineSnapshot": "specstate.engine.engine",
@@ -170,8 +173,10 @@ _MOVED_TO_INTERNALS = frozenset(
 
 __all__ = [
     "AcceptMetrics",
+    "AcceptanceEma",
     "AlgorithmRegistry",
     "DoubleRelease",
+    "DraftPolicy",
     "Engine",
     "EngineConfig",
     "EngineSnapshot",

@@ -85,7 +85,13 @@ def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
         ('{"id": "a", "input_ids": [1], "top_p": 1.5}', '"top_p" must be a number in (0, 1]'),
         ('{"id": "a", "input_ids": [1], "top_k": 0}', '"top_k" must be an integer >= 1 or null'),
         ('{"id": "a", "input_ids": [1], "top_k": 2.5}', '"top_k" must be an integer >= 1'),
-        ('{"id": "a", "input_ids": [1], "seed": -1}', '"seed" must be an integer in [0, 2^64)'),
+        ('{"id": "a", "input_ids": [1], "seed": -1}', '"seed" must be an integer in [0, 2^63)'),
+        ('{"id": "a", "input_ids": [1], "logprobs": 1}', '"logprobs" must be true or false'),
+        ('{"id": "a", "input_ids": [1], "speculative": "no"}', '"speculative" must be true or'),
+        ('{"id": "a", "input_ids": [1], "repetition_penalty": "2"}', '"repetition_penalty" must'),
+        ('{"id": "a", "input_ids": [1], "min_new_tokens": 1.5}', '"min_new_tokens" must be an'),
+        ('{"id": "a", "input_ids": [1], "stop_sequences": [[]]}', '"stop_sequences" must be a'),
+        ('{"id": "a", "input_ids": [1], "stop_sequences": [1, 2]}', '"stop_sequences" must be'),
         ('{"id": "a", "input_ids": [1], "seed": "7"}', '"seed" must be an integer'),
         ('{"id": "a", "text": 5}', '"text" must be a string'),
         ('{"id": "a", "text": "hi", "input_ids": [1]}', 'give "input_ids" or "text", not both'),
@@ -281,9 +287,10 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def test_sampling_fields_reach_the_sampler_and_a_seed_reproduces(tmp_path: Path) -> None:
-    """temperature / top_k / top_p / seed map onto SamplingParams and the worker's seed:
-    greedy rows equal HF; top_k 1 or a tiny top_p sample the argmax; a line's seed acts as
-    --seed, the same seed reproduces a sampled run and another seed changes it."""
+    """temperature / top_k / top_p / seed map onto SamplingParams: greedy rows equal HF; top_k 1
+    or a tiny top_p sample the argmax; a line's seed is the request's own (the same tokens
+    whatever the worker's --seed), another seed changes them; unseeded sampled rows follow
+    --seed."""
     hf = make_checkpoint(tmp_path / "ckpt")
     prompt = [3, 4, 5]
     lines: list[dict[str, object]] = [
@@ -299,6 +306,9 @@ def test_sampling_fields_reach_the_sampler_and_a_seed_reproduces(tmp_path: Path)
     seeded = _write_lines(
         tmp_path / "seeded.jsonl", *lines[:3], *({**x, "seed": 5} for x in lines[3:])
     )
+    reseeded = _write_lines(
+        tmp_path / "reseeded.jsonl", *lines[:3], *({**x, "seed": 6} for x in lines[3:])
+    )
 
     def outputs(requests: Path, *extra: str) -> dict[str, Any]:
         out = tmp_path / "out.jsonl"
@@ -306,32 +316,69 @@ def test_sampling_fields_reach_the_sampler_and_a_seed_reproduces(tmp_path: Path)
         assert main([*argv, "--input", str(requests), "--output", str(out), *extra]) == 0
         return {r["id"]: r["output_ids"] for r in _rows(out)}
 
-    first = outputs(seeded)
+    first = outputs(seeded, "--seed", "1")
     expected = greedy(hf, prompt, 12)
     assert first["greedy"] == first["top_k_1"] == first["tiny_top_p"] == expected
-    assert outputs(seeded) == first
-    assert outputs(plain, "--seed", "5") == first
+    assert outputs(seeded, "--seed", "2") == first  # the requests' seeds decide
+    assert outputs(reseeded, "--seed", "1")["hot"] != first["hot"]
+    by_worker = outputs(plain, "--seed", "5")
+    assert outputs(plain, "--seed", "5") == by_worker
     other = outputs(plain, "--seed", "6")
     assert other["greedy"] == expected
-    assert (other["hot"], other["hot2"]) != (first["hot"], first["hot2"])
+    assert (other["hot"], other["hot2"]) != (by_worker["hot"], by_worker["hot2"])
 
 
-def test_lines_with_different_seeds_are_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A run has one sampler seed: a line whose seed differs exits 2 naming it."""
-    requests = _write_lines(
-        tmp_path / "in.jsonl",
-        {"id": "a", "input_ids": [1], "seed": 1},
-        {"id": "b", "input_ids": [1]},
-        {"id": "c", "input_ids": [1], "seed": 2},
-    )
-    argv = ["generate", "--model", str(tmp_path / "none"), "--input", str(requests)]
-    assert main([*argv, "--output", str(tmp_path / "o.jsonl")]) == 2
-    err = capsys.readouterr().err
-    assert 'in.jsonl:3: "seed" 2 differs from 1 (' in err and "in.jsonl:1)" in err
-    assert main([*argv, "--output", str(tmp_path / "o.jsonl"), "--seed", "2"]) == 2
-    assert 'in.jsonl:1: "seed" 1 differs from 2 (--seed)' in capsys.readouterr().err
+def test_each_line_has_its_own_seed(tmp_path: Path) -> None:
+    """Lines may give different seeds; a seeded request emits the same tokens alone and among
+    others."""
+    make_checkpoint(tmp_path / "ckpt")
+    a = {"id": "a", "input_ids": [3, 4, 5], "max_new_tokens": 16, "temperature": 1.0, "seed": 1}
+    others = [
+        {"id": "b", "input_ids": [7, 8], "max_new_tokens": 9, "temperature": 1.0},
+        {"id": "c", "input_ids": [9], "max_new_tokens": 20, "temperature": 1.0, "seed": 2},
+    ]
+
+    def output_of_a(*rows: dict[str, object]) -> list[int]:
+        requests = _write_lines(tmp_path / "in.jsonl", *rows)
+        out = tmp_path / "out.jsonl"
+        argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram"]
+        assert main([*argv, "--input", str(requests), "--output", str(out)]) == 0
+        ids: list[int] = next(r["output_ids"] for r in _rows(out) if r["id"] == "a")
+        return ids
+
+    assert output_of_a(a) == output_of_a(*others, a) == output_of_a(others[0], a, others[1])
+
+
+def test_sampling_controls_and_logprobs_reach_the_engine(tmp_path: Path) -> None:
+    """speculative / penalties / min_new_tokens / stop_sequences / logprobs map onto
+    SamplingParams: a stop sequence cuts the output after its first occurrence, logprobs come
+    back one per output token, and a repetition penalty changes the greedy output."""
+    hf = make_checkpoint(tmp_path / "ckpt")
+    prompt = [3, 4, 5]
+    expected = greedy(hf, prompt, 16)
+    stop = expected[5:7]
+    rows = [
+        {"id": "plain", "input_ids": prompt, "max_new_tokens": 16, "logprobs": True,
+         "speculative": False},
+        {"id": "stop", "input_ids": prompt, "max_new_tokens": 16, "stop_sequences": [stop]},
+        {"id": "penalized", "input_ids": prompt, "max_new_tokens": 16,
+         "repetition_penalty": 3.0, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+         "min_new_tokens": 4},
+    ]  # fmt: skip
+    requests = _write_lines(tmp_path / "in.jsonl", *rows)
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram"]
+    assert main([*argv, "--input", str(requests), "--output", str(out)]) == 0
+    got = {r["id"]: r for r in _rows(out)}
+    assert got["plain"]["output_ids"] == expected
+    assert set(got["plain"]["accept_lengths"]) == {1}  # speculative: false
+    logprobs = got["plain"]["logprobs"]
+    assert len(logprobs) == 16 and all(lp <= 0.0 for lp in logprobs)
+    first = next(i for i in range(len(expected)) if expected[i : i + 2] == stop)
+    assert got["stop"]["output_ids"] == expected[: first + 2]
+    assert got["stop"]["finish_reason"] == "stop"
+    assert "logprobs" not in got["stop"]
+    assert got["penalized"]["output_ids"] != expected
 
 
 def test_text_prompts_on_a_byte_level_model(tmp_path: Path) -> None:
@@ -493,16 +540,16 @@ def factories(
 def test_a_custom_worker_drives_generate(
     factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--worker MODULE:FACTORY: the factory gets the parsed args (the run's seed included)
-    and the engine drives the worker it returns; no --model is needed."""
+    """--worker MODULE:FACTORY: the factory gets the parsed args (--seed included) and the
+    engine drives the worker it returns; no --model is needed."""
     requests = _write_lines(
         tmp_path / "in.jsonl",
-        {"id": "a", "input_ids": [1, 2, 3], "max_new_tokens": 10, "seed": 11},
+        {"id": "a", "input_ids": [1, 2, 3], "max_new_tokens": 10},
         {"id": "b", "input_ids": [4], "max_new_tokens": 5},
     )
     for spec in (f"{factories}:make", f"{factories}:Builders.make"):
         argv = ["generate", "--worker", spec, "--num-steps", "3", "--input", str(requests)]
-        assert main([*argv, "--output", "out.jsonl"]) == 0
+        assert main([*argv, "--output", "out.jsonl", "--seed", "11"]) == 0
         rows = _rows(tmp_path / "out.jsonl")
         assert [r["output_ids"] for r in rows] == [[7] * 10, [7] * 5]  # the worker's token
         assert all(set(r["accept_lengths"]) <= {3} for r in rows)
@@ -582,3 +629,39 @@ def test_the_documented_worker_factory_drives_generate(
     assert ours["output_ids"] == plain["output_ids"] and ours["text"] == plain["text"]
     assert max(ours["accept_lengths"]) <= 4
     sys.modules.pop("my_workers_doc", None)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--algorithm", "draft_model", "--topk", "2", "--num-draft-tokens", "5"],
+        ["--algorithm", "ngram", "--adaptive"],
+    ],
+    ids=["tree", "adaptive"],
+)
+def test_tree_and_adaptive_flags_stay_exact(tmp_path: Path, flags: list[str]) -> None:
+    """--topk / --num-draft-tokens grow a draft tree, --adaptive picks widths; greedy is exact."""
+    hf = make_checkpoint(tmp_path / "ckpt")
+    prompts = [[3, 4, 5, 3, 4, 5], [9, 9, 9]]
+    requests = _write_lines(
+        tmp_path / "in.jsonl",
+        *({"id": f"r{i}", "input_ids": p, "max_new_tokens": 16} for i, p in enumerate(prompts)),
+    )
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), *flags]
+    if "draft_model" in flags:
+        argv += ["--draft", str(tmp_path / "ckpt")]
+    assert main([*argv, "--input", str(requests), "--output", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["output_ids"] for r in rows] == [greedy(hf, p, 16) for p in prompts]
+    if "draft_model" in flags:  # the drafter is the target: whole tree paths are accepted
+        assert max(a for r in rows for a in r["accept_lengths"]) > 1
+
+
+def test_tree_flags_need_a_tree_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--topk above 1 with an algorithm that cannot grow a tree exits 2 with one line."""
+    make_checkpoint(tmp_path / "ckpt")
+    requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]})
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram", "--topk", "2"]
+    assert main([*argv, "--input", str(requests), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "grow a draft tree (draft_model, eagle), not ngram" in capsys.readouterr().err

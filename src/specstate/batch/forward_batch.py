@@ -58,6 +58,10 @@ class ForwardBatch:
         sampling_info: per-row sampling parameters as tensors.
         spec_info: the relay payload the previous round (or chunk) of these rows stashed, or
             None when no row has one.
+        num_draft_steps: for a DECODE round under an adaptive draft policy, how many tokens
+            to draft this round, in ``[0, num_steps]`` (0: none, a plain decode step); None:
+            the worker's own ``num_steps`` (`draft_steps` reads it). A worker that declares
+            ``WorkerCapabilities.supports_adaptive_steps`` honours it.
     """
 
     forward_mode: ForwardMode
@@ -72,11 +76,16 @@ class ForwardBatch:
     extend_lens: tuple[int, ...] | None
     sampling_info: SamplingInfo
     spec_info: RelayPayload | None
+    num_draft_steps: int | None = None
 
     @property
     def batch_size(self) -> int:
         """Number of requests (rows)."""
         return len(self.request_ids)
+
+    def draft_steps(self, default: int) -> int:
+        """Tokens to draft in this round: ``num_draft_steps``, else ``default`` (the worker's)."""
+        return default if self.num_draft_steps is None else self.num_draft_steps
 
     @classmethod
     def from_schedule(cls, batch: ScheduleBatch) -> ForwardBatch:
@@ -103,6 +112,7 @@ class ForwardBatch:
             extend_lens=batch.extend_lens,
             sampling_info=batch.sampling_info,
             spec_info=batch.spec_info,
+            num_draft_steps=batch.num_draft_steps,
         )
 
     @staticmethod

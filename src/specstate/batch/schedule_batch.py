@@ -106,6 +106,8 @@ class ScheduleBatch:
         extend_lens: per-row tokens of an extend, or None.
         spec_info: the relay payload the worker gets for the next round, or None.
         future_indices: ``[B]`` FutureMap rows this batch's relay values live in, or None.
+        num_draft_steps: draft steps of this DECODE round chosen by the engine's draft policy
+            (adaptive draft length), or None: the worker's own ``num_steps``.
     """
 
     reqs: tuple[Req, ...]
@@ -122,6 +124,7 @@ class ScheduleBatch:
     positions: torch.Tensor | None = None
     spec_info: RelayPayload | None = None
     future_indices: torch.Tensor | None = None
+    num_draft_steps: int | None = None
     # The request ids, when the caller already has them (a persistent batch); else derived.
     _ids: tuple[str, ...] | None = attrs.field(default=None, alias="ids")
 

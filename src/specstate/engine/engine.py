@@ -54,6 +54,7 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.invariants import (
     InvariantViolation,
     SettlementProbe,
@@ -103,6 +104,11 @@ class EngineConfig:
             abandoned for a fresh one and their KV is quarantined until the abandoned forward
             returns. None (the default): wait forever. The forward then runs on a stream even
             in the normal loop.
+        adaptive_draft: choose the draft steps of every decode round with the shipped
+            `AcceptanceEma` policy (from the batch size and recent acceptance; speculation
+            switches off when drafts are rarely accepted, and back on after a probe). Needs a
+            worker that declares ``supports_adaptive_steps``. ``Engine(draft_policy=...)``
+            takes a policy of your own instead.
     """
 
     overlap: bool = True
@@ -118,10 +124,18 @@ class EngineConfig:
     device: str = "cpu"
     finished_history: int = 10_000
     forward_timeout_s: float | None = None
+    adaptive_draft: bool = False
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
-        flags = ("overlap", "mixed_chunk", "check_invariants", "check_ownership", "debug_relay")
+        flags = (
+            "overlap",
+            "mixed_chunk",
+            "check_invariants",
+            "check_ownership",
+            "debug_relay",
+            "adaptive_draft",
+        )
         problems = [
             f"{name} must be a bool, got {getattr(self, name)!r}"
             for name in flags
@@ -244,6 +258,10 @@ class Engine:
         config: loop and memory options.
         trace: a recorder of spans, rounds and events (`specstate.engine.trace`); None, the
             default, records nothing and costs nothing.
+        draft_policy: picks the draft steps of each decode round
+            (`specstate.engine.draft_policy`); it sees every settled decode round once, with
+            the width that round was launched with. Default: `AcceptanceEma` when
+            ``config.adaptive_draft``, else none (the worker's ``num_steps`` every round).
     """
 
     def __init__(
@@ -253,8 +271,23 @@ class Engine:
         limits: RequestLimits,
         config: EngineConfig,
         trace: TraceRecorder | None = None,
+        draft_policy: DraftPolicy | None = None,
     ):
         caps = worker.capabilities
+        if draft_policy is None and config.adaptive_draft and caps.speculative:
+            draft_policy = AcceptanceEma(caps.num_steps)
+        if draft_policy is not None:
+            if not caps.supports_adaptive_steps:
+                raise InvalidConfig(
+                    f"worker {caps.algorithm!r} does not support adaptive draft length "
+                    "(WorkerCapabilities.supports_adaptive_steps)"
+                )
+            if draft_policy.max_steps > caps.num_steps:
+                raise InvalidConfig(
+                    f"draft policy may choose {draft_policy.max_steps} steps; worker "
+                    f"{caps.algorithm!r} drafts at most {caps.num_steps}"
+                )
+        self._draft_policy = draft_policy
         if config.overlap and not caps.supports_overlap:
             raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
         if config.mixed_chunk and not caps.supports_mixed_chunk:
@@ -304,6 +337,8 @@ class Engine:
             outputs=self.outputs,
             checker=self.checker,
             device=device,
+            releases_pending=lambda: self.deferred.has_pending,
+            draft_policy=draft_policy,
         )
         self.results = ResultProcessor(
             ledger=views.result_processor,
@@ -535,6 +570,7 @@ class Engine:
                         flight.plan.batch.sampling_info,
                         request_ids=flight.plan.batch.request_ids,
                         decode=flight.plan.is_decode,
+                        num_draft_steps=flight.plan.batch.num_draft_steps,
                     )
             except WorkerResultError as exc:
                 error = exc
@@ -561,6 +597,10 @@ class Engine:
         else:
             ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
             probe = SettlementProbe.take(self, flight) if self.config.check_invariants else None
+            if self._draft_policy is not None and plan.batch.num_draft_steps is not None:
+                # Once per settled round, at the width it was launched with.
+                valid = host.accept if host.invalid is None else host.accept[~host.invalid]
+                self._draft_policy.observe(plan.batch.num_draft_steps, valid.astype(np.int64))
             try:
                 settlement = self._settle_result(plan, host)
             except LedgerViolation as exc:

@@ -152,6 +152,7 @@ def check_sampling_rows(
     *,
     request_ids: tuple[str, ...],
     decode: bool,
+    num_draft_steps: int | None = None,
 ) -> None:
     """Raise `WorkerResultError` unless the result honours the batch's per-row sampling state.
 
@@ -160,7 +161,17 @@ def check_sampling_rows(
         sampling: the batch's own (scheduler-side) sampling state.
         request_ids: the batch's request ids, one per row.
         decode: the batch was a decode round.
+        num_draft_steps: the drafts the round was launched with (adaptive draft length), or
+            None: its accept lengths are then bounded by the worker's window alone.
     """
+    if decode and num_draft_steps is not None and host.batch_size:
+        over = host.accept > num_draft_steps + 1
+        if np.count_nonzero(over):
+            row = int(np.flatnonzero(over)[0])
+            raise WorkerResultError(
+                f"request {request_ids[row]}: accept length {int(host.accept[row])} in a round "
+                f"launched with {num_draft_steps} draft steps (at most {num_draft_steps + 1})"
+            )
     if sampling.logprobs and host.logprobs is None and host.batch_size:
         raise WorkerResultError(
             f"request {request_ids[0]}: the batch asks for logprobs but the worker returned "

@@ -17,7 +17,7 @@ one; ``committed == prefill progress`` while a request prefills.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress
 
 import attrs
@@ -31,6 +31,7 @@ from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
+from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
@@ -152,7 +153,15 @@ class _Progress:
 
 
 class Scheduler:
-    """Builds batches from host state; see the module docstring."""
+    """Builds batches from host state; see the module docstring.
+
+    Args:
+        releases_pending: True while some request's KV waits for a launched batch to retire
+            (`DeferredReleases.has_pending`). A decode round that does not fit then waits one
+            step for those pages instead of retracting or aborting anyone.
+        draft_policy: picks the draft steps of each decode round (adaptive draft length);
+            None drafts the worker's ``num_steps`` every round.
+    """
 
     def __init__(
         self,
@@ -163,8 +172,12 @@ class Scheduler:
         outputs: OutputTable,
         checker: OwnershipChecker,
         device: torch.device,
+        releases_pending: Callable[[], bool] | None = None,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
         self._config = config
+        self._releases_pending = releases_pending
+        self._draft_policy = draft_policy
         self._allocator = allocator
         self._ledger = ledger
         self._outputs = outputs
@@ -425,7 +438,12 @@ class Scheduler:
         outcome = None
         try:
             self._allocator.reserve_for_spec_decode(rows.slots_host)
-        except KvPoolExhausted:  # nothing was taken: retract until the rest fit
+        except KvPoolExhausted:  # nothing was taken
+            if self._releases_pending is not None and self._releases_pending():
+                # Pages of requests that ended under the batch in flight come back when it
+                # retires (this step, under overlap): wait a step rather than retract or abort.
+                return None, None
+            # Retract until the rest fit.
             outcome = retract_for_decode(self._allocator, rows.reqs, slots=rows.slots)
             for req in outcome.retracted:
                 self.drop(req)
@@ -447,6 +465,9 @@ class Scheduler:
             input_ids=Unresolved(rows.device_slots),
             future_indices=rows.device_slots,
             ids=rows.request_ids,
+            num_draft_steps=(
+                None if self._draft_policy is None else self._draft_policy.choose(len(rows.reqs))
+            ),
         )
         plan = LaunchPlan(
             batch=batch, slots=rows.slots, epochs=rows.epochs, slots_host=rows.slots_host

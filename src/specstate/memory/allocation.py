@@ -407,6 +407,11 @@ class DeferredReleases:
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._held.append((until, req))
 
+    @property
+    def has_pending(self) -> bool:
+        """Some release waits for a launched batch to retire (its pages come back then)."""
+        return bool(self._pending)
+
     def held(self) -> Sequence[str]:
         """Request ids whose KV is quarantined behind an abandoned forward."""
         return tuple(r.request_id for _, r in self._held)

@@ -4,11 +4,15 @@ Input, one JSON object per line::
 
     {"id": str, "input_ids": [int, ...] | "text": str, "max_new_tokens"?: int,
      "stop_token_ids"?: [int, ...], "temperature"?: number, "top_p"?: number,
-     "top_k"?: int | null, "seed"?: int}
+     "top_k"?: int | null, "seed"?: int | null, "speculative"?: bool,
+     "repetition_penalty"?: number, "frequency_penalty"?: number,
+     "presence_penalty"?: number, "min_new_tokens"?: int,
+     "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool}
 
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
-"accept_lengths"}``, plus ``"text"`` (the output decoded) when the request gave ``"text"``, and
-``"error"`` (the reason) for a request that ended with an error; the exit code is then 1.
+"accept_lengths"}``, plus ``"text"`` (the output decoded) when the request gave ``"text"``,
+``"logprobs"`` (one float per output token) when it asked for them, and ``"error"`` (the
+reason) for a request that ended with an error; the exit code is then 1.
 ``--trace FILE`` records the run (spans, rounds, events: the JSONL of `specstate.engine.trace`,
 read back by ``specstate trace FILE``) and ``--perfetto FILE`` writes its timeline as Chrome /
 Perfetto trace events. On a terminal a progress bar runs on stderr; at the end a summary
@@ -23,13 +27,14 @@ ended, so nothing computed is lost if the run stops.
 
 ``text`` needs a byte-level checkpoint (`byte_codec`): its ids 0-255 are the UTF-8 bytes, as in
 the embedded model; the prompt is its BOS id (if the config names one) then the text's bytes.
-``seed`` seeds the run's sampler: the reference workers draw every sampled token of a run from
-one generator, so all lines that give a seed must give the same one (or the one of ``--seed``).
+``seed`` is the request's own seed (`SamplingParams.seed`): a seeded sampled request emits the
+same tokens whatever else runs; ``--seed`` seeds the worker's generator, which the unseeded
+sampled requests draw from.
 
 ``--worker MODULE:FACTORY`` drives a custom worker: ``FACTORY(args)`` receives the parsed
-arguments (an `argparse.Namespace`; ``args.seed`` is the run's seed) and returns ``(worker,
-limits)``, a `WorkerProtocol` and the `RequestLimits` of its model; `build_worker` is the default
-factory and `checkpoint_limits` reads the limits of a checkpoint.
+arguments (an `argparse.Namespace`; ``args.seed`` is ``--seed``, the worker's seed, or None)
+and returns ``(worker, limits)``, a `WorkerProtocol` and the `RequestLimits` of its model;
+`build_worker` is the default factory and `checkpoint_limits` reads the limits of a checkpoint.
 
 This module imports torch and the engine only when the command runs, so ``--help`` is instant.
 """
@@ -100,7 +105,6 @@ class _Line:
     input_ids: tuple[int, ...] | None
     text: str | None
     params: SamplingParams
-    seed: int | None
 
 
 @attrs.frozen(kw_only=True)
@@ -132,9 +136,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Generate for a JSONL of requests with speculation and overlap."
     parser.epilog = (
         "Request lines: {id, input_ids | text, max_new_tokens?, stop_token_ids?, temperature?, "
-        "top_p?, top_k?, seed?}. Exit codes: 0 all requests ended normally, 1 some ended with "
-        "an error, 2 bad input, options or checkpoint. Threads: with --no-overlap the forward "
-        "runs on the main thread, so --threads matters most there."
+        "top_p?, top_k?, seed?, speculative?, repetition_penalty?, frequency_penalty?, "
+        "presence_penalty?, min_new_tokens?, stop_sequences?, logprobs?}. Exit codes: 0 all "
+        "requests ended normally, 1 some ended with an error, 2 bad input, options or "
+        "checkpoint. Threads: with --no-overlap the forward runs on the main thread, so "
+        "--threads matters most there."
     )
     parser.add_argument(
         "--model", type=Path, help="HF Llama checkpoint dir (optional with --worker)"
@@ -142,6 +148,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", type=Path, help="draft checkpoint (draft_model) or head (eagle)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
     parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
+    parser.add_argument(
+        "--topk",
+        type=_positive,
+        default=1,
+        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle; "
+        "greedy only)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=_positive,
+        metavar="N",
+        help="tree nodes verified per round, root included (default: num_steps * topk + 1)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="choose each round's draft steps from recent acceptance (speculation switches "
+        "off when drafts are rarely accepted, and back on after a probe)",
+    )
     parser.add_argument(
         "--worker",
         metavar="MODULE:FACTORY",
@@ -167,8 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=None,
-        help="seed of the sampler (sampled requests reproduce for the same seed and requests); "
-        "default: the requests' seed field, else a fresh one",
+        help="seed of the worker's generator, which sampled requests without their own seed "
+        "draw from (they reproduce for the same seed and requests); default: a fresh one",
     )
     parser.add_argument("--threads", type=_positive, metavar="N", help=THREADS_NOTE)
     parser.add_argument(
@@ -221,10 +246,17 @@ _FIELDS = frozenset(
         "top_p",
         "top_k",
         "seed",
+        "speculative",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "min_new_tokens",
+        "stop_sequences",
+        "logprobs",
     }
 )
-_MAX_SEED: Final = 2**64
-"""Seeds are integers in [0, 2^64) (what `torch.Generator.manual_seed` takes)."""
+_MAX_SEED: Final = 2**63
+"""A request's seed is an integer in [0, 2^63) (`SamplingParams.seed`)."""
 
 
 def _read_requests(path: Path) -> list[_Line]:
@@ -276,15 +308,46 @@ def _parse_line(raw: str, where: str) -> _Line:
         raise InvalidRequest(f'{where}: "top_k" must be an integer >= 1 or null, got {top_k!r}')
     seed = obj.get("seed")
     if seed is not None and (not _is_id(seed) or not 0 <= seed < _MAX_SEED):
-        raise InvalidRequest(f'{where}: "seed" must be an integer in [0, 2^64), got {seed!r}')
-    params = SamplingParams(
+        raise InvalidRequest(f'{where}: "seed" must be an integer in [0, 2^63), got {seed!r}')
+    flags = {name: obj.get(name, default) for name, default in _FLAGS.items()}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidRequest(f'{where}: "{name}" must be true or false, got {value!r}')
+    penalties = {name: obj.get(name, default) for name, default in _PENALTIES.items()}
+    for name, value in penalties.items():
+        if not _is_number(value):
+            raise InvalidRequest(f'{where}: "{name}" must be a number, got {value!r}')
+    min_new = obj.get("min_new_tokens", 0)
+    if not _is_id(min_new):
+        raise InvalidRequest(f'{where}: "min_new_tokens" must be an integer, got {min_new!r}')
+    sequences = obj.get("stop_sequences", [])
+    if not isinstance(sequences, list) or not all(
+        isinstance(q, list) and q and all(_is_id(t) for t in q) for q in sequences
+    ):
+        raise InvalidRequest(
+            f'{where}: "stop_sequences" must be a list of non-empty lists of integers, '
+            f"got {sequences!r:.60}"
+        )
+    params = SamplingParams(  # ranges are checked at submit, naming this line
         max_new_tokens=cap,
         stop_token_ids=stops,
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=top_k,
+        seed=seed,
+        min_new_tokens=min_new,
+        stop_sequences=tuple(tuple(q) for q in sequences),
+        repetition_penalty=float(penalties["repetition_penalty"]),
+        frequency_penalty=float(penalties["frequency_penalty"]),
+        presence_penalty=float(penalties["presence_penalty"]),
+        speculative=flags["speculative"],
+        logprobs=flags["logprobs"],
     )
-    return _Line(where=where, request_id=rid, input_ids=ids, text=text, params=params, seed=seed)
+    return _Line(where=where, request_id=rid, input_ids=ids, text=text, params=params)
+
+
+_FLAGS: Final = {"speculative": True, "logprobs": False}
+_PENALTIES: Final = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 def _prompt(obj: dict[str, Any], where: str) -> tuple[tuple[int, ...] | None, str | None]:
@@ -316,22 +379,6 @@ def _is_id(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """A finite JSON number (not a bool; Python's JSON reads NaN and Infinity, refused here)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _run_seed(flag: int | None, lines: Sequence[_Line]) -> int | None:
-    """The run's seed: ``--seed``, else the seed the lines give; lines must agree with it."""
-    seed, source = flag, "--seed"
-    for line in lines:
-        if line.seed is None:
-            continue
-        if seed is None:
-            seed, source = line.seed, line.where
-        elif line.seed != seed:
-            raise InvalidRequest(
-                f'{line.where}: "seed" {line.seed} differs from {seed} ({source}): the workers '
-                "draw every sampled token of a run from one generator, so a run has one seed"
-            )
-    return seed
 
 
 # ---------------------------------------------------------------------------- text
@@ -402,6 +449,14 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         options["seed"] = args.seed
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps
+    if args.topk != 1 or args.num_draft_tokens is not None:
+        if args.algorithm not in ("draft_model", "eagle"):
+            raise InvalidRequest(
+                f"--topk and --num-draft-tokens grow a draft tree (draft_model, eagle), not "
+                f"{args.algorithm}"
+            )
+        options["topk"] = args.topk
+        options["num_draft_tokens"] = args.num_draft_tokens
     if args.algorithm in ("draft_model", "eagle"):
         if args.draft is None:
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
@@ -578,6 +633,8 @@ class _Writer:
             }
             if codec is not None:
                 row["text"] = codec.decode(r.emitted_ids)
+            if r.logprobs is not None:
+                row["logprobs"] = list(r.logprobs)
             if r.finish is not None and r.finish.reason is FinishReason.ERROR:
                 row["error"] = r.finish.detail
             print(json.dumps(row), file=self._out, flush=True)
@@ -744,8 +801,6 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None and args.worker is None:
             raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
         requests = _read_requests(args.input)
-        args = argparse.Namespace(**vars(args))  # the factory sees the run's seed
-        args.seed = _run_seed(args.seed, requests)
         config = EngineConfig(  # before loading the model: a bad flag fails at once
             overlap=args.overlap,
             page_size=args.page_size,
@@ -755,6 +810,7 @@ def run(args: argparse.Namespace) -> int:
             check_invariants=args.check_invariants,
             check_ownership=args.check_invariants,
             forward_timeout_s=args.forward_timeout,
+            adaptive_draft=args.adaptive,
         )
         factory = None if args.worker is None else load_factory(args.worker)
         codec = None

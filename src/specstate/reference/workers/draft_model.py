@@ -120,12 +120,12 @@ class DraftModelWorker(TreeRoundWorker):
     def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         table = self._target.req_to_token
         tokens, steps = roots, []
-        for step in range(self.capabilities.num_steps):
+        for step in range(batch.draft_steps(self.capabilities.num_steps)):
             chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
             choice = self._sampler.choose(self.draft_model(chain).logits, batch.sampling_info)
             tokens = choice.tokens
             steps.append(choice)
-        return DraftChain.from_steps(steps)
+        return DraftChain.from_steps(steps) if steps else DraftChain(tokens=roots[:, None][:, :0])
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         # The chain steps never wrote dK at S+K: without this extend an all-accept round would

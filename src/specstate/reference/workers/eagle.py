@@ -156,13 +156,13 @@ class EagleWorker(TreeRoundWorker):
         table = self._target.req_to_token
         features = self._relayed_features(batch, torch.ones_like(start, dtype=torch.bool))
         tokens, steps = roots, []
-        for step in range(self.capabilities.num_steps):
+        for step in range(batch.draft_steps(self.capabilities.num_steps)):
             chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
             out = self.head(chain, features)
             choice = self._sampler.choose(out.logits, batch.sampling_info)
             tokens, features = choice.tokens, out.hidden_states
             steps.append(choice)
-        return DraftChain.from_steps(steps)
+        return DraftChain.from_steps(steps) if steps else DraftChain(tokens=roots[:, None][:, :0])
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
         batch, hidden = verified.batch, verified.target_hidden

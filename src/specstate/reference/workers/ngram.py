@@ -154,7 +154,7 @@ class NgramWorker(ChainRoundWorker):
         drafts = self.history.propose(
             batch.req_pool_indices,
             start,
-            num_tokens=self.capabilities.num_steps,
+            num_tokens=batch.draft_steps(self.capabilities.num_steps),
             max_ngram=self._max_ngram,
         )
         return DraftChain(tokens=drafts)

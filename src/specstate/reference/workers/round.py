@@ -103,6 +103,7 @@ class ChainRoundWorker(abc.ABC):
                 supports_min_new_tokens=True,
                 supports_seeds=True,
                 supports_logprobs=True,
+                supports_adaptive_steps=True,
             )
         self._sampler = TokenSampler(seed)
 
