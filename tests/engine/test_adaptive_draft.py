@@ -33,6 +33,7 @@ from specstate import (
     ForwardBatch,
     GenerationBatchResult,
     InvalidConfig,
+    InvariantViolation,
     OnPublish,
     RequestLimits,
     SamplingParams,
@@ -60,8 +61,9 @@ def ckpt(raw: SpecCheckpoints, tmp_path_factory: pytest.TempPathFactory) -> Spec
 class ScriptedPolicy:
     """Cycles through fixed widths (0 included), recording every choice and observation."""
 
-    def __init__(self, widths: tuple[int, ...], max_steps: int = 3) -> None:
+    def __init__(self, widths: tuple[int, ...], max_steps: int = 3, *, strict: bool = True) -> None:
         self._widths = widths
+        self._strict = strict
         self._max = max_steps
         self.chosen: list[int] = []
         self.observed: list[tuple[int, int]] = []  # (width, rows)
@@ -79,7 +81,7 @@ class ScriptedPolicy:
 
     def observe(self, num_steps: int, accept_lens: npt.NDArray[np.int64]) -> None:
         """Record the settled round's own width; accept lengths never exceed it."""
-        assert int(accept_lens.max(initial=1)) <= num_steps + 1
+        assert not self._strict or int(accept_lens.max(initial=1)) <= num_steps + 1
         self.observed.append((num_steps, accept_lens.size))
 
 
@@ -230,3 +232,22 @@ def test_a_policy_the_worker_cannot_follow_is_refused(ckpt: SpecCheckpoints) -> 
             config=EngineConfig(),
             draft_policy=AcceptanceEma(5),
         )
+
+
+def test_the_invariant_checker_names_a_round_settled_past_its_width(
+    ckpt: SpecCheckpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the always-on result check bypassed, ``draft-width`` still catches the round."""
+    import specstate.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "check_sampling_rows", lambda *a, **k: None)
+    worker = _IgnoresWidth(ckpt.worker("draft_model", agreeing=True))
+    config = EngineConfig(overlap=False, check_invariants=True, check_ownership=True)
+    limits = RequestLimits(vocab_size=97, max_context_len=256)
+    policy = ScriptedPolicy((0,), strict=False)
+    with Engine(worker, limits=limits, config=config, draft_policy=policy) as engine:
+        engine.submit("r", [3, 14, 15], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        with pytest.raises(InvariantViolation) as caught:
+            run_checked(engine)
+    assert caught.value.invariant == "draft-width", caught.value
+    assert "launched with 0 draft steps" in str(caught.value)

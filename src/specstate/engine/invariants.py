@@ -26,7 +26,10 @@ The engine also checks, around every settlement (with ``check_invariants``):
 
 * ``commit-settlement``: a settled decode row advances committed by exactly its accept length
   and appends exactly that many outputs (up to its cap); a row whose request ended or was
-  retracted while the batch was in flight changes neither (`check_settlement`).
+  retracted while the batch was in flight changes neither (`check_settlement`);
+* ``draft-width``: a decode round launched with an adaptive width settles a run and a stride
+  of at most ``num_draft_steps + 1`` (the width changes between rounds; a round in flight
+  keeps its own).
 
 Forward isolation checks ``isolation`` (a worker wrote a scheduler-owned tensor in place:
 `specstate.relay.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a
@@ -188,7 +191,8 @@ def check_settlement(
     A live decode-like row (a verify, or a mixed tail) advances committed by exactly its
     accept length, appends that many outputs (fewer only when the request finished in this
     settlement), and its verify wrote below allocated (``frontier_in + D <= allocated``); a
-    row that was not live changes nothing.
+    row that was not live changes nothing. A decode round launched with an adaptive width
+    settles at that width (``draft-width``: run and stride at most ``num_draft_steps + 1``).
     """
     plan = flight.plan
     slots = plan.slots_host
@@ -216,6 +220,13 @@ def check_settlement(
                 "commit-settlement",
                 f"{where}: accept length {accept} but committed moved by {grew} "
                 f"({before.committed[i]} -> {committed[i]}) and outputs by {emitted}",
+            )
+        steps = batch.num_draft_steps
+        if plan.is_decode and steps is not None and (accept > steps + 1 or width > steps + 1):
+            _fail(
+                "draft-width",
+                f"{where}: a round launched with {steps} draft steps settled a run of "
+                f"{accept} (stride {width}); at most {steps + 1}",
             )
         if plan.is_decode and int(host.seq_lens[i]) + width > before.allocated[i]:
             _fail(
