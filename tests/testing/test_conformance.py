@@ -44,6 +44,23 @@ def test_the_reference_workers_conform(ckpt: SpecCheckpoints, algorithm: str) ->
     )
 
 
+@pytest.mark.slow
+def test_a_wide_tree_window_conforms_under_pressure(ckpt: SpecCheckpoints) -> None:
+    """An EAGLE tree of 6 steps, topk 4 reserves 96 tokens a request at page 4: the pressure run
+    sizes its pool from the worker's window, so the worker is judged, not the pool."""
+    from specstate.reference.workers import default_registry
+
+    def factory() -> WorkerProtocol:
+        return default_registry().create(
+            "eagle", target=ckpt.target, eagle=ckpt.eagle, num_steps=6, topk=4,
+            num_draft_tokens=8,
+        )  # fmt: skip
+
+    assert_worker_conforms(
+        factory, vocab_size=ckpt.vocab_size, oracle=lambda prompt, n: greedy(ckpt.hf, prompt, n)
+    )
+
+
 class _Broken(SpyWorker):
     """A real worker whose second decode forward goes through ``broken``."""
 

@@ -138,7 +138,15 @@ def check_worker(
                 debug_relay=True,
             )
         )
-    pressure = attrs.evolve(configs[-1], kv_tokens=128, page_size=4)
+    # A pool that holds the longest request alone but not the whole workload, whatever the
+    # worker's speculative window (a draft tree reserves far more than a chain).
+    page = 4
+    reserve = caps.spec_window(page).reserve
+    longest = max(len(p) for p in prompts) + max_new_tokens + reserve
+    need = -(-longest // page) * page + page
+    pressure = attrs.evolve(
+        configs[-1], kv_tokens=max(128, need + need // 2 + page), page_size=page
+    )
     configs.append(pressure)
     names = []
     for config in configs:
