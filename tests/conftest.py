@@ -23,9 +23,12 @@ def memory() -> Memory:
     return build_memory()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """Tiny models on 2 shared cores: one intra-op thread is faster and does not spin-wait."""
+    """Tiny models on 2 shared cores: one intra-op thread is faster and does not spin-wait.
+
+    Per test, so a test that sets the threads (``--threads``) cannot slow the ones after it.
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -127,50 +127,6 @@ _EXPORTS: dict[str, str] = {
     "Event": "specstate.relay.streams",
 }
 
-# Names this module exported before 0.1.0 that now live in `specstate.internals`; they still
-# resolve here, with a DeprecationWarning, until 0.2.
-_MOVED_TO_INTERNALS = frozenset(
-    {
-        "AllocatorLedgerView",
-        "CpuStream",
-        "DecodeAllocLens",
-        "DeferredReleases",
-        "ForwardInputs",
-        "ForwardIsolation",
-        "ForwardIsolator",
-        "FutureMap",
-        "KvAllocator",
-        "KvLedger",
-        "KvLedgerSnapshot",
-        "LedgerBatchSnapshot",
-        "LedgerReader",
-        "LedgerViews",
-        "MixedTails",
-        "OwnershipChecker",
-        "ReleasedKv",
-        "ReqToTokenPool",
-        "ResolvedSeqLens",
-        "ResultProcessorLedgerView",
-        "RetractionOutcome",
-        "Role",
-        "RoleScope",
-        "ScheduleBatch",
-        "SchedulerLedgerView",
-        "SlotHandle",
-        "Stream",
-        "TokenSlotAllocator",
-        "Unresolved",
-        "is_unresolved",
-        "make_stream",
-        "page_aligned_decode_alloc_lens",
-        "resolve_batch_forward_inputs",
-        "resolve_batch_seq_lens",
-        "resolve_finish",
-        "retract_for_decode",
-        "retraction_order",
-    }
-)
-
 __all__ = [
     "AcceptMetrics",
     "AcceptanceEma",
@@ -230,14 +186,17 @@ if not TYPE_CHECKING:  # mypy sees the imports above; at run time names load on 
             value = getattr(importlib.import_module(module), name)
             globals()[name] = value  # later lookups skip this function
             return value
-        if name in _MOVED_TO_INTERNALS:
+        if name.startswith("__"):  # probes for dunders never load the internals
+            raise AttributeError(f"module 'specstate' has no attribute {name!r}")
+        internals = importlib.import_module("specstate.internals")
+        if name in internals.__all__:  # exported here before 0.1.0; goes away in 0.2
             warnings.warn(
                 f"specstate.{name} moved to specstate.internals.{name}; "
                 "the top-level alias goes away in 0.2",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return getattr(importlib.import_module("specstate.internals"), name)
+            return getattr(internals, name)
         raise AttributeError(f"module 'specstate' has no attribute {name!r}")
 
     def __dir__() -> list[str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -64,15 +63,6 @@ def params(
         speculative=speculative,
         logprobs=True,
     )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """One torch thread for tiny models on a shared machine, restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -49,15 +49,6 @@ NUM_SAMPLES = 3000
 STRICT = 1e-3  # a correct sampler passes above this; a broken one must land far below
 BROKEN = 1e-6
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Runs this module on one torch thread (tiny models; the machine is shared), restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +33,6 @@ NUM_NEW = 16
 NUM_STEPS = 3
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 33)), [40, 41, 40]]
 REPETITIVE = [[7, 8, 9, 10] * 4, [3, 4] * 5, [50, 51, 52, 53, 54, 50, 51, 52]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Runs this module's forwards on one torch thread, restored afterwards.
-
-    Tiny models gain nothing from intra-op threads; on a shared 2-core machine the second
-    thread's spin-waiting made this file about 25 times slower.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_hf(path: Path, seed: int, **overrides: Any) -> LlamaForCausalLM:
