@@ -17,13 +17,10 @@ from spec_checkpoints import SpecCheckpoints, make_partial_drafters, make_spec_c
 from worker_harness import WorkerLoop
 
 from specstate import (
-    ForwardBatch,
-    ForwardMode,
     InvalidConfig,
     InvalidRequest,
     Req,
     RequestLimits,
-    SamplingInfo,
     SamplingParams,
 )
 from specstate.engine.engine import Engine, EngineConfig
@@ -195,39 +192,21 @@ def test_committed_kv_equals_a_dense_prefill_and_writes_stay_in_the_window(
                 torch.testing.assert_close(got_v, values, atol=1e-4, rtol=1e-4)
 
 
-def decode_batch(temperature: float) -> ForwardBatch:
-    """A one-row DECODE batch of the given temperature."""
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        request_ids=("r0",),
-        req_pool_indices=torch.tensor([1]),
-        seq_lens=torch.tensor([3]),
-        seq_lens_cpu=(3,),
-        input_ids=torch.tensor([5]),
-        positions=torch.tensor([3]),
-        out_cache_loc=None,
-        prefix_lens=None,
-        extend_lens=None,
-        spec_info=None,
-        sampling_info=SamplingInfo.from_params(
-            [SamplingParams(temperature=temperature)], vocab_size=97, device=torch.device("cpu")
-        ),
-    )
-
-
-def test_a_tree_worker_is_greedy_only(ckpt: SpecCheckpoints) -> None:
-    """supports_sampling is False: the engine refuses a sampled request at submit, and the
-    worker itself refuses a sampled batch rather than verifying it greedily."""
+def test_a_tree_worker_samples_but_refuses_other_controls(ckpt: SpecCheckpoints) -> None:
+    """supports_sampling is True: the engine serves a sampled request on a tree (verified by
+    rejection sampling, `test_tree_sampling`); seeds and logprobs stay refused at submit."""
     worker = tree_worker(ckpt, "eagle")
-    assert not worker.capabilities.supports_sampling
+    assert worker.capabilities.supports_sampling
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=1024)) as engine:
-        with pytest.raises(InvalidRequest, match="greedy-only"):
-            engine.submit("hot", [1, 2, 3], SamplingParams(temperature=0.7))
-        engine.submit("cold", [1, 2, 3], SamplingParams(max_new_tokens=4))
+        hot = engine.submit("hot", [1, 2, 3], SamplingParams(temperature=0.7, max_new_tokens=6))
+        cold = engine.submit("cold", [1, 2, 3], SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidRequest):
+            engine.submit("seeded", [1, 2, 3], SamplingParams(temperature=0.7, seed=1))
+        with pytest.raises(InvalidRequest):
+            engine.submit("logprobs", [1, 2, 3], SamplingParams(logprobs=True))
         engine.run_until_idle()
-        with pytest.raises(InvalidConfig, match="verifies trees greedily only"):
-            worker.forward_batch_generation(decode_batch(0.7))
+    assert len(hot.emitted_ids) == 6 and len(cold.emitted_ids) == 4
 
 
 def test_topk_one_is_the_chain_worker(ckpt: SpecCheckpoints, tmp_path: Path) -> None:

@@ -105,14 +105,21 @@ def test_tree_shape_counts_and_refusals() -> None:
         TreeShape(num_steps=3, topk=2, num_draft_tokens=1)
 
 
-def test_capabilities_chain_unchanged_tree_greedy_only() -> None:
-    """topk 1 is the chain's capabilities; a tree declares topk, D, and no sampling."""
+def test_capabilities_chain_unchanged_tree_samples_without_controls() -> None:
+    """topk 1 is the chain's capabilities; a tree declares topk, D, sampling and no control."""
     chain = tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=None)
     assert chain == tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=4)
     assert (chain.topk, chain.num_draft_tokens, chain.supports_sampling) == (1, 4, True)
     tree = tree_capabilities("eagle", num_steps=3, topk=2, num_draft_tokens=None)
     assert (tree.topk, tree.num_draft_tokens, tree.max_accept) == (2, 7, 4)
-    assert not tree.supports_sampling and tree.keeps_draft_kv
+    assert tree.supports_sampling and tree.keeps_draft_kv
+    assert not (
+        tree.supports_seeds
+        or tree.supports_penalties
+        or tree.supports_min_new_tokens
+        or tree.supports_logprobs
+        or tree.supports_per_request_speculation
+    )
     with pytest.raises(InvalidConfig, match="verifies num_draft_tokens = 4, got 6"):
         tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(InvalidConfig, match="topk >= 1"):

@@ -152,8 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--topk",
         type=_positive,
         default=1,
-        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle; "
-        "greedy only)",
+        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle)",
     )
     parser.add_argument(
         "--num-draft-tokens",

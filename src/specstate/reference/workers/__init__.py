@@ -18,8 +18,10 @@
 =============  ==========================================================================
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
-verify it greedily (`specstate.reference.workers.tree`); such a worker is greedy-only
-(``capabilities.supports_sampling`` is False, so the engine refuses sampled requests).
+verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
+matching path, sampled rows recursive rejection sampling over each node's children. Seeds,
+penalties, ``min_new_tokens``, logprobs and per-request speculation are not implemented for
+trees; the engine refuses requests that use them.
 
 ``target`` / ``draft`` are Hugging Face Llama checkpoint directories or in-memory `PagedLlama`
 models; ``eagle`` is a directory in the `specstate.reference.eagle_head` format.

@@ -15,8 +15,8 @@ One DECODE round of row ``b`` (``S`` = frontier, ``x0`` = bonus, ``K`` = num_ste
 With ``topk > 1`` a DECODE round drafts a tree (`specstate.reference.workers.tree`): the drafter
 expands the top-k children of the k best nodes per level under a tree mask, the target verifies
 the ``num_draft_tokens`` best nodes, the accepted path's target KV is moved to ``S .. S+a-1``
-and the drafter re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` (post-verify). Greedy
-only (``supports_sampling`` False).
+and the drafter re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` (post-verify). Sampled
+rows verify the tree by recursive rejection sampling.
 
 Invariant: after every forward, the drafter's KV below each row's frontier is the drafter's KV
 of that row's settled tokens (EXTEND writes every chunk; the post-verify extend rewrites

@@ -22,7 +22,7 @@ head's ``h`` of its parent, the root's the relayed ``f_(S-1)``), the target veri
 ``num_draft_tokens`` best nodes under a tree mask, the accepted path's target KV is moved to
 ``S .. S+a-1``, and the head re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` with the
 TRUE features ``[f_(S-1), H(p_0) .. H(p_(K-1))]``; relay: bonus = y at the path's end ``m``,
-hidden = ``H(m)``. Greedy only (``supports_sampling`` False).
+hidden = ``H(m)``. Sampled rows verify the tree by recursive rejection sampling.
 
 Invariant: after every forward, the head's KV below each row's frontier was computed from the
 row's settled tokens and the target's true features, and the relayed hidden state is the target

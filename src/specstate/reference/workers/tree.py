@@ -1,4 +1,4 @@
-"""Tree drafting (greedy): grow a draft tree, verify it in one target forward, compact the KV.
+"""Tree drafting: grow a draft tree, verify it in one target forward, compact the KV.
 
 A chain drafter proposes one token per step; a tree drafter (EAGLE-2 / SGLang style) expands
 the ``topk`` best children of several nodes per step and lets the target verify all of them at
@@ -31,6 +31,22 @@ bound ``min(stride, max_accept)``. Siblings are the top-k of one distribution, s
 differ: at most one child of an accepted node is accepted, the accepted nodes form one path, and
 the run is the target's own greedy continuation (lossless) whatever the drafter proposed.
 
+Sampled rows (``temperature > 0``) verify the same tree by recursive rejection sampling
+(`verify_sampled_tree`). The children are the drafter's deterministic top-k, so each candidate's
+proposal is one-hot; ``p_n`` is the target's filtered distribution (`filtered_probs`) at node
+``n``::
+
+    cur = root; r = p_root
+    for each child c of cur, in node order:      accept c with probability r(c) / sum(r)
+        accepted:  cur = c; r = p_c; continue with c's children
+        rejected:  r(c) = 0                      (r renormalized implicitly)
+    bonus ~ r / sum(r)                           (no child left, or every child rejected)
+
+This is drawing ``t ~ p_cur`` and accepting the child whose token is ``t`` (checking the
+children without replacement), so every emitted token, drafted or bonus, is distributed exactly
+as the target's filtered distribution given the tokens before it, whatever the drafter chose.
+Greedy rows of the same batch keep `verify_greedy_tree`, bit for bit.
+
 Every write stays inside the engine's reservation ``[S, S + L)`` with
 ``L >= max(K * k, D)`` (`SpecWindow.alloc_len_per_decode`): the target writes ``[S, S + D)``,
 the drafter ``[S, S + max(1 + (K-1)*k, K+1))``; both are ``<= max(K * k, D)`` for ``k >= 2``.
@@ -50,8 +66,8 @@ import torch
 import torch.nn.functional as F
 
 from specstate.batch.forward_batch import ForwardBatch
-from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
+from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities
 from specstate.reference.model import (
@@ -63,6 +79,7 @@ from specstate.reference.model import (
 )
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
 from specstate.reference.workers.round import ChainRoundWorker
+from specstate.reference.workers.sampler import TokenSampler, filtered_probs
 from specstate.reference.workers.target import TargetRunner
 from specstate.relay.future_map import RelayPayload
 
@@ -79,6 +96,8 @@ __all__ = [
     "tree_attention",
     "tree_capabilities",
     "verify_greedy_tree",
+    "verify_sampled_tree",
+    "verify_tree",
 ]
 
 DraftForward = Callable[[AttentionBatch, torch.Tensor | None], ModelOutput]
@@ -130,11 +149,12 @@ class TreeShape:
 def tree_capabilities(
     algorithm: str, *, num_steps: int, topk: int, num_draft_tokens: int | None
 ) -> WorkerCapabilities:
-    """Capabilities of a drafter with draft KV: a chain for ``topk == 1``, else a greedy tree.
+    """Capabilities of a drafter with draft KV: a chain for ``topk == 1``, else a tree.
 
     ``num_draft_tokens`` defaults to ``num_steps + 1`` for a chain (the only legal value) and to
-    ``num_steps * topk + 1`` for a tree. A tree worker declares ``supports_sampling=False``: the
-    engine refuses sampled requests at submit.
+    ``num_steps * topk + 1`` for a tree. A tree worker samples (``temperature``, ``top_k``,
+    ``top_p``; `verify_sampled_tree`) but declares no other control: the engine refuses seeds,
+    penalties, ``min_new_tokens``, logprobs and per-request speculation at submit.
 
     Raises:
         InvalidConfig: ``num_steps < 1``, ``topk < 1``, a chain with ``num_draft_tokens`` other
@@ -159,7 +179,7 @@ def tree_capabilities(
         topk=shape.topk,
         num_draft_tokens=shape.num_draft_tokens,
         keeps_draft_kv=True,
-        supports_sampling=False,
+        supports_sampling=True,
     )
 
 
@@ -236,7 +256,8 @@ class TreeVerdict:
     """The outcome of verifying one tree per row.
 
     Attributes:
-        run_tokens: ``[B, K + 1]``; row ``b``'s run is ``run_tokens[b, :accept_lens[b]]``.
+        run_tokens: ``[B, K + 1]``; row ``b``'s run is ``run_tokens[b, :accept_lens[b]]``
+            (past it: the root's target token for a greedy row, 0 for a sampled one).
         accept_lens: ``[B]`` int64, bonus included, in ``[1, K + 1]``.
         bonus_tokens: ``[B]`` int64, the last token of each run.
         path: ``[B, K + 1]`` node index of the accepted node at depth ``j`` (0 past the path).
@@ -437,6 +458,25 @@ def tree_attention(
     )
 
 
+def _check_tree(tree: DraftTree, scores: torch.Tensor, name: str) -> None:
+    num_rows, width = tree.tokens.shape
+    if scores.ndim != 3 or tuple(scores.shape[:2]) != (num_rows, width):
+        raise InvalidConfig(
+            f"tree verify {name} {tuple(scores.shape)} do not fit {num_rows} trees of {width}"
+        )
+
+
+def _path_to(tree: DraftTree, last: torch.Tensor, path_width: int) -> torch.Tensor:
+    """``[B, path_width]`` the node at each depth of the path root .. ``last`` (0 past it)."""
+    num_rows, width = tree.tokens.shape
+    rows = torch.arange(num_rows, device=last.device)
+    on_path = tree.ancestors[rows, last]
+    depth_slot = torch.where(on_path, tree.depths, path_width)
+    nodes = torch.arange(width, device=last.device).expand(num_rows, width)
+    path = torch.zeros(num_rows, path_width + 1, dtype=torch.int64, device=last.device)
+    return path.scatter(1, depth_slot, nodes)[:, :path_width]
+
+
 def verify_greedy_tree(tree: DraftTree, logits: torch.Tensor, path_width: int) -> TreeVerdict:
     """Greedy verification of ``tree`` against the target's ``logits`` ``[B, D, V]``.
 
@@ -448,11 +488,8 @@ def verify_greedy_tree(tree: DraftTree, logits: torch.Tensor, path_width: int) -
     Raises:
         InvalidConfig: the shapes disagree.
     """
-    num_rows, width = tree.tokens.shape
-    if logits.ndim != 3 or tuple(logits.shape[:2]) != (num_rows, width):
-        raise InvalidConfig(
-            f"tree verify logits {tuple(logits.shape)} do not fit {num_rows} trees of {width}"
-        )
+    _check_tree(tree, logits, "logits")
+    num_rows = tree.tokens.shape[0]
     targets = logits.argmax(-1)
     matched = tree.tokens == targets.gather(1, tree.parents)
     matched[:, 0] = True
@@ -460,18 +497,102 @@ def verify_greedy_tree(tree: DraftTree, logits: torch.Tensor, path_width: int) -
     accepted = ~(tree.ancestors & ~matched[:, None, :]).any(-1)
     last = torch.where(accepted, tree.depths, -1).argmax(1)
     rows = torch.arange(num_rows, device=logits.device)
-    accept_lens = tree.depths[rows, last] + 1
-    on_path = tree.ancestors[rows, last]
-    depth_slot = torch.where(on_path, tree.depths, path_width)
-    nodes = torch.arange(width, device=logits.device).expand(num_rows, width)
-    path = torch.zeros(num_rows, path_width + 1, dtype=torch.int64, device=logits.device)
-    path = path.scatter(1, depth_slot, nodes)[:, :path_width]
+    path = _path_to(tree, last, path_width)
     return TreeVerdict(
         run_tokens=targets.gather(1, path),
-        accept_lens=accept_lens,
+        accept_lens=tree.depths[rows, last] + 1,
         bonus_tokens=targets[rows, last],
         path=path,
         last_node=last,
+    )
+
+
+def _accept_child(
+    uniforms: torch.Tensor, mass: torch.Tensor, child_mass: torch.Tensor
+) -> torch.Tensor:
+    """``u < r(c) / sum(r)`` without a division; ``r(c) == 0`` (rejected before) rejects."""
+    return uniforms * mass < child_mass
+
+
+def verify_sampled_tree(
+    tree: DraftTree, target_probs: torch.Tensor, path_width: int, sampler: TokenSampler
+) -> TreeVerdict:
+    """Recursive rejection sampling of every row's ``tree`` (see the module docstring).
+
+    Args:
+        tree: the verified tree; its children are deterministic (one-hot proposals).
+        target_probs: ``[B, D, V]`` the target's filtered distribution after each node.
+        path_width: ``K + 1`` (deeper than any node).
+        sampler: draws ``B * D`` uniforms, then one token per row.
+
+    Children are tried in node order, which is their parent's order too: a node's children all
+    come after it, so one pass over the nodes walks every row's path. Row ``b``'s run is the
+    accepted path's drafts, then the bonus; 0 past it.
+
+    Raises:
+        InvalidConfig: the shapes disagree.
+    """
+    _check_tree(tree, target_probs, "probabilities")
+    num_rows, width = tree.tokens.shape
+    device = target_probs.device
+    rows = torch.arange(num_rows, device=device)
+    uniforms = sampler.uniform((num_rows, width), device)  # column 0 (the root) unused
+    current = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    residual = target_probs[:, 0].clone()  # unnormalized: rejected children are zeroed
+    for node in range(1, width):
+        token = tree.tokens[:, node, None]
+        candidate = tree.parents[:, node] == current
+        child_mass = residual.gather(1, token).squeeze(1)
+        accept = candidate & _accept_child(uniforms[:, node], residual.sum(-1), child_mass)
+        reject = candidate & ~accept
+        residual = torch.where(reject[:, None], residual.scatter(1, token, 0.0), residual)
+        residual = torch.where(accept[:, None], target_probs[:, node], residual)
+        current = torch.where(accept, node, current)
+    mass = residual.sum(-1, keepdim=True)
+    # NOTE: an all-zero residual needs every remaining token rejected at probability 1; only
+    # rounding gets here, and p of the node itself is then the right distribution.
+    fallback = target_probs[rows, current]
+    bonus = sampler.sample(torch.where(mass > 0, residual / mass.clamp_min(1e-30), fallback))
+    path = _path_to(tree, current, path_width)
+    accept_lens = tree.depths[rows, current] + 1
+    steps = torch.arange(path_width, device=device)[None, :]
+    drafted = tree.tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1))
+    run = torch.where(steps < (accept_lens - 1)[:, None], drafted, 0)
+    run = run.scatter(1, (accept_lens - 1)[:, None], bonus[:, None])
+    return TreeVerdict(
+        run_tokens=run,
+        accept_lens=accept_lens,
+        bonus_tokens=bonus,
+        path=path,
+        last_node=current,
+    )
+
+
+def verify_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    path_width: int,
+    sampling: SamplingInfo,
+    sampler: TokenSampler,
+) -> TreeVerdict:
+    """Each row verified per its sampling: greedy rows by `verify_greedy_tree` (an all-greedy
+    batch draws nothing), sampled rows by `verify_sampled_tree` on `filtered_probs` of
+    ``logits``.
+
+    Raises:
+        InvalidConfig: the shapes disagree.
+    """
+    greedy = verify_greedy_tree(tree, logits, path_width)
+    if sampling.is_all_greedy:
+        return greedy
+    sampled = verify_sampled_tree(tree, filtered_probs(logits, sampling), path_width, sampler)
+    fixed = (sampling.temperatures == 0).to(logits.device)
+    return TreeVerdict(
+        run_tokens=torch.where(fixed[:, None], greedy.run_tokens, sampled.run_tokens),
+        accept_lens=torch.where(fixed, greedy.accept_lens, sampled.accept_lens),
+        bonus_tokens=torch.where(fixed, greedy.bonus_tokens, sampled.bonus_tokens),
+        path=torch.where(fixed[:, None], greedy.path, sampled.path),
+        last_node=torch.where(fixed, greedy.last_node, sampled.last_node),
     )
 
 
@@ -560,7 +681,9 @@ def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
 class TreeRoundWorker(ChainRoundWorker):
     """`ChainRoundWorker` whose DECODE grows and verifies a draft tree when ``topk > 1``.
 
-    With ``topk == 1`` every round is the chain round, unchanged. A subclass implements the
+    With ``topk == 1`` every round is the chain round, unchanged. A tree round verifies each
+    row per its sampling (`verify_tree`): greedy rows by argmax, sampled rows by recursive
+    rejection sampling with the worker's `TokenSampler`. A subclass implements the
     chain hooks and three tree hooks: `_tree_forward` (one drafter forward),
     `_tree_root_features` and `_commit_tree` (post-verify, after publish and compaction).
 
@@ -586,26 +709,6 @@ class TreeRoundWorker(ChainRoundWorker):
         """The tree's size, None for a chain worker."""
         return self._tree
 
-    def forward_batch_generation(
-        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
-    ) -> GenerationBatchResult:
-        """As `ChainRoundWorker`; a tree worker refuses sampled rows.
-
-        Raises:
-            InvalidConfig: a tree worker got a row with ``temperature > 0`` (the engine refuses
-                those at submit: ``supports_sampling`` is False), or see `ChainRoundWorker`.
-        """
-        if (
-            self._tree is not None
-            and batch.forward_mode is not ForwardMode.IDLE
-            and not batch.sampling_info.is_all_greedy
-        ):
-            raise InvalidConfig(
-                f"{self.capabilities.algorithm} with topk {self._tree.topk} verifies trees "
-                "greedily only; a row with temperature > 0 cannot be served"
-            )
-        return super().forward_batch_generation(batch, on_publish=on_publish)
-
     def _run_decode(
         self, batch: ForwardBatch, on_publish: OnPublish | None
     ) -> GenerationBatchResult:
@@ -628,7 +731,7 @@ class TreeRoundWorker(ChainRoundWorker):
         num_rows, width = tree.tokens.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
-        verdict = verify_greedy_tree(tree, logits, shape.path_width)
+        verdict = verify_tree(tree, logits, shape.path_width, batch.sampling_info, self._sampler)
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
         compact_kv(target.kv_cache, batch.req_pool_indices, table, start, verdict)
