@@ -14,11 +14,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine_driver import run_checked
+from engine_driver import serve_to_completion
 from hf_oracle import greedy
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
-from specstate import RequestLimits, SamplingParams
+from specstate import RequestLimits
 from specstate.engine.engine import Engine, EngineConfig
 
 PROMPTS = [list(p) for p in MIXED_PROMPTS]
@@ -64,22 +64,9 @@ def _run(
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     stops = stops or [None] * len(PROMPTS)
     with Engine(ckpt.worker(algorithm), limits=limits, config=config) as engine:
-        reqs = [
-            engine.submit(
-                f"p{i}",
-                prompt,
-                SamplingParams(
-                    max_new_tokens=NEW_TOKENS, stop_token_ids=() if stop is None else (stop,)
-                ),
-            )
-            for i, (prompt, stop) in enumerate(zip(PROMPTS, stops, strict=True))
-        ]
-        run_checked(engine)
-        snap = engine.snapshot()
-    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
-    reasons = [r.finish is not None and r.finish.reason.value for r in reqs]
-    assert reasons == ["length" if stop is None else "stop" for stop in stops]
-    return [list(r.emitted_ids) for r in reqs], snap.metrics.mean_accept_length
+        reqs = serve_to_completion(engine, PROMPTS, max_new_tokens=NEW_TOKENS, stops=stops)
+        mean_accept = engine.snapshot().metrics.mean_accept_length
+    return [list(r.emitted_ids) for r in reqs], mean_accept
 
 
 def _with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[int]]]:

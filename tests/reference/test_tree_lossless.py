@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from engine_driver import run_checked
+from engine_driver import serve_to_completion
 from hf_oracle import greedy
 from spec_checkpoints import (
     MIXED_PROMPTS,
@@ -24,7 +24,7 @@ from spec_checkpoints import (
     make_spec_checkpoints,
 )
 
-from specstate import RequestLimits, SamplingParams
+from specstate import RequestLimits
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
@@ -160,22 +160,8 @@ def run_engine(
     )
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     with Engine(audited, limits=limits, config=engine_config) as engine:
-        reqs = [
-            engine.submit(
-                f"p{i}",
-                prompt,
-                SamplingParams(
-                    max_new_tokens=NEW_TOKENS, stop_token_ids=() if stop is None else (stop,)
-                ),
-            )
-            for i, (prompt, stop) in enumerate(zip(PROMPTS, stops, strict=True))
-        ]
-        run_checked(engine)
-        snap = engine.snapshot()
-    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+        reqs = serve_to_completion(engine, PROMPTS, max_new_tokens=NEW_TOKENS, stops=stops)
     assert audited.forwards > 0 and audited.violations == []
-    reasons = [r.finish is not None and r.finish.reason.value for r in reqs]
-    assert reasons == ["length" if stop is None else "stop" for stop in stops]
     return TreeRun(
         outputs=[list(r.emitted_ids) for r in reqs],
         accept_lens=[a for r in rounds for a in r.verdict.accept_lens.tolist()],

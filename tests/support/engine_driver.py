@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
+from specstate import Req, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 
@@ -28,3 +31,31 @@ def run_checked(engine: Engine, *, max_steps: int = 1000) -> DriveLog:
         deferred.update(engine.snapshot().deferred_releases)
         check_engine(engine)
     raise AssertionError(f"engine not idle after {max_steps} steps")
+
+
+def serve_to_completion(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stops: Sequence[int | None],
+) -> list[Req]:
+    """Submit ``prompts`` (request ``i`` stops at ``stops[i]`` when given), drive the engine
+    to idle with every invariant checked after each step, and assert the pools balance and
+    each request ended by its stop token or its length cap."""
+    reqs = [
+        engine.submit(
+            f"p{i}",
+            prompt,
+            SamplingParams(
+                max_new_tokens=max_new_tokens, stop_token_ids=() if stop is None else (stop,)
+            ),
+        )
+        for i, (prompt, stop) in enumerate(zip(prompts, stops, strict=True))
+    ]
+    run_checked(engine)
+    snap = engine.snapshot()
+    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
+    reasons = [r.finish is not None and r.finish.reason.value for r in reqs]
+    assert reasons == ["length" if stop is None else "stop" for stop in stops]
+    return reqs
