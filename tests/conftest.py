@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from memory_harness import Memory, build_memory
+from spec_checkpoints import SpecCheckpoints, make_partial_drafters, make_spec_checkpoints
 
 from specstate.internals import OwnershipChecker
 
@@ -33,3 +34,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def partial_ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
+    """The default tiny target with drafters that agree with it partly, built once.
+
+    Shared by many modules: tests read it and never change its weights.
+    """
+    root = tmp_path_factory.mktemp("partial_ckpt")
+    return make_partial_drafters(make_spec_checkpoints(root), root)

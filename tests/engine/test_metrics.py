@@ -14,8 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import RequestLimits, SamplingParams
@@ -24,10 +22,9 @@ from specstate.engine.metrics import register_metrics
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A target with partially agreeing drafters."""
-    root = tmp_path_factory.mktemp("metrics")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A target with partially agreeing drafters (built once per session)."""
+    return partial_ckpt
 
 
 def _scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

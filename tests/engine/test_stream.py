@@ -16,8 +16,6 @@ from hf_oracle import greedy
 from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import FinishReason, RequestLimits, SamplingParams
@@ -29,10 +27,9 @@ NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A target with partially agreeing drafters."""
-    root = tmp_path_factory.mktemp("stream")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A target with partially agreeing drafters (built once per session)."""
+    return partial_ckpt
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])

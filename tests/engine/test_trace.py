@@ -23,8 +23,6 @@ from engine_driver import run_checked
 from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import RequestLimits, SamplingParams
@@ -38,10 +36,9 @@ PHASES = {"M", "X", "i", "s", "f", "C"}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A target with partially agreeing drafters."""
-    root = tmp_path_factory.mktemp("trace")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A target with partially agreeing drafters (built once per session)."""
+    return partial_ckpt
 
 
 def _traced_run(ckpt: SpecCheckpoints, overlap: bool) -> tuple[Engine, TraceRecorder, list[Any]]:

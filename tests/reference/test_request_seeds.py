@@ -16,8 +16,6 @@ from engine_driver import DriveLog, run_checked
 from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import RequestLimits, SamplingParams
@@ -40,10 +38,9 @@ PROMPT = MIXED_PROMPTS[0]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A target with partially agreeing drafters."""
-    root = tmp_path_factory.mktemp("seeds")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A target with partially agreeing drafters (built once per session)."""
+    return partial_ckpt
 
 
 def worker_of(ckpt: SpecCheckpoints, algorithm: str, *, worker_seed: int = 0) -> WorkerProtocol:

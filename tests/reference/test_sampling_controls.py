@@ -16,8 +16,6 @@ from spec_checkpoints import (
     ALGORITHMS,
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import RequestLimits, SamplingParams
@@ -36,10 +34,9 @@ ROW_CONTROLS = (
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A target with partially agreeing drafters."""
-    root = tmp_path_factory.mktemp("controls")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A target with partially agreeing drafters (built once per session)."""
+    return partial_ckpt
 
 
 @pytest.fixture(scope="module")

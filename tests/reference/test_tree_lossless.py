@@ -20,8 +20,6 @@ from hf_oracle import greedy
 from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
-    make_partial_drafters,
-    make_spec_checkpoints,
 )
 
 from specstate import RequestLimits
@@ -46,10 +44,9 @@ NUM_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
-    """A one-layer target with a draft model and an EAGLE head that agree with it partly."""
-    root = tmp_path_factory.mktemp("tree_lossless")
-    return make_partial_drafters(make_spec_checkpoints(root), root)
+def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
+    """A one-layer target, a draft model and an EAGLE head that agree with it partly."""
+    return partial_ckpt
 
 
 @pytest.fixture(scope="module")
