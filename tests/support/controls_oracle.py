@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from sampling_oracle import reference_filter
+from sampling_oracle import last_logits, reference_filter
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 
@@ -129,9 +129,7 @@ def exact_controlled(
 
     Keys are the generated prefixes (all of one length).
     """
-    ids = torch.tensor([[*prompt, *prefix] for prefix in prefixes])
-    with torch.no_grad():
-        logits = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+    logits = last_logits(hf, prompt, prefixes)
     return {
         tuple(prefix): reference_filter(
             controlled_logits(row, prompt, prefix, controls, stop_ids), temperature, top_k, top_p

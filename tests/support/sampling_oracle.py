@@ -55,13 +55,21 @@ def exact_next_token(
 
     Keys are the generated prefixes (all of one length).
     """
-    ids = torch.tensor([[*prompt, *prefix] for prefix in prefixes])
-    with torch.no_grad():
-        logits = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+    logits = last_logits(hf, prompt, prefixes)
     return {
         tuple(prefix): reference_filter(row, temperature, top_k, top_p)
         for prefix, row in zip(prefixes, logits, strict=True)
     }
+
+
+def last_logits(
+    hf: LlamaForCausalLM, prompt: Sequence[int], prefixes: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """``[len(prefixes), V]``: the target's logits after ``prompt`` + each prefix (one length)."""
+    ids = torch.tensor([[*prompt, *prefix] for prefix in prefixes])
+    with torch.no_grad():
+        logits: torch.Tensor = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+    return logits
 
 
 @attrs.frozen
