@@ -251,3 +251,26 @@ def test_the_invariant_checker_names_a_round_settled_past_its_width(
             run_checked(engine)
     assert caught.value.invariant == "draft-width", caught.value
     assert "launched with 0 draft steps" in str(caught.value)
+
+
+def test_rows_that_do_not_speculate_are_not_observed(ckpt: SpecCheckpoints) -> None:
+    """``speculative=False`` requests accept one token whatever the drafts: the policy's view of
+    acceptance leaves them out, so they cannot switch speculation off for the others."""
+    policy = ScriptedPolicy((2,))
+    config = EngineConfig(overlap=True, kv_tokens=2048, check_invariants=True)
+    limits = RequestLimits(vocab_size=97, max_context_len=256)
+    speculates = [i % 2 == 0 for i in range(len(MIXED_PROMPTS))]
+    with Engine(ckpt.worker("ngram"), limits=limits, config=config, draft_policy=policy) as engine:
+        reqs = [
+            engine.submit(
+                f"r{i}",
+                p,
+                SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, speculative=spec),
+            )
+            for i, (p, spec) in enumerate(zip(MIXED_PROMPTS, speculates, strict=True))
+        ]
+        run_checked(engine)
+    for prompt, req in zip(MIXED_PROMPTS, reqs, strict=True):
+        assert list(req.emitted_ids) == greedy(ckpt.hf, list(prompt), NEW_TOKENS)
+    rows = [n for _, n in policy.observed]
+    assert rows and max(rows) <= sum(speculates) < len(MIXED_PROMPTS)

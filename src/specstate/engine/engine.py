@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import (
     ForwardTimeout,
     InvalidConfig,
@@ -107,8 +108,8 @@ class EngineConfig:
         adaptive_draft: choose the draft steps of every decode round with the shipped
             `AcceptanceEma` policy (from the batch size and recent acceptance; speculation
             switches off when drafts are rarely accepted, and back on after a probe). Needs a
-            worker that declares ``supports_adaptive_steps``. ``Engine(draft_policy=...)``
-            takes a policy of your own instead.
+            worker that declares ``supports_adaptive_steps``; ignored for a worker that does
+            not speculate. ``Engine(draft_policy=...)`` takes a policy of your own instead.
     """
 
     overlap: bool = True
@@ -598,9 +599,7 @@ class Engine:
             ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
             probe = SettlementProbe.take(self, flight) if self.config.check_invariants else None
             if self._draft_policy is not None and plan.batch.num_draft_steps is not None:
-                # Once per settled round, at the width it was launched with.
-                valid = host.accept if host.invalid is None else host.accept[~host.invalid]
-                self._draft_policy.observe(plan.batch.num_draft_steps, valid.astype(np.int64))
+                self._observe_round(plan.batch, host)
             try:
                 settlement = self._settle_result(plan, host)
             except LedgerViolation as exc:
@@ -701,6 +700,21 @@ class Engine:
                 self.deferred.hold(req, until=drained)
         self._drain(self._num_retired)
         return tuple(r.request_id for r in ended)
+
+    def _observe_round(self, batch: ScheduleBatch, host: HostResult) -> None:
+        """Hand the draft policy a settled round once, at the width it was launched with.
+
+        Only rows that drafted count: not rows the worker marked invalid, and not requests
+        with ``speculative=False`` (they accept one token whatever the drafts).
+        """
+        assert self._draft_policy is not None and batch.num_draft_steps is not None
+        drafted = np.ones(host.batch_size, dtype=np.bool_)
+        if host.invalid is not None:
+            drafted &= ~host.invalid
+        if batch.sampling_info.speculative_host is not None:
+            drafted &= batch.sampling_info.speculative_host
+        accepted = host.accept[drafted].astype(np.int64)
+        self._draft_policy.observe(batch.num_draft_steps, accepted)
 
     def _settle_result(self, plan: LaunchPlan, result: HostResult) -> Settlement:
         """The result processor's settlement of one launched batch's result."""
