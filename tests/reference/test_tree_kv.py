@@ -18,7 +18,6 @@ from worker_harness import WorkerLoop
 
 from specstate import (
     InvalidConfig,
-    InvalidRequest,
     Req,
     RequestLimits,
     SamplingParams,
@@ -192,21 +191,34 @@ def test_committed_kv_equals_a_dense_prefill_and_writes_stay_in_the_window(
                 torch.testing.assert_close(got_v, values, atol=1e-4, rtol=1e-4)
 
 
-def test_a_tree_worker_samples_but_refuses_other_controls(ckpt: SpecCheckpoints) -> None:
-    """supports_sampling is True: the engine serves a sampled request on a tree (verified by
-    rejection sampling, `test_tree_sampling`); seeds and logprobs stay refused at submit."""
+def test_a_tree_worker_serves_sampling_and_the_per_request_controls(ckpt: SpecCheckpoints) -> None:
+    """supports_sampling and every per-request control: the engine serves sampled, seeded,
+    penalized, logprobs and non-speculative requests on a tree (`test_tree_controls` checks
+    their outputs); adaptive steps are not declared."""
     worker = tree_worker(ckpt, "eagle")
-    assert worker.capabilities.supports_sampling
+    caps = worker.capabilities
+    assert caps.supports_sampling and caps.supports_seeds and caps.supports_logprobs
+    assert caps.supports_penalties and caps.supports_min_new_tokens
+    assert caps.supports_per_request_speculation and not caps.supports_adaptive_steps
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=1024)) as engine:
-        hot = engine.submit("hot", [1, 2, 3], SamplingParams(temperature=0.7, max_new_tokens=6))
-        cold = engine.submit("cold", [1, 2, 3], SamplingParams(max_new_tokens=4))
-        with pytest.raises(InvalidRequest):
-            engine.submit("seeded", [1, 2, 3], SamplingParams(temperature=0.7, seed=1))
-        with pytest.raises(InvalidRequest):
-            engine.submit("logprobs", [1, 2, 3], SamplingParams(logprobs=True))
+        reqs = [
+            engine.submit("hot", [1, 2, 3], SamplingParams(temperature=0.7, max_new_tokens=6)),
+            engine.submit("cold", [1, 2, 3], SamplingParams(max_new_tokens=4)),
+            engine.submit(
+                "seeded", [1, 2, 3], SamplingParams(temperature=0.7, seed=1, max_new_tokens=5)
+            ),
+            engine.submit(
+                "logprobs",
+                [1, 2, 3],
+                SamplingParams(logprobs=True, repetition_penalty=1.3, max_new_tokens=5),
+            ),
+            engine.submit("plain", [1, 2, 3], SamplingParams(speculative=False, max_new_tokens=5)),
+        ]
         engine.run_until_idle()
-    assert len(hot.emitted_ids) == 6 and len(cold.emitted_ids) == 4
+    assert [len(r.emitted_ids) for r in reqs] == [6, 4, 5, 5, 5]
+    assert reqs[3].logprobs is not None and len(reqs[3].logprobs) == 5
+    assert set(reqs[4].accept_lengths) == {1}
 
 
 def test_topk_one_is_the_chain_worker(ckpt: SpecCheckpoints, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import attrs
 import pytest
 import torch
 
+from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.reference.model import (
     AttentionBatch,
@@ -21,6 +22,7 @@ from specstate.reference.model import (
     TreeAttentionBatch,
     TreeMask,
 )
+from specstate.reference.workers.sampler import TokenCounts, TokenSampler, sample_with_uniforms
 from specstate.reference.workers.tree import (
     DraftTree,
     TreeShape,
@@ -30,7 +32,10 @@ from specstate.reference.workers.tree import (
     select_tree,
     tree_attention,
     tree_capabilities,
+    tree_counts,
     verify_greedy_tree,
+    verify_tree,
+    verify_tree_targets,
 )
 
 VOCAB = 61
@@ -105,21 +110,23 @@ def test_tree_shape_counts_and_refusals() -> None:
         TreeShape(num_steps=3, topk=2, num_draft_tokens=1)
 
 
-def test_capabilities_chain_unchanged_tree_samples_without_controls() -> None:
-    """topk 1 is the chain's capabilities; a tree declares topk, D, sampling and no control."""
+def test_capabilities_chain_unchanged_tree_serves_the_controls() -> None:
+    """topk 1 is the chain's capabilities; a tree declares topk, D, sampling and every
+    per-request control but adaptive steps."""
     chain = tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=None)
     assert chain == tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=4)
     assert (chain.topk, chain.num_draft_tokens, chain.supports_sampling) == (1, 4, True)
     tree = tree_capabilities("eagle", num_steps=3, topk=2, num_draft_tokens=None)
     assert (tree.topk, tree.num_draft_tokens, tree.max_accept) == (2, 7, 4)
     assert tree.supports_sampling and tree.keeps_draft_kv
-    assert not (
+    assert (
         tree.supports_seeds
-        or tree.supports_penalties
-        or tree.supports_min_new_tokens
-        or tree.supports_logprobs
-        or tree.supports_per_request_speculation
+        and tree.supports_penalties
+        and tree.supports_min_new_tokens
+        and tree.supports_logprobs
+        and tree.supports_per_request_speculation
     )
+    assert not tree.supports_adaptive_steps
     with pytest.raises(InvalidConfig, match="verifies num_draft_tokens = 4, got 6"):
         tree_capabilities("eagle", num_steps=3, topk=1, num_draft_tokens=6)
     with pytest.raises(InvalidConfig, match="topk >= 1"):
@@ -274,6 +281,62 @@ def test_verification_refuses_misshapen_logits() -> None:
     """Logits that do not cover every node raise InvalidConfig."""
     with pytest.raises(InvalidConfig, match="do not fit 5 trees of 6"):
         verify_greedy_tree(hand_tree(), torch.zeros(5, 4, 128), path_width=4)
+
+
+def first_rows(tree: DraftTree, rows: int) -> DraftTree:
+    """The first ``rows`` rows of ``tree``."""
+    return DraftTree.from_parents(tree.tokens[:rows], tree.parents[:rows])
+
+
+def test_a_non_speculative_row_accepts_only_the_root_target() -> None:
+    """``speculative`` False: no child is accepted, the run is the root's target alone."""
+    targets = hand_logits([[11, 20, 30, 5, 40, 50]] * 2).argmax(-1)
+    verdict = verify_tree_targets(
+        first_rows(hand_tree(), 2), targets, 4, torch.tensor([True, False])
+    )
+    assert verdict.accept_lens.tolist() == [4, 1]
+    assert verdict.run_tokens[1, 0].item() == 11 and verdict.path[1].tolist() == [0, 0, 0, 0]
+    assert verdict.last_node.tolist() == [5, 0]
+
+
+def test_seeded_rows_verify_against_the_draw_at_their_depth() -> None:
+    """A seeded sampled row's target after node n is the inverse CDF at u(seed, S+depth+1)."""
+    tree = hand_tree()
+    logits = torch.randn(5, 6, VOCAB, generator=torch.Generator().manual_seed(3))
+    sampling = SamplingInfo(
+        temperatures=torch.full((5,), 0.8),
+        top_ps=torch.ones(5),
+        top_ks=torch.full((5,), VOCAB),
+        seeds=torch.arange(5) + 7,
+    )
+    start = torch.tensor([3, 9, 4, 12, 0])
+    verdict = verify_tree(tree, logits, 4, sampling, TokenSampler(0), start=start)
+    positions = start[:, None] + 1 + tree.depths
+    uniforms = seeded_uniforms(torch.arange(5) + 7, positions)
+    draws = sample_with_uniforms(torch.softmax(logits / 0.8, -1), uniforms)
+    want = verify_tree_targets(tree, draws, 4)
+    assert torch.equal(verdict.run_tokens, want.run_tokens)
+    assert torch.equal(verdict.accept_lens, want.accept_lens)
+    with pytest.raises(InvalidConfig, match="needs the frontier"):
+        verify_tree(tree, logits, 4, sampling, TokenSampler(0))
+
+
+def test_node_counts_are_the_prefix_plus_the_nodes_path() -> None:
+    """A chain-shaped tree gives `TokenCounts.chain`; a branchy one the counts of each path."""
+    base = TokenCounts.from_history(
+        torch.tensor([[2, 3, 3, 1, 0, 0]]), torch.tensor([3]), torch.tensor([2]), 12
+    )
+    chain = DraftTree.from_parents(torch.tensor([[1, 5, 6, 5]]), torch.tensor([[0, 0, 1, 2]]))
+    got, want = tree_counts(base, chain), base.chain(torch.tensor([[5, 6, 5]]))
+    for name in ("seen", "output", "num_outputs"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    tree = first_rows(hand_tree(), 1)  # root(1) ─ A(10) ─ C(20);  root ─ B(11) ─ E(30) ─ F(40)
+    root_only = TokenCounts.from_history(tree.tokens[:, :1], torch.tensor([0]), None, 64)
+    counts = tree_counts(root_only, tree)
+    paths = {0: [1], 1: [1, 10], 2: [1, 11], 3: [1, 10, 20], 4: [1, 11, 30], 5: [1, 11, 30, 40]}
+    for node, tokens in paths.items():
+        assert counts.seen[0, node].nonzero().flatten().tolist() == tokens
+        assert int(counts.num_outputs[0, node]) == len(tokens)
 
 
 # --------------------------------------------------------------------------------- compaction

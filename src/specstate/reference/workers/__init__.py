@@ -19,9 +19,10 @@
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
 verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
-matching path, sampled rows recursive rejection sampling over each node's children. Seeds,
-penalties, ``min_new_tokens``, logprobs and per-request speculation are not implemented for
-trees; the engine refuses requests that use them.
+matching path, sampled rows recursive rejection sampling over each node's children; each node
+sees the penalties and ``min_new_tokens`` state of its own path, seeded rows verify against
+their seeded draws, and logprobs and ``speculative=False`` work as on a chain. Trees do not
+take an adaptive draft length.
 
 ``target`` / ``draft`` are Hugging Face Llama checkpoint directories or in-memory `PagedLlama`
 models; ``eagle`` is a directory in the `specstate.reference.eagle_head` format.

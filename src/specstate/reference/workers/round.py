@@ -17,12 +17,12 @@ share a batch with sampled rows. All randomness of unseeded rows comes from the 
 `TokenSampler` (``seed`` option): a run is reproducible for a fixed seed and batch composition.
 
 Every chain worker (``topk == 1``) serves the sampling controls (its capabilities declare them;
-a subclass that replaces the DECODE round, e.g. a tree, declares none): a DECODE round
-records the bonus in the target's token history and builds the token state at ``S``; the
-drafter drafts inside `TokenSampler.drafting` (the same controls on its logits, seeded rows
-coupled to the position they draft); the target verifies each position with the drafts before
-it (`specstate.reference.workers.target`). A request with ``speculative=False`` still rides the
-verify, with its drafts ignored: it accepts exactly one token.
+a tree, ``topk > 1``, serves them in its own round, `specstate.reference.workers.tree`): a
+DECODE round records the bonus in the target's token history and builds the token state at
+``S``; the drafter drafts inside `TokenSampler.drafting` (the same controls on its logits,
+seeded rows coupled to the position they draft); the target verifies each position with the
+drafts before it (`specstate.reference.workers.target`). A request with ``speculative=False``
+still rides the verify, with its drafts ignored: it accepts exactly one token.
 
 Invariant: ``on_publish`` is called exactly once per forward, after the target decided the
 frontier and before any post-verify work; the worker writes only its own caches and history,

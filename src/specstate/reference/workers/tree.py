@@ -47,6 +47,22 @@ children without replacement), so every emitted token, drafted or bonus, is dist
 as the target's filtered distribution given the tokens before it, whatever the drafter chose.
 Greedy rows of the same batch keep `verify_greedy_tree`, bit for bit.
 
+Per-request controls (docs/engine.md, "Sampling controls"), all per row:
+
+* penalties and ``min_new_tokens``: node ``n``'s logits are processed with the counts of the
+  prefix plus its own path root .. ``n`` and ``depth(n)`` more outputs (`tree_counts`): what
+  one-at-a-time decoding sees had that path been emitted. The path's tokens are then written
+  to the target's token history at ``S .. S + K``;
+* seeds: a seeded sampled row's target token after node ``n`` is ``F_n^-1(u(seed, S +
+  depth(n) + 1))`` and a child is accepted iff it equals its parent's (`verify_tree_targets`),
+  so the row emits the same tokens as a chain or no speculation;
+* ``speculative=False``: the row accepts no child, exactly one token (the root's argmax,
+  seeded draw, or a draw from ``p_root``);
+* logprobs: run token ``j`` under the final distribution of its parent, the path node at depth
+  ``j`` (`token_logprobs`).
+
+The drafter grows its tree from raw logits (no controls): only acceptance depends on that.
+
 Every write stays inside the engine's reservation ``[S, S + L)`` with
 ``L >= max(K * k, D)`` (`SpecWindow.alloc_len_per_decode`): the target writes ``[S, S + D)``,
 the drafter ``[S, S + max(1 + (K-1)*k, K+1))``; both are ``<= max(K * k, D)`` for ``k >= 2``.
@@ -67,7 +83,7 @@ import torch.nn.functional as F
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.batch.sampling import SamplingInfo
+from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities
 from specstate.reference.model import (
@@ -79,7 +95,13 @@ from specstate.reference.model import (
 )
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
 from specstate.reference.workers.round import ChainRoundWorker
-from specstate.reference.workers.sampler import TokenSampler, filtered_probs
+from specstate.reference.workers.sampler import (
+    TokenCounts,
+    TokenSampler,
+    filtered_probs,
+    sample_with_uniforms,
+    token_logprobs,
+)
 from specstate.reference.workers.target import TargetRunner
 from specstate.relay.future_map import RelayPayload
 
@@ -95,9 +117,12 @@ __all__ = [
     "select_tree",
     "tree_attention",
     "tree_capabilities",
+    "tree_counts",
     "verify_greedy_tree",
     "verify_sampled_tree",
     "verify_tree",
+    "verify_tree_targets",
+    "verify_tree_with_probs",
 ]
 
 DraftForward = Callable[[AttentionBatch, torch.Tensor | None], ModelOutput]
@@ -153,8 +178,9 @@ def tree_capabilities(
 
     ``num_draft_tokens`` defaults to ``num_steps + 1`` for a chain (the only legal value) and to
     ``num_steps * topk + 1`` for a tree. A tree worker samples (``temperature``, ``top_k``,
-    ``top_p``; `verify_sampled_tree`) but declares no other control: the engine refuses seeds,
-    penalties, ``min_new_tokens``, logprobs and per-request speculation at submit.
+    ``top_p``; `verify_sampled_tree`) and serves every per-request control but adaptive steps:
+    ``speculative=False``, logprobs, penalties, ``min_new_tokens`` (`tree_counts`) and seeds
+    (`verify_tree`).
 
     Raises:
         InvalidConfig: ``num_steps < 1``, ``topk < 1``, a chain with ``num_draft_tokens`` other
@@ -180,6 +206,11 @@ def tree_capabilities(
         num_draft_tokens=shape.num_draft_tokens,
         keeps_draft_kv=True,
         supports_sampling=True,
+        supports_per_request_speculation=True,
+        supports_penalties=True,
+        supports_min_new_tokens=True,
+        supports_seeds=True,
+        supports_logprobs=True,
     )
 
 
@@ -489,14 +520,32 @@ def verify_greedy_tree(tree: DraftTree, logits: torch.Tensor, path_width: int) -
         InvalidConfig: the shapes disagree.
     """
     _check_tree(tree, logits, "logits")
+    return verify_tree_targets(tree, logits.argmax(-1), path_width)
+
+
+def verify_tree_targets(
+    tree: DraftTree,
+    targets: torch.Tensor,
+    path_width: int,
+    speculative: torch.Tensor | None = None,
+) -> TreeVerdict:
+    """Verification against the target's own token ``targets[:, n]`` after every node ``n``.
+
+    The target's token after a node is fixed before the children are compared (the argmax, or
+    a seeded row's draw ``F^-1(u(seed, S + depth + 1))``): node ``n`` is accepted when its token
+    is ``targets[parent n]`` and its parent is accepted; the run is ``targets`` along the path
+    to the deepest accepted node. A row with ``speculative`` False (``[B]`` bool, None: all
+    speculate) accepts no child: exactly one token, the root's target.
+    """
     num_rows = tree.tokens.shape[0]
-    targets = logits.argmax(-1)
     matched = tree.tokens == targets.gather(1, tree.parents)
+    if speculative is not None:
+        matched = matched & speculative.to(matched.device)[:, None]
     matched[:, 0] = True
     # accepted: every node on the way from the root matched (the ancestor mask has the way).
     accepted = ~(tree.ancestors & ~matched[:, None, :]).any(-1)
     last = torch.where(accepted, tree.depths, -1).argmax(1)
-    rows = torch.arange(num_rows, device=logits.device)
+    rows = torch.arange(num_rows, device=targets.device)
     path = _path_to(tree, last, path_width)
     return TreeVerdict(
         run_tokens=targets.gather(1, path),
@@ -568,32 +617,106 @@ def verify_sampled_tree(
     )
 
 
+def tree_counts(counts: TokenCounts, tree: DraftTree) -> TokenCounts:
+    """``[B, D, V]`` token state of every node: the state at ``S`` plus the node's path.
+
+    ``counts`` is the state scoring ``S + 1`` (it holds the root ``x0``); node ``n`` scores the
+    token after it, so it also sees the tokens of its ancestors-or-self below the root, exactly
+    what one-at-a-time decoding sees once the path root .. ``n`` is emitted (``depth(n)`` more
+    outputs: the ``min_new_tokens`` mask). A chain is the special case `TokenCounts.chain`.
+    """
+    one = F.one_hot(tree.tokens.long(), counts.seen.shape[-1]).to(counts.seen.dtype)
+    below_root = tree.ancestors.clone()
+    below_root[:, :, 0] = False  # the root x0 is in counts already
+    path = torch.bmm(below_root.to(one.dtype), one)  # small integers: exact in float32
+    return TokenCounts(
+        seen=counts.seen[:, None] + path,
+        output=counts.output[:, None] + path,
+        num_outputs=counts.num_outputs[:, None] + tree.depths.to(counts.num_outputs.device),
+    )
+
+
+def _pick(rows: torch.Tensor, chosen: TreeVerdict, other: TreeVerdict) -> TreeVerdict:
+    """``chosen``'s verdict where ``rows`` (``[B]`` bool), ``other``'s elsewhere."""
+    return TreeVerdict(
+        run_tokens=torch.where(rows[:, None], chosen.run_tokens, other.run_tokens),
+        accept_lens=torch.where(rows, chosen.accept_lens, other.accept_lens),
+        bonus_tokens=torch.where(rows, chosen.bonus_tokens, other.bonus_tokens),
+        path=torch.where(rows[:, None], chosen.path, other.path),
+        last_node=torch.where(rows, chosen.last_node, other.last_node),
+    )
+
+
+def _single_token(first: torch.Tensor, path_width: int) -> TreeVerdict:
+    """The verdict that emits ``first`` ``[B]`` alone at the root (no child accepted)."""
+    zeros = first.new_zeros(first.shape[0], path_width)
+    return TreeVerdict(
+        run_tokens=zeros.scatter(1, zeros[:, :1], first[:, None]),
+        accept_lens=torch.ones_like(first),
+        bonus_tokens=first,
+        path=zeros,
+        last_node=torch.zeros_like(first),
+    )
+
+
+def verify_tree_with_probs(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    path_width: int,
+    sampling: SamplingInfo,
+    sampler: TokenSampler,
+    *,
+    start: torch.Tensor | None = None,
+) -> tuple[TreeVerdict, torch.Tensor | None]:
+    """`verify_tree`, and the filtered distributions ``[B, D, V]`` of ``logits`` (None when the
+    batch is all greedy)."""
+    _check_tree(tree, logits, "logits")
+    speculative = sampling.speculative
+    targets = logits.argmax(-1)
+    if sampling.is_all_greedy:
+        return verify_tree_targets(tree, targets, path_width, speculative), None
+    probs = filtered_probs(logits, sampling)
+    fixed_rows = (sampling.temperatures == 0).to(logits.device)
+    if sampling.seeds is not None:
+        if start is None:
+            raise InvalidConfig("tree verify of seeded rows needs the frontier start")
+        # node n scores the token at S + depth(n) + 1: the position a seeded row draws for.
+        positions = start.long().to(logits.device)[:, None] + 1 + tree.depths
+        uniforms = seeded_uniforms(sampling.seeds, positions)
+        seeded = (sampling.seeds.to(logits.device) >= 0) & ~fixed_rows
+        targets = torch.where(seeded[:, None], sample_with_uniforms(probs, uniforms), targets)
+        fixed_rows = fixed_rows | seeded
+    fixed = verify_tree_targets(tree, targets, path_width, speculative)
+    sampled = verify_sampled_tree(tree, probs, path_width, sampler)
+    if speculative is not None:  # a single token drawn from p_root itself, not the residual
+        single = ~speculative.to(logits.device)
+        first = sampler.sample(probs[:, 0])
+        sampled = _pick(single, _single_token(first, path_width), sampled)
+    return _pick(fixed_rows, fixed, sampled), probs
+
+
 def verify_tree(
     tree: DraftTree,
     logits: torch.Tensor,
     path_width: int,
     sampling: SamplingInfo,
     sampler: TokenSampler,
+    *,
+    start: torch.Tensor | None = None,
 ) -> TreeVerdict:
-    """Each row verified per its sampling: greedy rows by `verify_greedy_tree` (an all-greedy
-    batch draws nothing), sampled rows by `verify_sampled_tree` on `filtered_probs` of
-    ``logits``.
+    """Each row verified per its sampling, on its (processed) ``logits`` ``[B, D, V]``.
+
+    Greedy rows by argmax (`verify_tree_targets`; an all-greedy batch draws nothing); seeded
+    sampled rows against their seeded draws at ``start + depth + 1`` (a seeded row emits the
+    tokens a chain or no speculation would); other sampled rows by `verify_sampled_tree` on
+    `filtered_probs`. A row with ``speculative`` False accepts exactly one token: the root's
+    argmax, seeded draw, or a draw from ``p_root``.
 
     Raises:
-        InvalidConfig: the shapes disagree.
+        InvalidConfig: the shapes disagree, or seeded rows without ``start``.
     """
-    greedy = verify_greedy_tree(tree, logits, path_width)
-    if sampling.is_all_greedy:
-        return greedy
-    sampled = verify_sampled_tree(tree, filtered_probs(logits, sampling), path_width, sampler)
-    fixed = (sampling.temperatures == 0).to(logits.device)
-    return TreeVerdict(
-        run_tokens=torch.where(fixed[:, None], greedy.run_tokens, sampled.run_tokens),
-        accept_lens=torch.where(fixed, greedy.accept_lens, sampled.accept_lens),
-        bonus_tokens=torch.where(fixed, greedy.bonus_tokens, sampled.bonus_tokens),
-        path=torch.where(fixed[:, None], greedy.path, sampled.path),
-        last_node=torch.where(fixed, greedy.last_node, sampled.last_node),
-    )
+    verdict, _ = verify_tree_with_probs(tree, logits, path_width, sampling, sampler, start=start)
+    return verdict
 
 
 def compact_kv(
@@ -716,6 +839,8 @@ class TreeRoundWorker(ChainRoundWorker):
         if shape is None:
             return super()._run_decode(batch, on_publish)
         start, roots = decode_roots(batch)
+        sampling = batch.sampling_info
+        counts = self._target.begin_round(batch.req_pool_indices, start, roots, sampling)
         table = self._target.req_to_token
         tree = grow_tree(
             self._tree_forward,
@@ -731,7 +856,21 @@ class TreeRoundWorker(ChainRoundWorker):
         num_rows, width = tree.tokens.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
-        verdict = verify_tree(tree, logits, shape.path_width, batch.sampling_info, self._sampler)
+        if counts is not None:  # node n sees the prefix and its path root .. n
+            logits = tree_counts(counts, tree).apply(logits, sampling)
+        verdict, probs = verify_tree_with_probs(
+            tree, logits, shape.path_width, sampling, self._sampler, start=start
+        )
+        if counts is not None:  # the history below the new frontier: the path's tokens
+            self._record_path(batch.req_pool_indices, start, verdict.path_tokens(tree))
+        logprobs = None
+        if sampling.logprobs:  # run token j is scored by its parent, the path node at depth j
+            index = verdict.path[:, :, None].expand(-1, -1, logits.shape[-1])
+            path_probs = None if probs is None else probs.gather(1, index)
+            run_logprobs = token_logprobs(
+                logits.gather(1, index), path_probs, sampling, verdict.run_tokens
+            )
+            logprobs = _fit_width(run_logprobs, width)
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
         compact_kv(target.kv_cache, batch.req_pool_indices, table, start, verdict)
@@ -751,6 +890,19 @@ class TreeRoundWorker(ChainRoundWorker):
             new_seq_lens,
             payload,
             invalid,
+            logprobs,
+        )
+
+    def _record_path(
+        self, slots: torch.Tensor, start: torch.Tensor, path_tokens: torch.Tensor
+    ) -> None:
+        """Write the path's tokens at ``S .. S+K`` of the token history (past the accepted
+        length they are never read: the next round rewrites its root and reads up to it)."""
+        width = path_tokens.shape[1]
+        steps = torch.arange(width, device=path_tokens.device)[None, :]
+        positions = start.long().to(path_tokens.device)[:, None] + steps
+        self._target.write_tokens(
+            slots.long().repeat_interleave(width), positions.reshape(-1), path_tokens.reshape(-1)
         )
 
     @abc.abstractmethod
