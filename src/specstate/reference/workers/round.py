@@ -76,6 +76,18 @@ class VerifiedRound:
     target_hidden: torch.Tensor
 
 
+def with_sampling_controls(capabilities: WorkerCapabilities) -> WorkerCapabilities:
+    """``capabilities`` declaring every sampling control a reference round implements."""
+    return attrs.evolve(
+        capabilities,
+        supports_per_request_speculation=True,
+        supports_penalties=True,
+        supports_min_new_tokens=True,
+        supports_seeds=True,
+        supports_logprobs=True,
+    )
+
+
 def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
     if on_publish is not None:
         on_publish(new_seq_lens)
@@ -97,13 +109,7 @@ class ChainRoundWorker(abc.ABC):
         self._capabilities = capabilities
         if capabilities.topk == 1:  # the chain round implements every sampling control
             self._capabilities = attrs.evolve(
-                capabilities,
-                supports_per_request_speculation=True,
-                supports_penalties=True,
-                supports_min_new_tokens=True,
-                supports_seeds=True,
-                supports_logprobs=True,
-                supports_adaptive_steps=True,
+                with_sampling_controls(capabilities), supports_adaptive_steps=True
             )
         self._sampler = TokenSampler(seed)
 

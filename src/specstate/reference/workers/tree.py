@@ -94,7 +94,7 @@ from specstate.reference.model import (
     TreeMask,
 )
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
-from specstate.reference.workers.round import ChainRoundWorker
+from specstate.reference.workers.round import ChainRoundWorker, with_sampling_controls
 from specstate.reference.workers.sampler import (
     TokenCounts,
     TokenSampler,
@@ -199,18 +199,15 @@ def tree_capabilities(
         return WorkerCapabilities.chain(algorithm, num_steps=num_steps, keeps_draft_kv=True)
     nodes = num_steps * topk + 1 if num_draft_tokens is None else num_draft_tokens
     shape = TreeShape(num_steps=num_steps, topk=topk, num_draft_tokens=nodes)
-    return WorkerCapabilities(
-        algorithm=algorithm,
-        num_steps=shape.num_steps,
-        topk=shape.topk,
-        num_draft_tokens=shape.num_draft_tokens,
-        keeps_draft_kv=True,
-        supports_sampling=True,
-        supports_per_request_speculation=True,
-        supports_penalties=True,
-        supports_min_new_tokens=True,
-        supports_seeds=True,
-        supports_logprobs=True,
+    return with_sampling_controls(
+        WorkerCapabilities(
+            algorithm=algorithm,
+            num_steps=shape.num_steps,
+            topk=shape.topk,
+            num_draft_tokens=shape.num_draft_tokens,
+            keeps_draft_kv=True,
+            supports_sampling=True,
+        )
     )
 
 
