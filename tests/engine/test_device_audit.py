@@ -44,7 +44,7 @@ def _build(
         limits=RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64),
         config=config,
     )
-    launcher = engine._launcher
+    launcher = engine.rounds.launcher
     launcher._run = audit.wrap(launcher._run, "launch")  # type: ignore[method-assign]
     worker = engine.worker
     worker.forward_batch_generation = audit.wrap(  # type: ignore[method-assign]

@@ -138,7 +138,7 @@ def test_ended_requests_are_forgotten_past_the_history() -> None:
         assert _drive(engine) == 0
         again = engine.submit("r7", [3], PARAMS)  # an id reused while its old request is kept
         assert _drive(engine) == 0
-        kept = [r.request_id for r in reqs if r.request_id in engine._requests]
+        kept = [r.request_id for r in reqs if engine.lifecycle.find(r.request_id) is not None]
         assert len(kept) <= 3 and engine.request("r7") is again
         for req in reqs[:4]:
             with pytest.raises(KeyError):

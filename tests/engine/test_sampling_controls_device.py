@@ -46,7 +46,7 @@ def test_controls_keep_the_placement_rule(ckpt: SpecCheckpoints, algorithm: str)
             limits=RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64),
             config=config,
         )
-        launcher = engine._launcher
+        launcher = engine.rounds.launcher
         launcher._run = audit.wrap(launcher._run, "launch")  # type: ignore[method-assign]
         worker = engine.worker
         worker.forward_batch_generation = audit.wrap(  # type: ignore[method-assign]

@@ -39,7 +39,7 @@ def test_a_late_result_for_an_old_incarnation_in_the_same_slot_is_skipped() -> N
     with engine.checker.acting(Role.SCHEDULER):
         plan, _ = engine.scheduler.schedule()
     assert plan is not None and plan.batch.forward_mode.is_decode()
-    late = engine._launcher.launch(plan, batch_id=999)
+    late = engine.rounds.launcher.launch(plan, batch_id=999)
     result, error = late.wait()
     assert error is None and result is not None and late.host is not None
 
@@ -60,7 +60,7 @@ def test_a_late_result_for_an_old_incarnation_in_the_same_slot_is_skipped() -> N
 
     before = engine.ledger.snapshot(slot)
     outputs, accepts = req.output_ids, req.accept_lengths
-    settled = engine._settle_result(plan, late.host)
+    settled = engine.rounds.settle_result(plan, late.host)
     assert settled.num_skipped_rows == 1 and settled.num_settled_rows == 0
     assert settled.finished == ()
     assert engine.ledger.snapshot(slot) == before

@@ -128,6 +128,10 @@ class LedgerReader(Protocol):
         """``(kv_committed_len, kv_allocated_len)`` of ``slots`` as new host arrays."""
         ...
 
+    def host_protected(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``cache_protected_len`` of ``slots`` as a new host array."""
+        ...
+
     def snapshot(self, slot: int) -> KvLedgerSnapshot:
         """The frozen entry of one open slot."""
         ...

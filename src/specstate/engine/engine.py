@@ -24,213 +24,32 @@ and every running request that has no result in flight satisfies ``seqlen == com
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
-import traceback
-from collections import deque
 from collections.abc import Sequence
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import (
-    ForwardTimeout,
-    InvalidConfig,
-    InvalidRequest,
-    LedgerViolation,
-    UsageError,
-    WorkerResultError,
-)
+from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import (
-    FinishReason,
-    FinishState,
-    Req,
-    ReqStatus,
-    RequestLimits,
-    SamplingParams,
-)
+from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
-from specstate.engine.invariants import (
-    InvariantViolation,
-    SettlementProbe,
-    check_engine,
-    check_settlement,
-)
+from specstate.engine.intake import check_request
+from specstate.engine.invariants import check_engine
 from specstate.engine.launch import InFlight, Launcher
+from specstate.engine.lifecycle import RequestLifecycle
 from specstate.engine.outputs import OutputTable
-from specstate.engine.result_check import check_sampling_rows
-from specstate.engine.result_copy import HostResult
-from specstate.engine.results import AcceptMetrics, ResultProcessor, Settlement
-from specstate.engine.scheduler import LaunchPlan, Scheduler, SchedulerConfig
-from specstate.engine.trace import FORWARD, HOST, TraceRecorder
-from specstate.engine.worker import WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.results import ResultProcessor
+from specstate.engine.rounds import RoundPipeline
+from specstate.engine.scheduler import Scheduler, SchedulerConfig
+from specstate.engine.trace import TraceRecorder
+from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepReport"]
-
-_log = logging.getLogger("specstate")
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """How the engine runs. Sizes are in tokens unless named otherwise.
-
-    Attributes:
-        overlap: run the overlap loop (one-batch lookahead) instead of the normal loop.
-        page_size: KV page size P.
-        kv_tokens: KV token slots in the pool (rounded down to whole pages).
-        max_running: most requests admitted at once.
-        chunked_prefill: tokens per prefill forward; a longer prompt is split in chunks.
-            None: a prompt is prefilled whole (the budget is then ``max_prefill_tokens``).
-        max_prefill_tokens: token budget of one prefill forward without chunking.
-        mixed_chunk: running requests ride in prefill batches as 1-token extends of their
-            pending bonus (late-bound from the FutureMap; the result commits ``+1``).
-        check_invariants: run `check_engine` after every step (on in tests).
-        check_ownership: run-time ownership checks on every counter write (on in tests).
-        debug_relay: FutureMap consume-once checks and poisoned buffers.
-        device: where batch tensors live (the worker's device).
-        finished_history: how many ended requests `Engine.request` still finds by id; older
-            ones are forgotten (the `Req` objects returned by `submit` stay valid), so a
-            long-running engine holds bounded memory.
-        forward_timeout_s: fail a batch whose forward (and result copy) is not done this many
-            seconds after the host starts waiting for it: its requests, and those of a batch
-            queued behind it, end with `FinishReason.ERROR` (`ForwardTimeout`); the stream is
-            abandoned for a fresh one and their KV is quarantined until the abandoned forward
-            returns. None (the default): wait forever. The forward then runs on a stream even
-            in the normal loop.
-        adaptive_draft: choose the draft steps of every decode round with the shipped
-            `AcceptanceEma` policy (from the batch size and recent acceptance; speculation
-            switches off when drafts are rarely accepted, and back on after a probe). Needs a
-            worker that declares ``supports_adaptive_steps``; ignored for a worker that does
-            not speculate. ``Engine(draft_policy=...)`` takes a policy of your own instead.
-    """
-
-    overlap: bool = True
-    page_size: int = 1
-    kv_tokens: int = 8192
-    max_running: int = 32
-    chunked_prefill: int | None = None
-    max_prefill_tokens: int = 4096
-    mixed_chunk: bool = False
-    check_invariants: bool = False
-    check_ownership: bool = False
-    debug_relay: bool = False
-    device: str = "cpu"
-    finished_history: int = 10_000
-    forward_timeout_s: float | None = None
-    adaptive_draft: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        """Refuse wrong types and sizes at once, naming every field that is wrong."""
-        flags = (
-            "overlap",
-            "mixed_chunk",
-            "check_invariants",
-            "check_ownership",
-            "debug_relay",
-            "adaptive_draft",
-        )
-        problems = [
-            f"{name} must be a bool, got {getattr(self, name)!r}"
-            for name in flags
-            if not isinstance(getattr(self, name), bool)
-        ]
-        for name, low in (("page_size", 1), ("max_running", 1), ("max_prefill_tokens", 1)):
-            value = getattr(self, name)
-            if not _is_count(value, low):
-                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
-        if _is_count(self.page_size, 1) and not _is_count(self.kv_tokens, 2 * self.page_size):
-            problems.append(
-                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
-                f"got {self.kv_tokens!r}"
-            )
-        if not _is_count(self.finished_history, 0):
-            problems.append(
-                f"finished_history must be an integer >= 0, got {self.finished_history!r}"
-            )
-        timeout = self.forward_timeout_s
-        if timeout is not None and not (
-            isinstance(timeout, int | float)
-            and not isinstance(timeout, bool)
-            and math.isfinite(timeout)
-            and timeout > 0
-        ):
-            problems.append(
-                f"forward_timeout_s must be None or a finite number > 0, got {timeout!r}"
-            )
-        if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
-            problems.append(
-                f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
-            )
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError, ValueError):
-            problems.append(f"device {self.device!r} is not a torch device")
-        if problems:
-            raise InvalidConfig("EngineConfig: " + "; ".join(problems))
-
-
-def _is_count(value: object, low: int) -> bool:
-    """An integer (not a bool) of at least ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-@attrs.frozen(kw_only=True)
-class StepReport:
-    """What one step did.
-
-    Attributes:
-        launched_mode: the forward mode of the batch launched, or None.
-        launched_size: its number of requests.
-        finished: ids of the requests that ended (finished, aborted, failed) in this step.
-        retracted: ids of the requests retracted in this step.
-        ended: the `Req` objects of ``finished``, in the same order (they stay valid after
-            the engine forgets them, see ``EngineConfig.finished_history``).
-    """
-
-    launched_mode: str | None
-    launched_size: int
-    finished: tuple[str, ...]
-    retracted: tuple[str, ...]
-    ended: tuple[Req, ...] = ()
-
-
-@attrs.frozen(kw_only=True)
-class EngineSnapshot:
-    """The engine at one instant (`Engine.snapshot`).
-
-    Attributes:
-        num_waiting: requests queued for admission (new or retracted).
-        num_prefilling: admitted requests whose prompt is not fully prefilled yet.
-        num_running: requests decoding.
-        num_in_flight: batches launched and not settled yet (0 or 1 under overlap).
-        num_open_slots: request slots holding a live or deferred request.
-        num_free_pages: KV pages free in the token pool.
-        num_pages: KV pages in the token pool.
-        deferred_releases: requests that ended while a batch was in flight; their KV is
-            released when that batch retires.
-        quarantined: requests whose KV is held until an abandoned forward stream drains
-            (after a `ForwardTimeout`).
-        metrics: acceptance statistics so far.
-    """
-
-    num_waiting: int
-    num_prefilling: int
-    num_running: int
-    num_in_flight: int
-    num_open_slots: int
-    num_free_pages: int
-    num_pages: int
-    deferred_releases: tuple[str, ...]
-    quarantined: tuple[str, ...]
-    metrics: AcceptMetrics
 
 
 class Engine:
@@ -347,7 +166,7 @@ class Engine:
             checker=self.checker,
             num_draft_tokens=caps.num_draft_tokens,
         )
-        self._launcher = Launcher(
+        launcher = Launcher(
             worker=worker,
             overlap=config.overlap,
             speculative=caps.speculative,
@@ -369,12 +188,26 @@ class Engine:
                 device=device,
             )
         )
-        self._requests: dict[str, Req] = {}
-        self._ended: deque[Req] = deque()  # ended requests still findable, oldest first
-        self._aborts: dict[Req, str] = {}  # pending user aborts (a Req hashes by identity)
-        self._in_flight: InFlight | None = None
-        self._num_launched = 0
-        self._num_retired = 0
+        self.lifecycle = RequestLifecycle(
+            scheduler=self.scheduler,
+            allocator=self.allocator,
+            deferred=self.deferred,
+            finished_history=config.finished_history,
+        )
+        self.rounds = RoundPipeline(
+            config=config,
+            launcher=launcher,
+            scheduler=self.scheduler,
+            results=self.results,
+            lifecycle=self.lifecycle,
+            deferred=self.deferred,
+            ledger=self.ledger,
+            allocator=self.allocator,
+            outputs=self.outputs,
+            checker=self.checker,
+            draft_policy=draft_policy,
+            trace=trace,
+        )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
@@ -395,44 +228,24 @@ class Engine:
         self._check_caller("submit")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests and not self._requests[request_id].is_finished:
+        if self.lifecycle.is_live(request_id):
             raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
         req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
-        caps = self.worker.capabilities
-        if sampling.temperature > 0 and not caps.supports_sampling:
-            raise InvalidRequest(
-                f"request {request_id!r}: temperature {sampling.temperature} asks for sampling, "
-                f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
-            )
-        unsupported = _unsupported_controls(sampling, caps)
-        if unsupported:
-            raise InvalidRequest(
-                f"request {request_id!r}: worker {caps.algorithm!r} does not support "
-                + "; ".join(unsupported)
-            )
-        if len(req.prompt_ids) + sampling.max_new_tokens > self.limits.max_context_len:
-            raise InvalidRequest(
-                f"request {request_id!r}: prompt of {len(req.prompt_ids)} tokens plus "
-                f"max_new_tokens {sampling.max_new_tokens} exceeds the context of "
-                f"{self.limits.max_context_len}"
-            )
-        window = self.allocator.window
-        p = window.page_size
-        need = -(-(len(req.prompt_ids) + sampling.max_new_tokens + window.reserve) // p) * p + p
-        capacity = self.allocator.token_pool.num_pages * p - p
-        if need > capacity:
-            raise InvalidRequest(
-                f"request {request_id!r}: needs up to {need} KV tokens (prompt "
-                f"{len(req.prompt_ids)}, max_new_tokens {sampling.max_new_tokens}, reserve "
-                f"{window.reserve}) but the pool holds {capacity}"
-            )
-        self._requests[request_id] = req
+        pool = self.allocator.token_pool
+        check_request(
+            req,
+            self.worker.capabilities,
+            self.limits,
+            window=self.allocator.window,
+            pool_tokens=pool.num_pages * pool.page_size,
+        )
+        self.lifecycle.register(req)
         self.scheduler.enqueue(req)
         if self._trace is not None:
             self._trace.event(
                 "submit",
                 request_id,
-                self._num_launched,
+                self.rounds.num_launched,
                 prompt_len=len(req.prompt_ids),
                 max_new_tokens=sampling.max_new_tokens,
             )
@@ -441,56 +254,42 @@ class Engine:
     def abort(self, request_id: str, reason: str = "aborted by user") -> bool:
         """Abort a live request; True if it was live. Applied at the next step."""
         self._check_caller("abort")
-        req = self._requests.get(request_id)
-        if req is None or req.is_finished:
-            return False
-        self._aborts[req] = reason
-        return True
+        return self.lifecycle.request_abort(request_id, reason)
 
     def request(self, request_id: str) -> Req:
-        """The latest request submitted under ``request_id``."""
-        return self._requests[request_id]
+        """The latest request submitted under ``request_id`` (`KeyError` if unknown)."""
+        req = self.lifecycle.find(request_id)
+        if req is None:
+            raise KeyError(request_id)
+        return req
 
     # -------------------------------------------------------------------- loop
     @property
     def is_idle(self) -> bool:
         """True when nothing waits, runs or is in flight."""
-        return not self.scheduler.has_work and self._in_flight is None
+        return not self.scheduler.has_work and self.rounds.in_flight is None
 
     def step(self) -> StepReport:
         """One iteration of the configured loop (see the module docstring)."""
         self._check_caller("step")
         rec = self._trace
         started = 0 if rec is None else rec.now()
-        finished = self._apply_aborts()
-        self._drain(self._num_retired)
+        rounds = self.rounds
+        finished = self.lifecycle.apply_aborts(until_batch=rounds.num_launched)
+        rounds.drain()
         with self.checker.acting(Role.SCHEDULER):
             plan, outcome = self.scheduler.schedule()
         retracted = () if outcome is None else tuple(r.request_id for r in outcome.retracted)
         finished += () if outcome is None else tuple(r.request_id for r in outcome.aborted)
-        launched = None
-        if plan is not None:
-            self._num_launched += 1
-            if rec is not None:
-                rec.span(HOST, "schedule", self._num_launched, started, rec.now())
-            launched = self._launcher.launch(
-                plan, batch_id=self._num_launched, traced=rec is not None
-            )
-        previous, self._in_flight = self._in_flight, launched
-        if self.config.overlap:
-            if previous is not None:
-                finished += self._settle(previous)
-        elif launched is not None:
-            self._in_flight = None
-            finished += self._settle(launched)
-        if launched is None and previous is None and not self.scheduler.has_work:
-            self._drain(self._num_launched)
+        was_in_flight = rounds.in_flight is not None
+        finished += rounds.advance(plan, started=started)
+        if plan is None and not was_in_flight and not self.scheduler.has_work:
+            rounds.drain(rounds.num_launched)  # idle: no batch can read any released KV
         if self.config.check_invariants:
             check_engine(self)
         if rec is not None:
             self._record_events(rec, finished, retracted)
-        ended = tuple(self._requests[rid] for rid in finished)
-        self._remember_ended(finished)
+        ended = self.lifecycle.remember_ended(finished)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
@@ -525,7 +324,7 @@ class Engine:
             return
         self._check_caller("close")
         self._closed = True
-        self._launcher.close()
+        self.rounds.launcher.close()
 
     def _check_caller(self, call: str) -> None:
         """Refuse a call after `close` or from a thread other than the driving one."""
@@ -540,271 +339,22 @@ class Engine:
                 f"drives an engine (thread id {self._driver} made the first call)"
             )
 
+    def _record_events(
+        self, rec: TraceRecorder, finished: tuple[str, ...], retracted: tuple[str, ...]
+    ) -> None:
+        batch = self.rounds.num_launched
+        for rid in retracted:
+            rec.event("retract", rid, batch)
+        for rid in finished:
+            finish = self.request(rid).finish
+            reason = "" if finish is None else finish.reason.value
+            rec.event("abort" if reason == "abort" else "finish", rid, batch, reason)
+
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- settle
-    def _settle(self, flight: InFlight) -> tuple[str, ...]:
-        rec = self._trace
-        waited = 0 if rec is None else rec.now()
-        timeout = self.config.forward_timeout_s
-        result, error = flight.wait(timeout)
-        if flight.timed_out and timeout is not None:
-            return self._abandon(flight, timeout, "forward")
-        if self._in_flight is not None and self._in_flight is not flight:
-            # Overlap: the next forward's launch runs on the stream now; let it reach the
-            # worker before this thread's settlement competes with it for the interpreter.
-            self._in_flight.wait_started()
-        # The worker's own copy event, if it keeps one (a no-op when synchronous).
-        if result is not None and not result.wait_copied(timeout):
-            return self._abandon(flight, timeout or 0.0, "result copy")
-        host = None
-        if error is None and result is not None:
-            try:  # the round's one device-to-host copy (a view on the host CPU), checked
-                host = self._launcher.host_result(flight, timeout)
-                if host is not None:  # per-row speculation and logprobs, against the batch
-                    check_sampling_rows(
-                        host,
-                        flight.plan.batch.sampling_info,
-                        request_ids=flight.plan.batch.request_ids,
-                        decode=flight.plan.is_decode,
-                        num_draft_steps=flight.plan.batch.num_draft_steps,
-                    )
-            except WorkerResultError as exc:
-                error = exc
-            else:
-                if host is None:
-                    return self._abandon(flight, timeout or 0.0, "result copy")
-        plan = flight.plan
-        self._num_retired = flight.batch_id
-        settling = 0
-        if rec is not None:
-            settling = rec.now()
-            rec.span(HOST, "wait", flight.batch_id, waited, settling)
-        settlement = None
-        if error is not None or host is None:
-            failure = error if error is not None else RuntimeError("no result")
-            ended = self._fail_batch(plan.batch.reqs, plan.batch.incarnations, failure)
-            _log.error(
-                "batch %d (%s, %d requests) failed; its requests end with ERROR",
-                flight.batch_id,
-                plan.batch.forward_mode.value,
-                plan.batch.batch_size,
-                exc_info=failure,
-            )
-        else:
-            ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
-            probe = SettlementProbe.take(self, flight) if self.config.check_invariants else None
-            if self._draft_policy is not None and plan.batch.num_draft_steps is not None:
-                self._observe_round(plan.batch, host)
-            try:
-                settlement = self._settle_result(plan, host)
-            except LedgerViolation as exc:
-                if probe is not None and not probe.live.all():
-                    # Checking: the ledger refused a write for a row that was not live.
-                    raise InvariantViolation(
-                        "commit-settlement",
-                        f"batch {flight.batch_id}: settlement wrote a row whose request ended "
-                        f"or was retracted while the batch was in flight ({exc})",
-                    ) from exc
-                raise
-            ended += settlement.finished
-            if probe is not None:
-                check_settlement(self, flight, host, probe)
-        for req in ended:
-            self._end(req)
-        self._drain(self._num_retired)
-        if rec is not None:
-            if host is not None and settlement is not None:
-                self._record_round(rec, flight, host, settlement)
-            rec.span(HOST, "settle", flight.batch_id, settling, rec.now())
-            _record_forward(rec, flight)
-        if isinstance(error, KeyboardInterrupt | SystemExit):
-            raise error  # the batch is contained; the interruption is the caller's to handle
-        return tuple(r.request_id for r in ended)
-
-    def _record_round(
-        self, rec: TraceRecorder, flight: InFlight, host: HostResult, settlement: Settlement
-    ) -> None:
-        """One round of the trace: a handful of array copies, no per-request Python."""
-        plan = flight.plan
-        slots = plan.slots_host
-        committed, allocated = self.ledger.host_lengths(slots)
-        accept = np.array(host.accept, dtype=np.int64)
-        last = np.maximum(accept, 1) - 1
-        rows = {
-            "id": plan.batch.request_ids,
-            "incarnation": plan.batch.incarnations,
-            "settled": settlement.live.copy(),
-            "frontier_in": np.array(host.seq_lens, dtype=np.int64),
-            "frontier_out": None if host.frontier is None else np.array(host.frontier),
-            "accept": accept,
-            "bonus": host.tokens[np.arange(accept.size), last].astype(np.int64),
-            "committed": committed,
-            "allocated": allocated,
-            "protected": self.ledger.host_protected(slots),
-            "outputs": self.outputs.lengths(slots),
-        }
-        rec.round(
-            batch=flight.batch_id,
-            mode=plan.batch.forward_mode.value,
-            verify=plan.is_decode,
-            at_ns=rec.now(),
-            running=self.scheduler.num_running,
-            free_pages=self.allocator.token_pool.available_pages(),
-            rows=rows,
-        )
-
-    def _record_events(
-        self, rec: TraceRecorder, finished: tuple[str, ...], retracted: tuple[str, ...]
-    ) -> None:
-        batch = self._num_launched
-        for rid in retracted:
-            rec.event("retract", rid, batch)
-        for rid in finished:
-            finish = self._requests[rid].finish
-            reason = "" if finish is None else finish.reason.value
-            rec.event("abort" if reason == "abort" else "finish", rid, batch, reason)
-
-    def _abandon(self, flight: InFlight, timeout: float, what: str) -> tuple[str, ...]:
-        """Fail a batch that did not finish in time, and the batch queued behind it.
-
-        The stream is abandoned (a fresh one runs later launches) and the queued batch never
-        runs. The requests of both batches are quarantined: their KV is released only once the
-        abandoned stream is past the forward, which may still write it (the queued batch's
-        requests may hold pages that a retraction took from the timed-out batch's rows).
-        """
-        queued = self._in_flight if self._in_flight not in (None, flight) else None
-        flights = [flight] if queued is None else [flight, queued]
-        drained = self._launcher.abandon(flights)
-        self._in_flight = None
-        self._num_retired = flights[-1].batch_id
-        error = flight.timeout_error(timeout, what)
-        _log.error("%s", error)
-        ended = self._fail_batch(flight.plan.batch.reqs, flight.plan.batch.incarnations, error)
-        if queued is not None:
-            behind = ForwardTimeout(
-                f"batch {queued.batch_id} was queued behind batch {flight.batch_id}, whose "
-                f"{what} timed out; it never ran"
-            )
-            ended += self._fail_batch(
-                queued.plan.batch.reqs, queued.plan.batch.incarnations, behind
-            )
-        for req in ended:
-            self.scheduler.drop(req)
-            self._aborts.pop(req, None)
-            if self.allocator.holds_slot(req):
-                self.deferred.hold(req, until=drained)
-        self._drain(self._num_retired)
-        return tuple(r.request_id for r in ended)
-
-    def _observe_round(self, batch: ScheduleBatch, host: HostResult) -> None:
-        """Hand the draft policy a settled round once, at the width it was launched with.
-
-        Only rows that drafted count: not rows the worker marked invalid, and not requests
-        with ``speculative=False`` (they accept one token whatever the drafts).
-        """
-        assert self._draft_policy is not None and batch.num_draft_steps is not None
-        drafted = np.ones(host.batch_size, dtype=np.bool_)
-        if host.invalid is not None:
-            drafted &= ~host.invalid
-        if batch.sampling_info.speculative_host is not None:
-            drafted &= batch.sampling_info.speculative_host
-        accepted = host.accept[drafted].astype(np.int64)
-        self._draft_policy.observe(batch.num_draft_steps, accepted)
-
-    def _settle_result(self, plan: LaunchPlan, result: HostResult) -> Settlement:
-        """The result processor's settlement of one launched batch's result."""
-        return self.results.settle(
-            reqs=plan.batch.reqs,
-            slots=plan.slots_host,
-            epochs=plan.epochs,
-            last_chunk=plan.last_chunk,
-            verifies=plan.is_decode,
-            result=result,
-            abort_reasons=self._aborts,
-        )
-
-    def _fail_invalid_rows(self, plan: LaunchPlan, mask: npt.NDArray[np.bool_]) -> list[Req]:
-        """End the rows the worker marked invalid with ERROR (their tokens are not settled).
-
-        Ending a request changes its output row's epoch, so settlement then skips the row.
-        """
-        if not mask.any():
-            return []
-        batch = plan.batch
-        rows = np.flatnonzero(mask).tolist()
-        failure = WorkerResultError(
-            f"batch {self._num_retired} ({batch.forward_mode.value}): the worker marked the "
-            "row invalid (for the reference workers: non-finite logits)"
-        )
-        ended = self._fail_batch(
-            [batch.reqs[i] for i in rows], [batch.incarnations[i] for i in rows], failure
-        )
-        for req in ended:
-            _log.error("request %s ended: %s", req.request_id, failure)
-        return ended
-
-    def _fail_batch(
-        self, reqs: Sequence[Req], incarnations: Sequence[int], error: BaseException
-    ) -> list[Req]:
-        ended = []
-        trace = "".join(traceback.format_exception(error))
-        for req, inc in zip(reqs, incarnations, strict=True):
-            if req.incarnation != inc or req.is_finished or req.status is ReqStatus.WAITING:
-                continue
-            finish = FinishState(
-                reason=FinishReason.ERROR,
-                finished_len=min(req.num_outputs, req.sampling.max_new_tokens),
-                detail=f"{type(error).__name__}: {error}",
-                traceback=trace,
-            )
-            req.transition(ReqStatus.FINISHED, finish=finish)
-            ended.append(req)
-        return ended
-
-    def _end(self, req: Req) -> None:
-        """Forget an ended request; release its KV once no launched batch can read it."""
-        self.scheduler.drop(req)
-        self._aborts.pop(req, None)
-        if self.allocator.holds_slot(req):
-            self.deferred.defer(req, until_batch=self._num_launched)
-
-    def _remember_ended(self, request_ids: tuple[str, ...]) -> None:
-        """Keep the last ``finished_history`` ended requests findable; forget older ones."""
-        for rid in request_ids:
-            self._ended.append(self._requests[rid])
-        while len(self._ended) > self.config.finished_history:
-            old = self._ended.popleft()
-            if self._requests.get(old.request_id) is old:  # not a live reuse of the id
-                del self._requests[old.request_id]
-
-    def _drain(self, retired: int) -> None:
-        with self.checker.acting(Role.SCHEDULER):
-            self.deferred.drain(retired)
-
-    def _apply_aborts(self) -> tuple[str, ...]:
-        """End every request with a pending abort (a result in flight for it will be skipped)."""
-        ended: list[str] = []
-        if not self._aborts:
-            return ()
-        for req in list(self.scheduler.waiting):
-            reason = self._aborts.get(req)
-            if reason is not None:
-                req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
-                self.scheduler.drop(req)
-                self._aborts.pop(req)
-                ended.append(req.request_id)
-        for req in [*self.scheduler.prefilling, *self.scheduler.running]:
-            reason = self._aborts.get(req)
-            if reason is not None:
-                req.transition(ReqStatus.ABORTED, finish=Scheduler.abort_finish(req, reason))
-                self._end(req)
-                ended.append(req.request_id)
-        return tuple(ended)
 
     # ---------------------------------------------------------------- snapshot
     def snapshot(self) -> EngineSnapshot:
@@ -814,7 +364,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_prefilling=len(self.scheduler.prefilling),
             num_running=self.scheduler.num_running,
-            num_in_flight=int(self._in_flight is not None),
+            num_in_flight=int(self.rounds.in_flight is not None),
             num_open_slots=len(self.ledger.batch_snapshot().entries),
             num_free_pages=pool.available_pages(),
             num_pages=pool.num_pages - 1,
@@ -826,40 +376,4 @@ class Engine:
     @property
     def in_flight(self) -> InFlight | None:
         """The batch launched and not yet settled (overlap only)."""
-        return self._in_flight
-
-
-def _unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:
-    """The sampling controls ``sampling`` uses that the worker does not declare, with values."""
-    found = []
-    if not sampling.speculative and caps.speculative and not caps.supports_per_request_speculation:
-        found.append("speculative=False (per-request speculation)")
-    if sampling.has_penalties and not caps.supports_penalties:
-        found.append(
-            f"penalties (repetition_penalty={sampling.repetition_penalty}, "
-            f"frequency_penalty={sampling.frequency_penalty}, "
-            f"presence_penalty={sampling.presence_penalty})"
-        )
-    if sampling.min_new_tokens and not caps.supports_min_new_tokens:
-        found.append(f"min_new_tokens={sampling.min_new_tokens}")
-    if sampling.seed is not None and sampling.temperature > 0 and not caps.supports_seeds:
-        found.append(f"seed={sampling.seed}")
-    if sampling.logprobs and not caps.supports_logprobs:
-        found.append("logprobs=True")
-    return found
-
-
-def _record_forward(rec: TraceRecorder, flight: InFlight) -> None:
-    """The forward track of a batch from its closure's clock marks (read after it ran)."""
-    marks = flight.marks
-    if not marks:
-        return
-    if len(marks) == 4:  # start, worker called, worker returned, end
-        start, called, returned, end = marks
-        rec.span(FORWARD, "resolve", flight.batch_id, start, called)
-        rec.span(FORWARD, "forward", flight.batch_id, called, returned)
-        rec.span(FORWARD, "post", flight.batch_id, returned, end)
-    else:  # the closure failed before or inside the worker
-        rec.span(FORWARD, "failed", flight.batch_id, marks[0], marks[-1])
-    if flight.publish_ns:
-        rec.publish(flight.batch_id, flight.publish_ns)
+        return self.rounds.in_flight

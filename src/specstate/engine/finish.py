@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specstate.core.request import FinishReason, FinishState, SamplingParams
+from specstate.core.request import FinishReason, FinishState, Req, SamplingParams
 
-__all__ = ["resolve_finish"]
+__all__ = ["abort_finish", "resolve_finish"]
 
 
 def resolve_finish(
@@ -79,3 +79,9 @@ def _sequence_ending(tail: list[int], index: int, params: SamplingParams) -> str
         if n <= index + 1 and n <= len(tail) and tuple(tail[-n:]) == seq:
             return f"stop sequence {seq}"
     return None
+
+
+def abort_finish(req: Req, reason: str) -> FinishState:
+    """The finish of an abort: what ``req`` emitted so far (never past its cap) stays visible."""
+    emitted = min(req.num_outputs, req.sampling.max_new_tokens)
+    return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=reason)

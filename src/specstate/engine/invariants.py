@@ -39,7 +39,7 @@ checker refuses a counter write by a role that does not own it (`OwnershipError`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import numpy as np
@@ -49,9 +49,32 @@ from specstate.core.errors import SpecStateError
 from specstate.core.request import Req, ReqStatus
 
 if TYPE_CHECKING:
+    from specstate.core.ledger import LedgerReader
     from specstate.engine.engine import Engine
     from specstate.engine.launch import InFlight
+    from specstate.engine.outputs import OutputTable
     from specstate.engine.result_copy import HostResult
+    from specstate.memory.allocation import KvAllocator
+
+
+class SettlementParts(Protocol):
+    """The owners a settlement check reads (the engine, or its round pipeline)."""
+
+    @property
+    def ledger(self) -> LedgerReader:
+        """The KV ledger (read only)."""
+        ...
+
+    @property
+    def allocator(self) -> KvAllocator:
+        """The KV allocator (read only here)."""
+        ...
+
+    @property
+    def outputs(self) -> OutputTable:
+        """The output table (read only here)."""
+        ...
+
 
 __all__ = ["InvariantViolation", "SettlementProbe", "check_engine", "check_settlement"]
 
@@ -163,7 +186,7 @@ class SettlementProbe:
     live: npt.NDArray[np.bool_]  # the request still holds the row it was launched for
 
     @classmethod
-    def take(cls, engine: Engine, flight: InFlight) -> SettlementProbe:
+    def take(cls, engine: SettlementParts, flight: InFlight) -> SettlementProbe:
         """Read the rows of ``flight``'s batch (Python per row: checking mode only)."""
         plan = flight.plan
         slots = plan.slots_host
@@ -184,7 +207,7 @@ class SettlementProbe:
 
 
 def check_settlement(
-    engine: Engine, flight: InFlight, host: HostResult, before: SettlementProbe
+    engine: SettlementParts, flight: InFlight, host: HostResult, before: SettlementProbe
 ) -> None:
     """``commit-settlement`` and the verify's write bound (``reserve``) of one settled batch.
 

@@ -38,6 +38,7 @@ import torch
 from specstate.core.ledger import ResultProcessorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
+from specstate.engine.finish import abort_finish
 from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
 from specstate.engine.result_copy import HostResult
 
@@ -234,11 +235,7 @@ class ResultProcessor:
                 req = reqs[i]
                 reason = abort_reasons.get(req)
                 if reason is not None and not req.is_finished:
-                    emitted = min(req.num_outputs, req.sampling.max_new_tokens)
-                    abort = FinishState(
-                        reason=FinishReason.ABORT, finished_len=emitted, detail=reason
-                    )
-                    self._end(req, abort)
+                    self._end(req, abort_finish(req, reason))
                     finished.append(req)
         return finished
 

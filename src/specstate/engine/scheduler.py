@@ -30,7 +30,7 @@ from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
+from specstate.core.request import Req, ReqStatus
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
@@ -519,9 +519,3 @@ class Scheduler:
             prompt_lens=[len(r.prompt_ids) for r in reqs],
             eos_token_ids=self._outputs.eos_token_ids,
         )
-
-    @staticmethod
-    def abort_finish(req: Req, reason: str) -> FinishState:
-        """The finish state of an abort applied outside a result."""
-        emitted = min(req.num_outputs, req.sampling.max_new_tokens)
-        return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=reason)

@@ -188,7 +188,7 @@ def _loop(
     payloads: list[RelayPayload],
     workload: HostWorkload,
 ) -> _Run:
-    fm = engine._launcher.future_map
+    fm = engine.rounds.launcher.future_map
     scheduler = engine.scheduler
     run = _Run()
     previous: tuple[LaunchPlan, GenerationBatchResult] | None = None
@@ -242,7 +242,7 @@ def _settle(engine: Engine, flight: tuple[LaunchPlan, GenerationBatchResult]) ->
     assert result.new_seq_lens is not None
     # The host-CPU view the engine settles from; ``seq_lens`` only feeds the value check,
     # which the launch runs (not timed here, as SGLang's functions check nothing).
-    engine._settle_result(plan, HostResult.view(result, result.new_seq_lens))
+    engine.rounds.settle_result(plan, HostResult.view(result, result.new_seq_lens))
 
 
 def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) -> None:

@@ -1,0 +1,174 @@
+"""Engine options and reports: `EngineConfig` (how an engine runs), `StepReport` (what one step
+did) and `EngineSnapshot` (the engine at one instant).
+
+The config validates itself at construction and names every wrong field at once, so a bad
+configuration never reaches an owner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from specstate.core.errors import InvalidConfig
+from specstate.core.request import Req
+from specstate.engine.results import AcceptMetrics
+
+__all__ = ["EngineConfig", "EngineSnapshot", "StepReport"]
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """How the engine runs. Sizes are in tokens unless named otherwise.
+
+    Attributes:
+        overlap: run the overlap loop (one-batch lookahead) instead of the normal loop.
+        page_size: KV page size P.
+        kv_tokens: KV token slots in the pool (rounded down to whole pages).
+        max_running: most requests admitted at once.
+        chunked_prefill: tokens per prefill forward; a longer prompt is split in chunks.
+            None: a prompt is prefilled whole (the budget is then ``max_prefill_tokens``).
+        max_prefill_tokens: token budget of one prefill forward without chunking.
+        mixed_chunk: running requests ride in prefill batches as 1-token extends of their
+            pending bonus (late-bound from the FutureMap; the result commits ``+1``).
+        check_invariants: run `check_engine` after every step (on in tests).
+        check_ownership: run-time ownership checks on every counter write (on in tests).
+        debug_relay: FutureMap consume-once checks and poisoned buffers.
+        device: where batch tensors live (the worker's device).
+        finished_history: how many ended requests `Engine.request` still finds by id; older
+            ones are forgotten (the `Req` objects returned by `submit` stay valid), so a
+            long-running engine holds bounded memory.
+        forward_timeout_s: fail a batch whose forward (and result copy) is not done this many
+            seconds after the host starts waiting for it: its requests, and those of a batch
+            queued behind it, end with `FinishReason.ERROR` (`ForwardTimeout`); the stream is
+            abandoned for a fresh one and their KV is quarantined until the abandoned forward
+            returns. None (the default): wait forever. The forward then runs on a stream even
+            in the normal loop.
+        adaptive_draft: choose the draft steps of every decode round with the shipped
+            `AcceptanceEma` policy (from the batch size and recent acceptance; speculation
+            switches off when drafts are rarely accepted, and back on after a probe). Needs a
+            worker that declares ``supports_adaptive_steps``; ignored for a worker that does
+            not speculate. ``Engine(draft_policy=...)`` takes a policy of your own instead.
+    """
+
+    overlap: bool = True
+    page_size: int = 1
+    kv_tokens: int = 8192
+    max_running: int = 32
+    chunked_prefill: int | None = None
+    max_prefill_tokens: int = 4096
+    mixed_chunk: bool = False
+    check_invariants: bool = False
+    check_ownership: bool = False
+    debug_relay: bool = False
+    device: str = "cpu"
+    finished_history: int = 10_000
+    forward_timeout_s: float | None = None
+    adaptive_draft: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        """Refuse wrong types and sizes at once, naming every field that is wrong."""
+        flags = (
+            "overlap",
+            "mixed_chunk",
+            "check_invariants",
+            "check_ownership",
+            "debug_relay",
+            "adaptive_draft",
+        )
+        problems = [
+            f"{name} must be a bool, got {getattr(self, name)!r}"
+            for name in flags
+            if not isinstance(getattr(self, name), bool)
+        ]
+        for name, low in (("page_size", 1), ("max_running", 1), ("max_prefill_tokens", 1)):
+            value = getattr(self, name)
+            if not _is_count(value, low):
+                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+        if _is_count(self.page_size, 1) and not _is_count(self.kv_tokens, 2 * self.page_size):
+            problems.append(
+                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
+                f"got {self.kv_tokens!r}"
+            )
+        if not _is_count(self.finished_history, 0):
+            problems.append(
+                f"finished_history must be an integer >= 0, got {self.finished_history!r}"
+            )
+        timeout = self.forward_timeout_s
+        if timeout is not None and not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            problems.append(
+                f"forward_timeout_s must be None or a finite number > 0, got {timeout!r}"
+            )
+        if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
+            problems.append(
+                f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
+            )
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            problems.append(f"device {self.device!r} is not a torch device")
+        if problems:
+            raise InvalidConfig("EngineConfig: " + "; ".join(problems))
+
+
+def _is_count(value: object, low: int) -> bool:
+    """An integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+@attrs.frozen(kw_only=True)
+class StepReport:
+    """What one step did.
+
+    Attributes:
+        launched_mode: the forward mode of the batch launched, or None.
+        launched_size: its number of requests.
+        finished: ids of the requests that ended (finished, aborted, failed) in this step.
+        retracted: ids of the requests retracted in this step.
+        ended: the `Req` objects of ``finished``, in the same order (they stay valid after
+            the engine forgets them, see ``EngineConfig.finished_history``).
+    """
+
+    launched_mode: str | None
+    launched_size: int
+    finished: tuple[str, ...]
+    retracted: tuple[str, ...]
+    ended: tuple[Req, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class EngineSnapshot:
+    """The engine at one instant (`Engine.snapshot`).
+
+    Attributes:
+        num_waiting: requests queued for admission (new or retracted).
+        num_prefilling: admitted requests whose prompt is not fully prefilled yet.
+        num_running: requests decoding.
+        num_in_flight: batches launched and not settled yet (0 or 1 under overlap).
+        num_open_slots: request slots holding a live or deferred request.
+        num_free_pages: KV pages free in the token pool.
+        num_pages: KV pages in the token pool.
+        deferred_releases: requests that ended while a batch was in flight; their KV is
+            released when that batch retires.
+        quarantined: requests whose KV is held until an abandoned forward stream drains
+            (after a `ForwardTimeout`).
+        metrics: acceptance statistics so far.
+    """
+
+    num_waiting: int
+    num_prefilling: int
+    num_running: int
+    num_in_flight: int
+    num_open_slots: int
+    num_free_pages: int
+    num_pages: int
+    deferred_releases: tuple[str, ...]
+    quarantined: tuple[str, ...]
+    metrics: AcceptMetrics

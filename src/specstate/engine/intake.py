@@ -1,0 +1,76 @@
+"""Request intake: whether a request can be served by this engine, decided before it is queued.
+
+`check_request` refuses, with `InvalidRequest` naming the request and the numbers, a request
+that the worker cannot serve (a sampling control it does not declare), that cannot fit the
+model's context, or that could never fit the KV pool even alone (prompt, outputs and the
+speculative reserve). A refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+from specstate.core.errors import InvalidRequest
+from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.engine.worker import WorkerCapabilities
+from specstate.memory.sizing import SpecWindow
+
+__all__ = ["check_request"]
+
+
+def check_request(
+    req: Req,
+    caps: WorkerCapabilities,
+    limits: RequestLimits,
+    *,
+    window: SpecWindow,
+    pool_tokens: int,
+) -> None:
+    """Refuse ``req`` if this worker, context or pool of ``pool_tokens`` cannot serve it.
+
+    Raises:
+        InvalidRequest: naming the request and what it asks for.
+    """
+    rid, sampling = req.request_id, req.sampling
+    if sampling.temperature > 0 and not caps.supports_sampling:
+        raise InvalidRequest(
+            f"request {rid!r}: temperature {sampling.temperature} asks for sampling, "
+            f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
+        )
+    unsupported = unsupported_controls(sampling, caps)
+    if unsupported:
+        raise InvalidRequest(
+            f"request {rid!r}: worker {caps.algorithm!r} does not support " + "; ".join(unsupported)
+        )
+    prompt = len(req.prompt_ids)
+    if prompt + sampling.max_new_tokens > limits.max_context_len:
+        raise InvalidRequest(
+            f"request {rid!r}: prompt of {prompt} tokens plus max_new_tokens "
+            f"{sampling.max_new_tokens} exceeds the context of {limits.max_context_len}"
+        )
+    p = window.page_size
+    need = -(-(prompt + sampling.max_new_tokens + window.reserve) // p) * p + p
+    capacity = pool_tokens - p
+    if need > capacity:
+        raise InvalidRequest(
+            f"request {rid!r}: needs up to {need} KV tokens (prompt {prompt}, max_new_tokens "
+            f"{sampling.max_new_tokens}, reserve {window.reserve}) but the pool holds {capacity}"
+        )
+
+
+def unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:
+    """The sampling controls ``sampling`` uses that the worker does not declare, with values."""
+    found = []
+    if not sampling.speculative and caps.speculative and not caps.supports_per_request_speculation:
+        found.append("speculative=False (per-request speculation)")
+    if sampling.has_penalties and not caps.supports_penalties:
+        found.append(
+            f"penalties (repetition_penalty={sampling.repetition_penalty}, "
+            f"frequency_penalty={sampling.frequency_penalty}, "
+            f"presence_penalty={sampling.presence_penalty})"
+        )
+    if sampling.min_new_tokens and not caps.supports_min_new_tokens:
+        found.append(f"min_new_tokens={sampling.min_new_tokens}")
+    if sampling.seed is not None and sampling.temperature > 0 and not caps.supports_seeds:
+        found.append(f"seed={sampling.seed}")
+    if sampling.logprobs and not caps.supports_logprobs:
+        found.append("logprobs=True")
+    return found
