@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
@@ -114,7 +115,8 @@ def test_random_churn_never_leaves_a_stale_row() -> None:
             _assert_rows_match(cols, slot_of)
 
 
-def test_a_churned_engine_stays_consistent_and_relays_the_right_rows() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_churned_engine_stays_consistent_and_relays_the_right_rows(overlap: bool) -> None:
     """Requests of staggered lengths finish and join under overlap; every row's relay is its own.
 
     A stale relay row would run a request from another request's frontier: the worker's result
@@ -122,13 +124,15 @@ def test_a_churned_engine_stays_consistent_and_relays_the_right_rows() -> None:
     """
     worker = TimedWaitWorker(device_seconds=0.0, accept=2)
     config = EngineConfig(
-        overlap=True, page_size=4, kv_tokens=4096, max_running=6, check_invariants=True
+        overlap=overlap, page_size=4, kv_tokens=8192, max_running=8, check_invariants=True
     )
-    with Engine(worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config) as eng:
+    with Engine(
+        worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config
+    ) as eng:
         reqs = []
-        for i in range(24):
-            params = SamplingParams(max_new_tokens=3 + (7 * i) % 17, ignore_eos=True)
-            reqs.append(eng.submit(f"r{i}", [1, 2, 3, 4 + i % 5], params))
+        for i in range(40):  # bunches finish together: refills, then condenses at the tail
+            params = SamplingParams(max_new_tokens=3 + (7 * i) % 17 + 8 * (i % 3), ignore_eos=True)
+            reqs.append(eng.submit(f"r{i}", [1 + i % 3] * (3 + i % 7), params))
         eng.run_until_idle()
         check_engine(eng)
     for req in reqs:

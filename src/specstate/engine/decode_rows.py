@@ -86,8 +86,13 @@ class DecodeRows:
         self._left: list[int] = []  # rows freed since the columns were built
         self._joined: list[Req] = []
         self._num_rebuilds = self._num_patches = self._num_rows_written = 0
-        self._relayed: DecodeColumns | None = None  # the columns of the last decode round
-        self._derived: tuple[DecodeColumns, DecodeColumns, RowPatch] | None = None
+        # Since the last decode round's columns (the relay's base): for each row that differs
+        # from the base's same row, the base row it copies (moved) or None (joined); and the
+        # base rows whose request left. Patches between two rounds compose here.
+        self._relayed: DecodeColumns | None = None
+        self._origin: dict[int, int | None] = {}
+        self._departed: list[int] = []
+        self._rebuilt = False
         self._empty: torch.Tensor | None = None
         self._same: tuple[DecodeColumns, RowPatch] | None = None  # the no-change patch
 
@@ -123,14 +128,31 @@ class DecodeRows:
         changes in between): the relay then reads every row from the buffers.
         """
         last, self._relayed = self._relayed, cols
-        if last is None:
+        origin, departed, rebuilt = self._origin, self._departed, self._rebuilt
+        self._origin, self._departed, self._rebuilt = {}, [], False
+        if last is None or rebuilt:
             return None
         if cols is last:
             return self._unchanged(cols)
-        derived = self._derived
-        if derived is not None and derived[0] is last and derived[1] is cols:
-            return derived[2]
-        return None
+        rows = sorted(origin)
+        moved = [r for r in rows if origin[r] is not None]
+        joined = [r for r in rows if origin[r] is None]
+        device = cols.device_slots.device
+        rows_host = np.array(moved + joined, dtype=np.int64)
+        joined_host = cols.slots_host[np.array(joined, dtype=np.int64)]
+        departed_host = np.array(departed, dtype=np.int64)
+        return RowPatch(  # device tensors built now, at scheduling: the launch copies nothing
+            base=last.device_slots,
+            host=cols.slots_host,
+            rows=torch.from_numpy(rows_host).to(device),
+            rows_host=rows_host,
+            num_moved=len(moved),
+            moved_from=torch.tensor([origin[r] for r in moved], dtype=torch.int64, device=device),
+            joined=torch.from_numpy(joined_host).to(device),
+            joined_host=joined_host,
+            departed=torch.from_numpy(departed_host).to(device),
+            departed_host=departed_host,
+        )
 
     def snapshot(self) -> DecodeRowsSnapshot:
         """The row count and how the columns changed so far."""
@@ -143,6 +165,7 @@ class DecodeRows:
 
     def _rebuild(self, reqs: tuple[Req, ...]) -> DecodeColumns:
         self._num_rebuilds += 1
+        self._rebuilt = True
         self._left, self._joined = [], []
         self._row_of = dict(zip(reqs, range(len(reqs)), strict=True))
         return self._build(reqs)
@@ -163,31 +186,21 @@ class DecodeRows:
         src = np.array(sources, dtype=np.int64)
         self._num_patches += 1
         self._num_rows_written += dst.size
-        for req, row in zip(joiners, fill, strict=True):
-            self._row_of[req] = row
+        origin = self._origin
+        for row in holes:
+            base_row = origin.pop(row, row)
+            if base_row is not None:
+                self._departed.append(base_row)
         for row, source in zip(targets, sources, strict=True):
             self._row_of[cols.reqs[source]] = row
+            origin[row] = origin.pop(source, source)
+        for req, row in zip(joiners, fill, strict=True):
+            self._row_of[req] = row
+            origin[row] = None
         if size == 0:
             return self._build(())
         new = self._build(joiners) if joiners else None
-        out = _patched(cols, size, dst, src, new)
-        device = cols.device_slots.device
-        joined_host = np.zeros(0, np.int64) if new is None else new.slots_host
-        departed = np.array(holes, dtype=np.int64)
-        patch = RowPatch(
-            base=cols.device_slots,
-            host=out.slots_host,
-            rows=torch.from_numpy(dst).to(device),
-            rows_host=dst,
-            num_moved=src.size,
-            moved_from=torch.from_numpy(src).to(device),
-            joined=self._empty_like(cols) if new is None else new.device_slots,
-            joined_host=joined_host,
-            departed=torch.from_numpy(departed).to(device),
-            departed_host=departed,
-        )
-        self._derived = (cols, out, patch)
-        return out
+        return _patched(cols, size, dst, src, new)
 
     def _empty_like(self, cols: DecodeColumns) -> torch.Tensor:
         if self._empty is None or self._empty.device != cols.device_slots.device:
