@@ -168,7 +168,7 @@ class _Replay:
     def __init__(self, page: int, bs: int, settings: HostSettings) -> None:
         self.bs = bs
         self.churn = settings.workload == "churn"
-        rounds = settings.warmup + settings.iters
+        rounds = self.rounds = settings.warmup + settings.iters
         config = EngineConfig(
             overlap=False,
             page_size=page,
@@ -191,7 +191,8 @@ class _Replay:
         else:
             for i, n in enumerate(wl.steady_prompts(self.bs)):
                 d = wl.Request(index=i, prompt_len=n, length=1 << 30, by_eos=False, accepts=[])
-                self._submit(d, SamplingParams(max_new_tokens=CONTEXT - n - 8))
+                cap = wl.MAX_ACCEPT * self.rounds + 8  # never reached in the run
+                self._submit(d, SamplingParams(max_new_tokens=cap))
         self.prefill()
 
     def join(self, n: int) -> None:
