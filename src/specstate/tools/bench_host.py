@@ -318,12 +318,14 @@ def host_benchmark(
     launch_ns = int(settings.launch_us * 1e3)
     store = pools._store
 
-    def store_with_launch(req_pool: pools.ReqToTokenPool, flat: object, values: object) -> None:
-        store(req_pool, flat, values)  # type: ignore[arg-type]
+    def store_with_launch(
+        req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
+    ) -> None:
+        store(req_pool, flat, values)
         _spin(launch_ns)  # the device write's launch, as on a GPU
 
     runs: dict[tuple[int, int], list[_Run]] = {}
-    pools._store = store_with_launch  # type: ignore[assignment]
+    pools._store = store_with_launch
     try:
         for rep in range(settings.repeats):
             for page in settings.page_sizes:
