@@ -31,6 +31,11 @@ payload's bonus tokens: a result without one fails its batch). A page size of 1 
 pages every round (16 does not, in the counted round)."""
 
 
+TORCH_OPS_CHURNED_ROUND = 152
+"""Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
+requests finish (page 16): the changed rows' copy-on-write, the relay's patch, the release."""
+
+
 class _CountTorch(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -101,3 +106,51 @@ def test_steady_round_cost_does_not_grow_with_the_batch(page_size: int) -> None:
     (small_py, small_torch), (large_py, large_torch) = counts
     assert small_torch == large_torch == TORCH_OPS_PER_ROUND[page_size]
     assert small_py == large_py
+
+
+def _churned_engine(batch_size: int, finishing: int) -> Engine:
+    """An engine about to run a churned decode round.
+
+    ``finishing`` requests end two rounds in (5 outputs) and as many waiting requests join in
+    their rows; the round counted next runs with those changed rows, and another
+    ``finishing`` requests end in it (7 outputs). The rest run long.
+    """
+    config = EngineConfig(
+        overlap=False,
+        page_size=16,
+        kv_tokens=(batch_size + finishing) * 512 + 64,
+        max_running=batch_size,
+        check_invariants=False,
+    )
+    worker = TimedWaitWorker(device_seconds=0.0, accept=2)
+    engine = Engine(worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config)
+    caps = [5] * finishing + [7] * finishing + [200] * (batch_size - 2 * finishing)
+    for i, cap in enumerate([*caps, *[200] * finishing]):
+        engine.submit(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=cap, ignore_eos=True))
+    for _ in range(4):  # prefill, two decode rounds (the first group ends), the joiners' prefill
+        engine.step()
+        check_engine(engine)
+    return engine
+
+
+def test_a_churned_round_costs_the_same_whatever_the_batch_and_the_finishes() -> None:
+    """Rows changed and requests finishing: the torch count of the round stays fixed.
+
+    Python calls grow only with the requests that end (each one's own transition and
+    release bookkeeping), never with the batch.
+    """
+    counts = {}
+    for batch_size, finishing in ((8, 1), (32, 1), (32, 3)):
+        engine = _churned_engine(batch_size, finishing)
+        try:
+            calls, ops = _count_round(engine)
+            assert len(engine.scheduler.waiting) == 0
+            counts[batch_size, finishing] = (calls, ops)
+            assert (
+                sum(r.is_finished for r in (engine.request(f"r{i}") for i in range(2 * finishing)))
+                == 2 * finishing
+            )
+        finally:
+            engine.close()
+    assert counts[8, 1][1] == counts[32, 1][1] == counts[32, 3][1] == TORCH_OPS_CHURNED_ROUND
+    assert counts[8, 1][0] == counts[32, 1][0]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specstate import InvalidConfig
+from specstate.tools.bench_host import HostSettings
 from specstate.tools.cli import main
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -32,10 +33,15 @@ def _report(peer: str, rows: Sequence[Row]) -> dict[str, object]:
             "total_us_per_req": {"median": total / bs, "p90": total * 1.5 / bs},
             "total_us_median_per_repeat": [best, total],
             "total_us_best_repeat_median": best,
+            "finished_requests": 3,
+            "workload_digest": "d-same" if bs == 1 else f"d-{peer}",
         }
         for p, bs, total, reserve, relay, settle, best in rows
     ]
-    return {"peer": peer, "version": "9.9", "torch": "2.13.0+cpu", "config": {}, "results": results}
+    config = {"workload": "churn", "launch_us": 5.0 if peer == "specstate" else 4.0}
+    return {
+        "peer": peer, "version": "9.9", "torch": "2.13.0+cpu", "config": config, "results": results
+    }  # fmt: skip
 
 
 OURS = _report(
@@ -68,16 +74,16 @@ def reports(tmp_path: Path) -> tuple[Path, Path]:
 def test_compare_json_ratios_and_missing_rows(
     reports: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Rows match by (page, bs); each ratio is ours / peer; a zero peer part gives null."""
+    """Rows match by (page, bs); each ratio is ours / peer; digests say if the draws agree."""
     assert main(["bench", "compare", *map(str, reports), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ours"]["peer"] == "specstate" and out["peer"]["peer"] == "sglang"
     first, second = out["rows"]
     assert (first["page_size"], first["bs"]) == (1, 1)
     assert (first["ours_total_us"], first["peer_total_us"]) == (100.0, 200.0)
-    ratios = [first[f"ratio_{k}"] for k in ("total", "reserve", "relay", "settle", "best_repeat")]
-    assert ratios == [0.5, 0.2, 1.2, 0.4, 0.45]
-    assert (second["bs"], second["ratio_total"], second["ratio_reserve"]) == (64, 1.0, None)
+    assert [first["ratio_total"], first["ratio_best_repeat"]] == [0.5, 0.45]
+    assert first["same_workload"] is True
+    assert (second["bs"], second["ratio_total"], second["same_workload"]) == (64, 1.0, False)
     assert second["ratio_best_repeat"] == 0.9
     assert out["missing"] == [
         {"page_size": 16, "bs": 1, "only_in": "ours"},
@@ -86,14 +92,16 @@ def test_compare_json_ratios_and_missing_rows(
 
 
 def test_compare_table(reports: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    """The table shows both totals and the five ratios per row, then the unmatched rows."""
+    """The table shows the settings, both totals and the ratios per row, then unmatched rows."""
     assert main(["bench", "compare", *map(str, reports)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "ours: specstate 9.9 (torch 2.13.0+cpu)"
+    assert "setting workload: ours churn, peer churn" in lines
+    assert "setting launch_us: ours 5.0, peer 4.0   <- differs" in lines
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "1"])
-    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.20x", "1.20x", "0.40x", "0.45x"]
+    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "yes"]
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "64"])
-    assert row[5] == "n/a"
+    assert row[-1] == "NO"
     assert "missing: P 16 bs 1 is only in ours" in lines
     assert "missing: P 16 bs 64 is only in peer" in lines
 
@@ -152,17 +160,12 @@ def test_bad_list_is_an_argparse_error(argv: list[str], capsys: pytest.CaptureFi
 
 def _fake_host(calls: list[dict[str, object]]) -> Callable[..., dict[str, object]]:
     def host_benchmark(
-        *,
-        page_sizes: Sequence[int],
-        batch_sizes: Sequence[int],
-        iters: int,
-        warmup: int,
-        repeats: int,
-        progress: Callable[[str], None] | None = None,
+        settings: HostSettings, progress: Callable[[str], None] | None = None
     ) -> dict[str, object]:
         calls.append(
-            {"page_sizes": tuple(page_sizes), "batch_sizes": tuple(batch_sizes)}
-            | {"iters": iters, "warmup": warmup, "repeats": repeats}
+            {"page_sizes": settings.page_sizes, "batch_sizes": settings.batch_sizes}
+            | {"iters": settings.iters, "warmup": settings.warmup, "repeats": settings.repeats}
+            | {"workload": settings.workload}
         )
         if progress is not None:
             progress("fake: measuring")
@@ -182,11 +185,12 @@ def test_host_dispatch_table_and_output_file(
     assert main([*argv, "--warmup", "0", "--repeats", "2", "--output", str(out_file)]) == 0
     assert calls == [
         {"page_sizes": (1, 16), "batch_sizes": (1, 64), "iters": 7, "warmup": 0, "repeats": 2}
+        | {"workload": "churn"}
     ]
     captured = capsys.readouterr()
     assert "fake: measuring" in captured.err and "fake" not in captured.out
     rows = [line.split() for line in captured.out.splitlines()[2:]]
-    assert rows[1] == ["1", "64", "400.0", "600.0", "6.25", "100.0", "100.0", "200.0", "360.0"]
+    assert rows[1] == ["1", "64", "400.0", "600.0", "6.25", "360.0", "3"]
     assert len(rows) == 3
     assert json.loads(out_file.read_text()) == OURS
 
@@ -195,21 +199,20 @@ def test_host_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtur
     """`bench host --json` prints exactly the report host_benchmark returned, with defaults."""
     calls: list[dict[str, object]] = []
     monkeypatch.setattr("specstate.tools.bench_host.host_benchmark", _fake_host(calls))
-    assert main(["bench", "host", "--json"]) == 0
+    assert main(["bench", "host", "--json", "--steady"]) == 0
     assert json.loads(capsys.readouterr().out) == OURS
     assert calls == [
         {"page_sizes": (1, 16), "batch_sizes": (1, 64, 256, 1024)}
-        | {"iters": 300, "warmup": 20, "repeats": 5}
+        | {"iters": 300, "warmup": 20, "repeats": 5, "workload": "steady"}
     ]
 
 
-def test_host_benchmark_takes_the_keywords_the_cli_passes() -> None:
-    """The measuring module offers host_benchmark with the keyword-only parameters used."""
+def test_host_benchmark_takes_the_settings_the_cli_passes() -> None:
+    """The measuring module offers host_benchmark(settings, progress=...)."""
     from specstate.tools import bench_host
 
     params = inspect.signature(bench_host.host_benchmark).parameters
-    wanted = ["page_sizes", "batch_sizes", "iters", "warmup", "repeats", "progress"]
-    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in wanted)
+    assert list(params) == ["settings", "progress"]
 
 
 @pytest.mark.parametrize("loop", ["--overlap", "--no-overlap"])

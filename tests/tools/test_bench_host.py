@@ -1,35 +1,48 @@
-"""`specstate bench host` replays the peer workload and checks the engine after every run."""
+"""`specstate bench host` replays the documented workload and checks every finish it times."""
 
 from __future__ import annotations
 
 import pytest
 
-from specstate.tools.bench_host import accept_lengths, host_benchmark, prompt_lengths
+from specstate.tools import host_workload as wl
+from specstate.tools.bench_host import HostSettings, host_benchmark
 
 
-def test_the_workload_is_the_peer_harness_workload() -> None:
+def test_the_steady_workload_keeps_its_documented_draws() -> None:
     """Prompt and accept lengths follow the documented seeds and draw order."""
-    assert prompt_lengths(8) == [1693, 1002, 339, 115, 285, 1965, 1752, 1292]
-    assert sum(prompt_lengths(64)) == 62_100
-    assert [int(a[0]) for a in accept_lengths(1, 5)] == [2, 1, 4, 4, 2]
-    assert [a.tolist() for a in accept_lengths(4, 2)] == [[2, 1, 4, 4], [2, 4, 2, 4]]
+    assert wl.steady_prompts(8) == [1693, 1002, 339, 115, 285, 1965, 1752, 1292]
+    assert [a[0] for a in wl.steady_accepts(1, 5)] == [2, 1, 4, 4, 2]
 
 
+def test_a_churned_request_ends_on_eos_inside_its_run_or_on_its_cap() -> None:
+    """Replaying a request's runs puts EOS at output ``length - 1``, or stops at its cap."""
+    draws = wl.Draws(4)
+    reqs = [draws.next() for _ in range(40)]
+    assert {r.by_eos for r in reqs} == {True, False}
+    for req in reqs:
+        outputs = [wl.FILLER]
+        while len(outputs) < req.length:
+            accept, tokens = req.next_run()
+            outputs.extend(tokens[:accept])
+        assert (outputs[req.length - 1] == wl.EOS) == req.by_eos
+        assert wl.EOS not in outputs[: req.length - 1]
+
+
+@pytest.mark.parametrize("workload", ["churn", "steady"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_a_small_run_reports_every_part_and_keeps_the_invariants(page_size: int) -> None:
+def test_a_small_run_reports_and_checks_every_finish(workload: str, page_size: int) -> None:
     """A tiny replay returns the peer-shaped report; its untimed checks passed."""
-    report = host_benchmark(
-        page_sizes=(page_size,), batch_sizes=(1, 3), iters=6, warmup=2, repeats=2
-    )
-    assert report["peer"] == "specstate"
+    settings = HostSettings(
+        workload=workload, page_sizes=(page_size,), batch_sizes=(1, 6), iters=30, warmup=2,
+        repeats=2, launch_us=0.0,
+    )  # fmt: skip
+    report = host_benchmark(settings)
     results = report["results"]
-    assert isinstance(results, list) and [(r["page_size"], r["bs"]) for r in results] == [
-        (page_size, 1),
-        (page_size, 3),
-    ]
+    assert isinstance(results, list)
+    assert [(r["page_size"], r["bs"]) for r in results] == [(page_size, 1), (page_size, 6)]
     for row in results:
-        assert row["samples"] == 12
-        for part in ("reserve_us", "relay_us", "settle_us", "total_us"):
-            assert 0 < row[part]["median"] <= row[part]["p90"]
-        assert len(row["total_us_median_per_repeat"]) == 2
+        assert row["samples"] == 60
+        assert 0 < row["total_us"]["median"] <= row["total_us"]["p90"]
         assert row["total_us_best_repeat_median"] == min(row["total_us_median_per_repeat"])
+        assert (row["finished_requests"] > 0) == (workload == "churn" and row["bs"] == 6)
+        assert len(row["workload_digest"]) == 16

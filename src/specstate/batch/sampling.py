@@ -313,6 +313,85 @@ class SamplingInfo:
             logprobs=self.logprobs,  # a superset is harmless: the worker computes more
         )
 
+    def with_rows(
+        self,
+        size: int,
+        rows: torch.Tensor,
+        values: SamplingInfo,
+        *,
+        host_rows: npt.NDArray[np.int64],
+    ) -> SamplingInfo:
+        """The first ``size`` rows of ``self`` with ``rows`` set to ``values``' rows (new tensors).
+
+        Row ``rows[i]`` (``< size``) takes ``values``' row ``i``; rows at or past
+        ``batch_size`` must all be in ``rows``. Only the changed rows are written, into copies
+        (a persistent batch changes a few rows a round; nothing is written in place).
+        ``host_rows`` is ``rows`` as a host array. Neither side may hold a penalty accumulator.
+        """
+        if self.accumulator is not None or values.accumulator is not None:
+            raise ValueError("with_rows: a sampling state with a penalty accumulator")
+        a = self.batch_size
+
+        def put(
+            old: torch.Tensor | None, new: torch.Tensor | None, neutral: float
+        ) -> torch.Tensor | None:
+            if old is None and new is None:
+                return None
+            like = old if old is not None else new
+            assert like is not None
+            if old is None:
+                old = torch.full(
+                    (a, *like.shape[1:]), neutral, dtype=like.dtype, device=like.device
+                )
+            if new is None:
+                new = torch.full(
+                    (len(host_rows), *like.shape[1:]), neutral, dtype=like.dtype, device=like.device
+                )
+            if old.dim() == 2 and old.shape[1] != new.shape[1]:  # stop ids: pad with -1
+                width = max(old.shape[1], new.shape[1])
+                old = torch.nn.functional.pad(old, (0, width - old.shape[1]), value=-1)
+                new = torch.nn.functional.pad(new, (0, width - new.shape[1]), value=-1)
+            if size <= a:
+                out = old[:size].clone()
+            else:
+                out = old.new_empty((size, *old.shape[1:]))
+                out[:a] = old
+            return out.index_copy_(0, rows.to(out.device), new.to(out.dtype))
+
+        spec_host = None
+        if self.speculative_host is not None or values.speculative_host is not None:
+            spec_host = np.ones(size, np.bool_)
+            keep = min(a, size)
+            if self.speculative_host is not None:
+                spec_host[:keep] = self.speculative_host[:keep]
+            spec_host[host_rows] = (
+                True if values.speculative_host is None else values.speculative_host
+            )
+            if spec_host.all():
+                spec_host = None
+        temperatures = put(self.temperatures, values.temperatures, 0.0)
+        top_ks = put(self.top_ks, values.top_ks, 0)
+        top_ps = put(self.top_ps, values.top_ps, 1.0)
+        assert temperatures is not None and top_ks is not None and top_ps is not None
+        return SamplingInfo(
+            temperatures=temperatures,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            frequency_penalties=put(self.frequency_penalties, values.frequency_penalties, 0.0),
+            greedy_host=True if self.greedy_host and values.greedy_host else None,
+            repetition_penalties=put(self.repetition_penalties, values.repetition_penalties, 1.0),
+            presence_penalties=put(self.presence_penalties, values.presence_penalties, 0.0),
+            min_new_tokens=put(self.min_new_tokens, values.min_new_tokens, 0),
+            stop_token_ids=put(self.stop_token_ids, values.stop_token_ids, -1),
+            prompt_lens=put(self.prompt_lens, values.prompt_lens, 0),
+            seeds=put(self.seeds, values.seeds, -1),
+            speculative=None
+            if spec_host is None
+            else put(self.speculative, values.speculative, True),
+            speculative_host=spec_host,
+            logprobs=self.logprobs or values.logprobs,  # a superset is harmless
+        )
+
     def concat(self, other: SamplingInfo) -> SamplingInfo:
         """The sampling state of ``self``'s rows followed by ``other``'s (new tensors)."""
         acc = None

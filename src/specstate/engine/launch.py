@@ -152,7 +152,8 @@ class _PublishOnce:
             relayed = new_seq_lens
             if self._bounds is not None:  # unchecked yet: keep it inside the reservation
                 relayed = torch.clamp(new_seq_lens, *self._bounds)
-            self._future_map.publish(self._indices, relayed)
+            host = self._flight.plan.slots_host  # the same slots, for the relay's row stamps
+            self._future_map.publish(self._indices, relayed, host=host)
 
 
 class Launcher:
@@ -280,8 +281,9 @@ class Launcher:
                 flight.error = exc
                 # Isolation restored the bindings: these are the inputs as resolved (if so).
                 lens, ids = self._fallback(batch.seq_lens, indices, batch.input_ids)
-                self.future_map.publish(indices, lens)
-                self.future_map.stash(indices, RelayPayload(bonus_tokens=ids))
+                host = flight.plan.slots_host
+                self.future_map.publish(indices, lens, host=host)
+                self.future_map.stash(indices, RelayPayload(bonus_tokens=ids), host=host)
 
     def _accept_result(
         self,
@@ -304,7 +306,7 @@ class Launcher:
         if publish.calls == 0 and result.new_seq_lens is not None:
             publish(result.new_seq_lens)
         if result.next_draft_input is not None:
-            self.future_map.stash(indices, result.next_draft_input)
+            self.future_map.stash(indices, result.next_draft_input, host=flight.plan.slots_host)
         flight.result = result
 
     def host_result(self, flight: InFlight, timeout: float | None) -> HostResult | None:

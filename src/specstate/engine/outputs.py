@@ -136,6 +136,13 @@ class OutputTable:
         out: list[int] = self._output_tokens[slot, :n].tolist()
         return out
 
+    def read_outputs_since(self, slot: int, start: int) -> list[int]:
+        """The settled outputs of ``slot`` from output ``start`` on (a streaming reader's new
+        tokens: the cost is the tokens read, not the request's length)."""
+        n = int(self._output_lengths[slot])
+        out: list[int] = self._output_tokens[slot, start:n].tolist()
+        return out
+
     def all_lengths(self) -> IntArray:
         """Settled output counts of every slot, as a new array (slot 0 is padding)."""
         return self._output_lengths.copy()

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import compress
 
 import attrs
-import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
@@ -31,6 +29,7 @@ from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, ReqStatus
+from specstate.engine.decode_rows import DecodeColumns, DecodeRows
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
@@ -96,54 +95,6 @@ class PrefillPart:
     positions: torch.Tensor  # the prefill tokens' positions, on the device
 
 
-@attrs.frozen(kw_only=True)
-class _DecodeRows:
-    """The per-row tensors of one set of decoding requests (see `Scheduler._decode_rows`)."""
-
-    reqs: tuple[Req, ...]
-    slots: torch.Tensor
-    slots_host: IntArray  # the same memory as ``slots``
-    device_slots: torch.Tensor
-    incarnations: tuple[int, ...]
-    sampling: SamplingInfo
-    epochs: IntArray
-    request_ids: tuple[str, ...]
-
-    def filter(self, leaving: Sequence[Req]) -> _DecodeRows:
-        """These rows without ``leaving``: one keep-mask per column, order kept."""
-        position = dict(zip(self.reqs, range(len(self.reqs)), strict=True))
-        keep = np.ones(len(self.reqs), dtype=np.bool_)
-        keep[[position[r] for r in leaving]] = False
-        index = torch.from_numpy(np.flatnonzero(keep))
-        slots = self.slots.index_select(0, index)
-        return _DecodeRows(
-            reqs=tuple(compress(self.reqs, keep)),
-            slots=slots,
-            slots_host=slots.numpy(),
-            device_slots=self.device_slots.index_select(0, index.to(self.device_slots.device)),
-            incarnations=tuple(compress(self.incarnations, keep)),
-            sampling=self.sampling.select(
-                index.to(self.sampling.temperatures.device), host_rows=keep
-            ),
-            epochs=self.epochs[keep],
-            request_ids=tuple(compress(self.request_ids, keep)),
-        )
-
-    def merge(self, other: _DecodeRows) -> _DecodeRows:
-        """These rows followed by ``other``'s (new tensors)."""
-        slots = torch.cat([self.slots, other.slots])
-        return _DecodeRows(
-            reqs=self.reqs + other.reqs,
-            slots=slots,
-            slots_host=slots.numpy(),
-            device_slots=torch.cat([self.device_slots, other.device_slots]),
-            incarnations=self.incarnations + other.incarnations,
-            sampling=self.sampling.concat(other.sampling),
-            epochs=np.concatenate([self.epochs, other.epochs]),
-            request_ids=self.request_ids + other.request_ids,
-        )
-
-
 @attrs.define
 class _Progress:
     """Prefill progress of one admitted request."""
@@ -189,10 +140,7 @@ class Scheduler:
         self._running: dict[Req, None] = {}
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self._progress: dict[int, _Progress] = {}
-        self._decode_cache: _DecodeRows | None = None
-        # Membership changes since the cache was built (applied by filter / merge).
-        self._left: list[Req] = []
-        self._joined: list[Req] = []
+        self._rows = DecodeRows(self._build_rows)  # the persistent decode rows
 
     @property
     def running(self) -> list[Req]:
@@ -215,10 +163,7 @@ class Scheduler:
     def drop(self, req: Req) -> None:
         """Forget ``req`` wherever it is (it ended, or was retracted)."""
         if self._running.pop(req, False) is None:
-            if req in self._joined:
-                self._joined.remove(req)
-            else:
-                self._left.append(req)
+            self._rows.leave(req)
         elif req in self.prefilling:
             self.prefilling.remove(req)
         elif req in self.waiting:
@@ -332,7 +277,7 @@ class Scheduler:
             if last:  # the last chunk is launched: the request decodes from the next batch
                 self.prefilling.remove(req)
                 self._running[req] = None
-                self._joined.append(req)
+                self._rows.join(req)
         starts = [start for _, start, _ in rows]
         lens = [stop - start for _, start, stop in rows]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
@@ -455,14 +400,15 @@ class Scheduler:
                 return None, outcome
             rows = self._decode_rows()
             self._allocator.reserve_for_spec_decode(rows.slots_host)
+        patch = self._rows.relay_patch(rows)
         batch = ScheduleBatch(
             reqs=rows.reqs,
             incarnations=rows.incarnations,
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=rows.device_slots,
-            seq_lens=Unresolved(rows.device_slots),
+            seq_lens=Unresolved(rows.device_slots, patch),
             sampling_info=rows.sampling,
-            input_ids=Unresolved(rows.device_slots),
+            input_ids=Unresolved(rows.device_slots, patch),
             future_indices=rows.device_slots,
             ids=rows.request_ids,
             num_draft_steps=(
@@ -475,32 +421,13 @@ class Scheduler:
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
 
-    def _decode_rows(self) -> _DecodeRows:
-        """The persistent running batch: its per-row tensors change only with membership.
+    def _decode_rows(self) -> DecodeColumns:
+        """The persistent running batch (`specstate.engine.decode_rows`)."""
+        return self._rows.columns(lambda: tuple(self._running))
 
-        Consecutive decode rounds usually run the same requests; their slots, incarnations,
-        output-row epochs and sampling tensors are then reused (never written in place, so
-        sharing them between batches is safe). When requests leave (finish, abort, retraction)
-        their rows are filtered out with one mask per column; requests that joined are built
-        alone and appended (`_DecodeRows.filter` / `_DecodeRows.merge`). A request that leaves
-        always loses its row, so a re-admitted request never reuses a stale slot or epoch.
-        """
-        cached = self._decode_cache
-        if cached is not None and not self._left and not self._joined:
-            return cached
-        if cached is None:
-            rows = self._build_rows(tuple(self._running))
-        else:
-            rows = cached.filter(self._left) if self._left else cached
-            if self._joined:
-                rows = rows.merge(self._build_rows(tuple(self._joined)))
-        self._left, self._joined = [], []
-        self._decode_cache = rows
-        return rows
-
-    def _build_rows(self, reqs: tuple[Req, ...]) -> _DecodeRows:
+    def _build_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
         slots = self._slots(reqs)
-        return _DecodeRows(
+        return DecodeColumns(
             reqs=reqs,
             slots=slots,
             slots_host=slots.numpy(),

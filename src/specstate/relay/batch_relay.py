@@ -23,7 +23,10 @@ def resolve_batch_seq_lens(
     """Rebind ``batch.seq_lens`` (and its host mirror when asked) to the published frontier."""
     if not isinstance(batch.seq_lens, Unresolved):
         return
-    resolved = future_map.resolve_seq_lens(batch.seq_lens.future_indices, host_mirror=host_mirror)
+    value = batch.seq_lens
+    resolved = future_map.resolve_seq_lens(
+        value.future_indices, host_mirror=host_mirror, patch=value.patch
+    )
     batch.seq_lens = resolved.seq_lens
     mirror = resolved.seq_lens_cpu
     batch.seq_lens_cpu = None if mirror is None else tuple(mirror)
@@ -33,7 +36,8 @@ def resolve_batch_forward_inputs(future_map: FutureMap, batch: ScheduleBatch) ->
     """Rebind ``batch.input_ids`` to the stashed bonus tokens and ``spec_info`` to the extras."""
     if not isinstance(batch.input_ids, Unresolved):
         return
-    inputs = future_map.resolve_forward_inputs(batch.input_ids.future_indices)
+    value = batch.input_ids
+    inputs = future_map.resolve_forward_inputs(value.future_indices, patch=value.patch)
     batch.input_ids = inputs.bonus_tokens
     batch.spec_info = RelayPayload(
         bonus_tokens=inputs.bonus_tokens,

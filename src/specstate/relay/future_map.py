@@ -20,13 +20,17 @@ buffer, and no caller tensor is written; every batch-wide operation is a fixed n
 ops with no Python loop over requests and, outside debug mode, no host synchronization beyond
 the documented fences (the publish/stash events and an explicitly requested host mirror).
 
-Persistent batches relay by reference: a write without a stream is kept *pending* — the
-written tensors and the index tensor, not yet scattered into the buffers. A resolve with the
-very same index tensor (the running batch, unchanged since the previous round) returns the
-pending tensors themselves: no scatter and no gather, whatever the batch size. Any other read,
-or a write for other indices, first scatters the pending write into the buffers, so every
-read sees exactly what eager writes would have left there. Written tensors are owned by the
-map once written (the worker's result contract), so sharing them is safe.
+Persistent batches relay by reference: a write without a stream is kept *pending* in a
+`specstate.relay.write_log.WriteLog` — the written tensors and the index tensor, not yet
+scattered into the buffers. A resolve with the very same index tensor (the running batch,
+unchanged since the previous round) returns the pending tensors themselves: no scatter and no
+gather, whatever the batch size. Writes and reads that bring the host copy of their indices
+(``host=``, as the engine's do) go further: a read takes each row from the write that holds
+its slot's latest value, so a persistent batch whose rows stay in place when members leave and
+join reads its unchanged rows from the previous round's tensor (one copy) and only the changed
+rows from elsewhere. Every read sees exactly what eager writes would have left in the buffers.
+Written tensors are owned by the map once written (the worker's result contract), and the map
+never writes them, so sharing them is safe.
 
 Debug mode (consume once): buffers start poisoned (``int64`` min, NaN) and two host-side bool
 bitmaps mark slots written since their last read: `publish` marks ``new_seq_lens`` rows and
@@ -46,6 +50,7 @@ from typing_extensions import TypeIs
 
 from specstate.core.errors import InvalidConfig, RelayError
 from specstate.relay.streams import Event, Stream
+from specstate.relay.write_log import IntArray, RowPatch, WriteLog
 
 __all__ = [
     "DraftDims",
@@ -55,6 +60,7 @@ __all__ = [
     "MixedTails",
     "RelayPayload",
     "ResolvedSeqLens",
+    "RowPatch",
     "Unresolved",
     "is_unresolved",
 ]
@@ -62,13 +68,6 @@ __all__ = [
 POISON_INT: Final = torch.iinfo(torch.int64).min
 POISON_FLOAT: Final = float("nan")
 _Write = Callable[[], None]
-
-
-def _overwrites(new: RelayPayload, old: RelayPayload) -> bool:
-    """True when writing ``new`` leaves nothing of ``old`` (same rows): every extra is replaced."""
-    news = (new.topk_p, new.topk_index, new.hidden_states)
-    olds = (old.topk_p, old.topk_index, old.hidden_states)
-    return all(o is None or n is not None for n, o in zip(news, olds, strict=True))
 
 
 def _cast_like(value: torch.Tensor | None, buf: torch.Tensor | None) -> torch.Tensor | None:
@@ -80,9 +79,14 @@ def _cast_like(value: torch.Tensor | None, buf: torch.Tensor | None) -> torch.Te
 
 @attrs.frozen
 class Unresolved:
-    """A batch value that lives in the FutureMap rows ``future_indices`` until resolved."""
+    """A batch value that lives in the FutureMap rows ``future_indices`` until resolved.
+
+    ``patch``, when given, says how ``future_indices`` derives from the previous round's index
+    (a persistent batch, `RowPatch`): the resolve then moves only the rows that changed.
+    """
 
     future_indices: torch.Tensor
+    patch: RowPatch | None = attrs.field(default=None, eq=False)
 
 
 def is_unresolved(x: object) -> TypeIs[Unresolved]:
@@ -185,18 +189,24 @@ class FutureMap:
         self._publish_event: Event | None = None
         self._stash_event: Event | None = None
         # Writes kept by reference until a read needs the buffers (see the module docstring).
-        self._pending_lens: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._pending_payload: tuple[torch.Tensor, RelayPayload] | None = None
+        self._lens_log = WriteLog(max_slots)
+        self._payload_log = WriteLog(max_slots)
         self._num_publishes = self._num_stashes = self._num_fence_waits = self._num_host_mirrors = 0
 
     def publish(
-        self, indices: torch.Tensor, new_seq_lens: torch.Tensor, *, stream: Stream | None = None
+        self,
+        indices: torch.Tensor,
+        new_seq_lens: torch.Tensor,
+        *,
+        stream: Stream | None = None,
+        host: IntArray | None = None,
     ) -> None:
         """Scatter the next device frontier of ``indices`` and record the publish event.
 
         With ``stream``, the scatter is ordered after the work already on it (inline from that
         stream's own work) and the event is recorded right after; without, it runs now, after
-        the previous publish. Do not write the arguments before the event completes.
+        the previous publish (kept by reference until a read needs it). ``host`` is the host
+        copy of ``indices`` (see the module docstring). Do not write the arguments afterwards.
 
         Raises:
             RelayError: shapes disagree, or (debug) indices are out of range or repeated.
@@ -207,13 +217,13 @@ class FutureMap:
         self._num_publishes += 1
         if stream is None:
             self._publish_event = self._wait(self._publish_event)
-            if self._pending_lens is not None and self._pending_lens[0] is not indices:
-                self._flush_lens()  # the same rows would simply be overwritten
-            self._pending_lens = (indices, new_seq_lens)
+            self._lens_log.keep(
+                indices, (new_seq_lens,), None if self._debug else host, self._lens_bufs()
+            )
             if self._debug:
                 self._published[indices.cpu()] = True
             return
-        self._flush_lens()
+        self._lens_log.flush(self._lens_bufs())
         self._publish_event = self._ordered_write(
             self._publish_event, stream, lambda: self._write_seq_lens(indices, new_seq_lens)
         )
@@ -231,7 +241,12 @@ class FutureMap:
         self._publish_event = self._stash_event = stream.record_event()
 
     def stash(
-        self, indices: torch.Tensor, payload: RelayPayload, *, stream: Stream | None = None
+        self,
+        indices: torch.Tensor,
+        payload: RelayPayload,
+        *,
+        stream: Stream | None = None,
+        host: IntArray | None = None,
     ) -> None:
         """Write the next round's inputs of ``indices``, ordered like `publish`.
 
@@ -246,41 +261,59 @@ class FutureMap:
             raise RelayError("stash: topk_p and topk_index must be given together")
         if indices.numel() == 0:
             return
+        extras = (self._topk_p, self._topk_index, self._hidden)
         self._ensure_extras(payload, indices.shape[0])  # on the host: errors raise here
         self._num_stashes += 1
+        if extras != (self._topk_p, self._topk_index, self._hidden):
+            # A new buffer: kept writes would lack it, so they go to the buffers first.
+            self._payload_log.flush(self._payload_bufs())
         if stream is None:
             self._stash_event = self._wait(self._stash_event)
-            old = self._pending_payload
-            if old is not None and (old[0] is not indices or not _overwrites(payload, old[1])):
-                self._flush_payload()
-            self._pending_payload = (indices, payload)
+            values = (payload.bonus_tokens, payload.topk_p, payload.topk_index,
+                      payload.hidden_states)  # fmt: skip
+            if self._covers(payload):
+                self._payload_log.keep(
+                    indices, values, None if self._debug else host, self._payload_bufs()
+                )
+            else:  # the extras it lacks keep their earlier values: write through the buffers
+                self._payload_log.write_now(indices, values, host, self._payload_bufs())
             if self._debug:
                 self._stashed[indices.cpu()] = True
             return
-        self._flush_payload()
+        self._payload_log.flush(self._payload_bufs())
         self._stash_event = self._ordered_write(
             self._stash_event, stream, lambda: self._write_payload(indices, payload)
         )
 
     def resolve_seq_lens(
-        self, indices: torch.Tensor, *, host_mirror: bool = False
+        self,
+        indices: torch.Tensor,
+        *,
+        host_mirror: bool = False,
+        patch: RowPatch | None = None,
     ) -> ResolvedSeqLens:
-        """Wait for the publish fence, then gather the frontier of ``indices`` (a new tensor).
+        """Wait for the publish fence, then gather the frontier of ``indices``.
 
-        ``host_mirror`` adds ``seq_lens_cpu``, a host list (a device-to-host copy).
+        ``host_mirror`` adds ``seq_lens_cpu``, a host list (a device-to-host copy); ``patch``
+        derives ``indices`` from an earlier index. The tensor returned is new, or a write kept
+        by reference (module docstring); it is never written afterwards.
 
         Raises:
             RelayError: (debug) a slot not published since its last resolve.
         """
         self._check_indices(indices, indices.shape, "resolve_seq_lens")
-        seq_lens = self._gather_seq_lens(indices)
+        seq_lens = self._gather_seq_lens(indices, patch)
         self._num_host_mirrors += int(host_mirror)
         return ResolvedSeqLens(
             seq_lens=seq_lens, seq_lens_cpu=seq_lens.tolist() if host_mirror else None
         )
 
-    def resolve_forward_inputs(self, indices: torch.Tensor) -> ForwardInputs:
+    def resolve_forward_inputs(
+        self, indices: torch.Tensor, *, patch: RowPatch | None = None
+    ) -> ForwardInputs:
         """Wait for the latest stash, then gather bonus tokens and extras of ``indices``.
+
+        ``patch`` derives ``indices`` from an earlier index (module docstring).
 
         Raises:
             RelayError: (debug) a slot not stashed since its last resolve.
@@ -290,27 +323,16 @@ class FutureMap:
             event, self._stash_event = self._stash_event, None
             self._stash_event = self._wait(event)
             self._consume(self._stashed, indices, "stash")
-        pending = self._pending_payload
-        if pending is not None and pending[0] is indices and self._covers(pending[1]):
-            payload = pending[1]
-            if self._debug:  # consumed: the rows read are poisoned below, drop the write
-                self._pending_payload = None
-                self._repoison(indices, self._stashed_buffers())
-            return ForwardInputs(
-                bonus_tokens=payload.bonus_tokens.to(torch.int64),
-                topk_p=_cast_like(payload.topk_p, self._topk_p),
-                topk_index=_cast_like(payload.topk_index, self._topk_index),
-                hidden_states=_cast_like(payload.hidden_states, self._hidden),
-            )
-        self._flush_payload()
-        inputs = ForwardInputs(
-            bonus_tokens=self._bonus_tokens[indices],
-            topk_p=None if self._topk_p is None else self._topk_p[indices],
-            topk_index=None if self._topk_index is None else self._topk_index[indices],
-            hidden_states=None if self._hidden is None else self._hidden[indices],
+        bonus, topk_p, topk_index, hidden = self._read(
+            self._payload_log, indices, patch, self._payload_bufs()
         )
-        self._repoison(indices, self._stashed_buffers())
-        return inputs
+        assert bonus is not None  # the bonus buffer always exists
+        return ForwardInputs(
+            bonus_tokens=bonus.to(torch.int64),
+            topk_p=_cast_like(topk_p, self._topk_p),
+            topk_index=_cast_like(topk_index, self._topk_index),
+            hidden_states=_cast_like(hidden, self._hidden),
+        )
 
     def resolve_mixed_tails(
         self,
@@ -331,7 +353,7 @@ class FutureMap:
         fresh_shape = slots.shape if fresh_committed is None else fresh_committed.shape
         self._check_indices(slots, fresh_shape, "resolve_mixed_tails")
         if fresh_committed is None:
-            fresh = self._gather_seq_lens(slots)  # already a new tensor
+            fresh = self._gather_seq_lens(slots, None)  # never written afterwards
         else:
             fresh = fresh_committed.to(torch.int64, copy=True)
         return MixedTails(
@@ -402,31 +424,41 @@ class FutureMap:
         bufs = (self._topk_p, self._topk_index, self._hidden)
         return all(b is None or e is not None for b, e in zip(bufs, extras, strict=True))
 
-    def _flush_lens(self) -> None:
-        pending, self._pending_lens = self._pending_lens, None
-        if pending is not None:
-            self._new_seq_lens[pending[0]] = pending[1].to(torch.int64)
+    def _lens_bufs(self) -> tuple[torch.Tensor]:
+        return (self._new_seq_lens,)
 
-    def _flush_payload(self) -> None:
-        pending, self._pending_payload = self._pending_payload, None
-        if pending is not None:
-            self._write_payload(pending[0], pending[1], mark=False)
+    def _payload_bufs(self) -> tuple[torch.Tensor | None, ...]:
+        return (self._bonus_tokens, self._topk_p, self._topk_index, self._hidden)
 
-    def _gather_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
+    def _read(
+        self,
+        log: WriteLog,
+        indices: torch.Tensor,
+        patch: RowPatch | None,
+        bufs: tuple[torch.Tensor | None, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The latest values of ``indices`` from ``log`` (debug: consumed, rows re-poisoned)."""
+        if not self._debug:
+            if patch is not None:
+                return log.read_patched(indices, patch, bufs)
+            return log.read(indices, None, bufs)
+        newest = log.newest()
+        if newest is not None and newest.indices is indices:
+            log.discard_newest()  # consumed: the rows read are poisoned below
+            values = newest.values
+        else:
+            values = log.read(indices, None, bufs)
+        self._repoison(indices, tuple(b for b in bufs if b is not None))
+        return values
+
+    def _gather_seq_lens(self, indices: torch.Tensor, patch: RowPatch | None) -> torch.Tensor:
         if indices.numel() > 0:  # an empty set has nothing to wait for
             event, self._publish_event = self._publish_event, None
             self._publish_event = self._wait(event)
             self._consume(self._published, indices, "publish")
-        pending = self._pending_lens
-        if pending is not None and pending[0] is indices:
-            if self._debug:
-                self._pending_lens = None
-                self._repoison(indices, (self._new_seq_lens,))
-            return pending[1].to(torch.int64)
-        self._flush_lens()
-        seq_lens = self._new_seq_lens[indices]
-        self._repoison(indices, (self._new_seq_lens,))
-        return seq_lens
+        (seq_lens,) = self._read(self._lens_log, indices, patch, self._lens_bufs())
+        assert seq_lens is not None
+        return seq_lens.to(torch.int64)
 
     def _consume(self, marks: torch.Tensor, indices: torch.Tensor, writer: str) -> None:
         if not self._debug:
@@ -451,20 +483,14 @@ class FutureMap:
         if self._debug:
             self._published[indices.cpu()] = True
 
-    def _write_payload(
-        self, indices: torch.Tensor, payload: RelayPayload, *, mark: bool = True
-    ) -> None:
+    def _write_payload(self, indices: torch.Tensor, payload: RelayPayload) -> None:
         self._bonus_tokens[indices] = payload.bonus_tokens.to(torch.int64)
         extras = (payload.topk_p, payload.topk_index, payload.hidden_states)
         for buf, value in zip((self._topk_p, self._topk_index, self._hidden), extras, strict=True):
             if buf is not None and value is not None:
                 buf[indices] = value.to(buf.dtype)
-        if self._debug and mark:
+        if self._debug:
             self._stashed[indices.cpu()] = True
-
-    def _stashed_buffers(self) -> tuple[torch.Tensor, ...]:
-        bufs = (self._bonus_tokens, self._topk_p, self._topk_index, self._hidden)
-        return tuple(b for b in bufs if b is not None)
 
     def _ensure_extras(self, payload: RelayPayload, n: int) -> None:
         # Validate every extra before creating any buffer: a refused stash changes nothing.

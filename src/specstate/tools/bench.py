@@ -2,9 +2,11 @@
 
 Subcommands:
 
-* ``bench host``: the host bookkeeping of one speculative decode iteration (reserve, relay,
-  settle) on a fixed workload; its JSON report has the shape a peer's report has.
-* ``bench compare OURS.json PEER.json``: two such reports side by side, as ratios ours / peer.
+* ``bench host``: `Engine.step` of one speculative decode round, whole, on a churned (default)
+  or steady workload (`specstate.tools.host_workload`); its JSON report has the shape a
+  peer's report has (the peers' harnesses live in the repository's ``benchmarks/peers``).
+* ``bench compare OURS.json PEER.json``: two such reports side by side, as ratios ours / peer,
+  with the settings both ran under.
 * ``bench engine``: `Engine.step` wall time per steady decode round with a zero-cost worker.
 * ``bench overlap``: how close the overlap loop comes to max(host, device) per round against
   a timed-wait device (`specstate.tools.timed_worker.TimedWaitWorker`).
@@ -121,12 +123,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    host = benches.add_parser("host", help="host bookkeeping per decode iteration (peer format)")
+    host = benches.add_parser("host", help="Engine.step per decode round (peer format)")
+    workload = host.add_mutually_exclusive_group()
+    workload.add_argument(
+        "--churn",
+        dest="workload",
+        action="store_const",
+        const="churn",
+        default="churn",
+        help="requests finish and join every round (the default)",
+    )
+    workload.add_argument(
+        "--steady", dest="workload", action="store_const", const="steady", help="nobody finishes"
+    )
     _list_option(host, "--page-sizes", _positive_ints, (1, 16))
     _list_option(host, "--batch-sizes", _positive_ints, _BATCH_SIZES)
-    host.add_argument("--iters", type=_count(1), default=300, help="measured iterations per run")
-    host.add_argument("--warmup", type=_count(0), default=20, help="untimed iterations per run")
-    host.add_argument("--repeats", type=_count(1), default=5, help="fresh runs per configuration")
+    host.add_argument("--iters", type=_count(1), default=300, help="timed rounds per run (300)")
+    host.add_argument("--warmup", type=_count(0), default=20, help="untimed rounds per run (20)")
+    host.add_argument("--repeats", type=_count(1), default=5, help="fresh runs per size (5)")
+    host.add_argument(
+        "--launch-us",
+        type=float,
+        default=5.0,
+        help="modelled cost of one device-write launch, µs (5; the peer harness takes the same)",
+    )
+    host.add_argument(
+        "--malloc-mmap-threshold",
+        type=_count(0),
+        default=64 << 20,
+        help="glibc M_MMAP_THRESHOLD set at start, bytes (64 MiB)",
+    )
+    host.add_argument(
+        "--malloc-trim-threshold",
+        type=_count(0),
+        default=256 << 20,
+        help="glibc M_TRIM_THRESHOLD set at start, bytes (256 MiB)",
+    )
     host.add_argument("--json", action="store_true", help="print the JSON report, not a table")
     host.add_argument("--output", type=Path, metavar="FILE", help="also write the JSON report")
     compare = benches.add_parser("compare", help="two host reports side by side")
@@ -195,8 +227,10 @@ class _HostRow:
     bs: int
     total: float
     total_p90: float
-    parts: Mapping[str, float]
+    parts: Mapping[str, float]  # reserve / relay / settle, for reports that split them
     best_repeat: float
+    finished: int | None = None
+    digest: str | None = None
 
 
 def _number(item: Mapping[str, object], key: str, where: str, stat: str = "median") -> float:
@@ -234,10 +268,22 @@ def _host_rows(report: object, source: str) -> dict[tuple[int, int], _HostRow]:
             bs=key[1],
             total=_number(item, "total_us", where),
             total_p90=_number(item, "total_us", where, "p90"),
-            parts={part: _number(item, f"{part}_us", where) for part in _PARTS},
+            parts={
+                part: _number(item, f"{part}_us", where) for part in _PARTS if f"{part}_us" in item
+            },
             best_repeat=_number(item, "total_us_best_repeat_median", where),
+            finished=_optional_int(item.get("finished_requests")),
+            digest=_optional_str(item.get("workload_digest")),
         )
     return rows
+
+
+def _optional_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _optional_str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _run_host(args: argparse.Namespace) -> int:
@@ -245,14 +291,18 @@ def _run_host(args: argparse.Namespace) -> int:
     # covers a tree without the module yet; `unused-ignore` keeps mypy quiet once it is there.
     from specstate.tools import bench_host  # type: ignore[attr-defined,unused-ignore]
 
-    report: dict[str, object] = bench_host.host_benchmark(
+    settings = bench_host.HostSettings(
+        workload=args.workload,
         page_sizes=args.page_sizes,
         batch_sizes=args.batch_sizes,
         iters=args.iters,
         warmup=args.warmup,
         repeats=args.repeats,
-        progress=_progress,
+        launch_us=args.launch_us,
+        mmap_threshold=args.malloc_mmap_threshold,
+        trim_threshold=args.malloc_trim_threshold,
     )
+    report: dict[str, object] = bench_host.host_benchmark(settings, progress=_progress)
     text = json.dumps(report, indent=2)
     if args.output is not None:
         try:
@@ -266,19 +316,22 @@ def _run_host(args: argparse.Namespace) -> int:
         rows = _host_rows(report, "host_benchmark()")
     except _BadReport as exc:
         return _fail("host", str(exc))
-    print("host bookkeeping per decode iteration, µs (medians unless named)")
-    print(f"{'P':>3} {'bs':>5} {'total':>9} {'p90':>9} {'µs/req':>8} "
-          f"{'reserve':>8} {'relay':>8} {'settle':>8} {'best rep':>9}")  # fmt: skip
+    print(f"Engine.step per decode round ({args.workload}), µs (medians unless named)")
+    print(f"{'P':>3} {'bs':>5} {'total':>9} {'p90':>9} {'µs/req':>8} {'best rep':>9} "
+          f"{'finished':>9}")  # fmt: skip
     for row in rows.values():
         print(
             f"{row.page_size:>3} {row.bs:>5} {row.total:>9.1f} {row.total_p90:>9.1f} "
-            f"{row.total / row.bs:>8.2f} {row.parts['reserve']:>8.1f} "
-            f"{row.parts['relay']:>8.1f} {row.parts['settle']:>8.1f} {row.best_repeat:>9.1f}"
+            f"{row.total / row.bs:>8.2f} {row.best_repeat:>9.1f} {row.finished:>9}"
         )
     return 0
 
 
 # ------------------------------------------------------------------------ compare
+_SETTINGS: Final = ("workload", "launch_us", "mmap_threshold", "trim_threshold", "allocator_set")
+"""Settings both sides must share; `bench compare` prints them side by side."""
+
+
 @attrs.frozen(kw_only=True)
 class _CompareRow:
     """One (page size, batch size) present in both reports; ratios are ours / peer."""
@@ -288,10 +341,8 @@ class _CompareRow:
     peer_total_us: float
     ours_total_us: float
     ratio_total: float | None
-    ratio_reserve: float | None
-    ratio_relay: float | None
-    ratio_settle: float | None
     ratio_best_repeat: float | None
+    same_workload: bool | None  # both runs finished the same requests (digests); None: unknown
 
 
 @attrs.frozen(kw_only=True)
@@ -310,7 +361,11 @@ def _read_report(path: Path) -> tuple[Mapping[str, object], dict[tuple[int, int]
     except (OSError, ValueError) as exc:  # ValueError: bad UTF-8 or bad JSON
         raise _BadReport(f"{path}: cannot read a JSON report ({exc})") from None
     rows = _host_rows(report, str(path))
-    return {k: report.get(k) for k in ("peer", "version", "torch")}, rows
+    who: dict[str, object] = {k: report.get(k) for k in ("peer", "version", "torch")}
+    config = report.get("config")
+    config = config if isinstance(config, Mapping) else {}
+    who["settings"] = {k: config.get(k) for k in _SETTINGS}
+    return who, rows
 
 
 def _ratio(ours: float, peer: float) -> float | None:
@@ -328,6 +383,7 @@ def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
             only_in = "peer" if a is None else "ours"
             missing.append({"page_size": key[0], "bs": key[1], "only_in": only_in})
             continue
+        same = None if a.digest is None or b.digest is None else a.digest == b.digest
         rows.append(
             _CompareRow(
                 page_size=key[0],
@@ -335,10 +391,8 @@ def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
                 peer_total_us=b.total,
                 ours_total_us=a.total,
                 ratio_total=_ratio(a.total, b.total),
-                ratio_reserve=_ratio(a.parts["reserve"], b.parts["reserve"]),
-                ratio_relay=_ratio(a.parts["relay"], b.parts["relay"]),
-                ratio_settle=_ratio(a.parts["settle"], b.parts["settle"]),
                 ratio_best_repeat=_ratio(a.best_repeat, b.best_repeat),
+                same_workload=same,
             )
         )
     return _Comparison(ours=ours, peer=peer, rows=tuple(rows), missing=tuple(missing))
@@ -358,15 +412,21 @@ def _run_compare(args: argparse.Namespace) -> int:
         return 0
     for side, who in (("ours", result.ours), ("peer", result.peer)):
         print(f"{side}: {who['peer']} {who['version']} (torch {who['torch']})")
-    print("median µs per iteration; ratios are ours / peer, below 1 means ours is faster")
-    print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'total':>7} "
-          f"{'reserve':>8} {'relay':>7} {'settle':>7} {'best rep':>9}")  # fmt: skip
+    settings = {
+        side: who["settings"] for side, who in (("ours", result.ours), ("peer", result.peer))
+    }
+    for key in _SETTINGS:
+        a, b = (settings[side].get(key) for side in ("ours", "peer"))  # type: ignore[attr-defined]
+        flag = "" if a == b else "   <- differs"
+        print(f"setting {key}: ours {a}, peer {b}{flag}")
+    print("median µs per round; ratios are ours / peer, below 1 means ours is faster")
+    print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'ratio':>7} {'best rep':>9} "
+          f"{'same draws':>10}")  # fmt: skip
     for r in result.rows:
+        same = {None: "unknown", True: "yes", False: "NO"}[r.same_workload]
         print(
             f"{r.page_size:>3} {r.bs:>5} {r.peer_total_us:>9.1f} {r.ours_total_us:>9.1f} "
-            f"{_times(r.ratio_total):>7} {_times(r.ratio_reserve):>8} "
-            f"{_times(r.ratio_relay):>7} {_times(r.ratio_settle):>7} "
-            f"{_times(r.ratio_best_repeat):>9}"
+            f"{_times(r.ratio_total):>7} {_times(r.ratio_best_repeat):>9} {same:>10}"
         )
     for m in result.missing:
         print(f"missing: P {m['page_size']} bs {m['bs']} is only in {m['only_in']}")

@@ -1,85 +1,108 @@
-"""``specstate bench host``: the host bookkeeping of one speculative decode round, timed.
+"""``specstate bench host``: the host cost of one speculative decode round, `Engine.step` whole.
 
-It replays a fixed EAGLE-chain workload (3 steps, 4 draft tokens, so L = 4 and the reserve is
-R = 8; vocabulary 32000; no request finishes) through the calls the `Engine` makes in one
-overlap iteration, and times three parts:
+Each timed sample is one `Engine.step` of a decode round in the normal loop — schedule (the
+persistent rows, the 2L reservation), launch (relay, isolation, the worker, the result check,
+publish, stash), settle (commit, outputs, finishes), the end of finished requests and the
+release of their KV — plus what a streaming server reads after it: the new tokens of every
+request. Nothing is subtracted: the worker is a replay that returns precomputed results
+(about four tensor operations per round, counted against specstate).
 
-* **reserve** — `Scheduler.schedule` for the decode round (retraction check and the 2L
-  reservation of every running request);
-* **relay** — the FutureMap resolve of the frontier and the forward inputs, then, after the
-  simulated forward, publish of the new frontier and stash of the next round's payload;
-* **settle** — `ResultProcessor.settle` of the previous iteration's result.
+The workloads (`specstate.tools.host_workload`): **churned** (default; requests finish on EOS
+inside accepted runs or on their cap, and new ones join every round at a steady batch size)
+and **steady** (nobody finishes). Joiners' prefill runs in an untimed step between rounds.
 
-Iteration ``i`` times reserve(i) + relay(i) + settle(i - 1), the order of the overlap loop.
-The workload, the seeds, the pool sizes and the statistics are those of SGLang's host-cost
-harness for the same configuration, so the two JSON outputs compare row for row
-(`specstate bench compare`): prompt lengths from ``random.Random(1234)`` (100..2000), accept
-lengths from ``random.Random(5678)`` (1..4, drawn iteration-major), result tokens and draft
-payloads from ``torch.Generator().manual_seed(9012)``; KV pool ``ceil_P(bs * (2000 + 64 + 4 *
-320 + 2P))`` tokens; ``torch.set_num_threads(1)``; ``gc.collect(); gc.freeze()`` before each
-run's loop. Prefill is not timed. After each run the engine's invariants are checked, untimed.
+Device work is modelled the same way on both sides of a comparison: every torch operation
+runs (on the CPU) inside the timed region, and every write into ``req_to_token`` — a kernel
+launch on a GPU — costs a fixed ``launch_us`` (a spin), as each of the peer's Triton kernels
+does in its harness. glibc's allocator thresholds are set at start (``mallopt``), the same
+values the peer harness sets, because allocator state changes host figures severalfold.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import math
 import platform
-import random
 import time
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 import specstate
+import specstate.memory.pools as pools
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
-from specstate.engine.result_copy import HostResult
-from specstate.engine.scheduler import LaunchPlan
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
-from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import RelayPayload
+from specstate.tools import host_workload as wl
 
-__all__ = ["HostWorkload", "accept_lengths", "host_benchmark", "prompt_lengths"]
+__all__ = ["HostSettings", "host_benchmark"]
 
-VOCAB = 32000
-EOS = 31999
 STEPS = 3
 DRAFT_TOKENS = 4
-RESERVE = 8
 HIDDEN = 256
 CONTEXT = 4096
 PAYLOAD_SETS = 4
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 
 
 @attrs.frozen(kw_only=True)
-class HostWorkload:
-    """The replayed workload: every number that defines it."""
+class HostSettings:
+    """Everything that defines a run, echoed in the report."""
 
+    workload: str = "churn"
     page_sizes: tuple[int, ...] = (1, 16)
     batch_sizes: tuple[int, ...] = (1, 64, 256, 1024)
     iters: int = 300
     warmup: int = 20
     repeats: int = 5
+    launch_us: float = 5.0
+    mmap_threshold: int = 64 << 20
+    trim_threshold: int = 256 << 20
 
 
-class _PrefillWorker:
-    """Answers the (untimed) prefill like the workload's emulated prefill; never decodes."""
+def set_allocator(settings: HostSettings) -> bool:
+    """Set glibc's mmap and trim thresholds (``mallopt``); False where that is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    ok = mallopt(M_MMAP_THRESHOLD, settings.mmap_threshold) == 1
+    return bool(ok and mallopt(M_TRIM_THRESHOLD, settings.trim_threshold) == 1)
 
-    def __init__(self, gen: torch.Generator) -> None:
-        self._gen = gen
+
+def _spin(ns: int) -> None:
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+class _ReplayWorker:
+    """Returns precomputed results: per-slot accept lengths and runs set between rounds."""
+
+    def __init__(self, max_slots: int, bs: int) -> None:
+        self.accept = np.ones(max_slots, dtype=np.int64)
+        self.tokens = np.full((max_slots, DRAFT_TOKENS), wl.FILLER, dtype=np.int64)
+        self._accept_t = torch.from_numpy(self.accept)
+        self._tokens_t = torch.from_numpy(self.tokens)
+        gen = torch.Generator().manual_seed(9012)
+        self._payloads = [_payload(max(bs, 1), gen) for _ in range(PAYLOAD_SETS)]
+        self._round = 0
 
     @property
     def capabilities(self) -> WorkerCapabilities:
         return WorkerCapabilities(
-            algorithm="eagle",
-            num_steps=STEPS,
-            num_draft_tokens=DRAFT_TOKENS,
-            keeps_draft_kv=True,
+            algorithm="eagle", num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS, keeps_draft_kv=True
         )
 
     def attach(self, memory: WorkerMemory) -> None:
@@ -89,266 +112,262 @@ class _PrefillWorker:
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
     ) -> GenerationBatchResult:
         b = batch.batch_size
-        tokens = torch.randint(0, EOS, (b,), generator=self._gen)
+        self._round += 1
+        payload = self._payloads[self._round % PAYLOAD_SETS]
+        if b != payload.bonus_tokens.shape[0]:
+            payload = _rows(payload, b)
+        if not batch.forward_mode.is_decode():
+            return GenerationBatchResult(
+                next_token_ids=payload.bonus_tokens,
+                accept_lens=torch.ones(b, dtype=torch.int64),
+                stride=1,
+                new_seq_lens=batch.seq_lens,
+                next_draft_input=payload,
+            )
+        slots = batch.req_pool_indices
+        accept = self._accept_t[slots]
         return GenerationBatchResult(
-            next_token_ids=tokens,
-            accept_lens=torch.ones(b, dtype=torch.int64),
-            stride=1,
-            new_seq_lens=batch.seq_lens,
-            next_draft_input=_payload(tokens, self._gen),
+            next_token_ids=self._tokens_t[slots].view(-1),
+            accept_lens=accept,
+            stride=DRAFT_TOKENS,
+            new_seq_lens=batch.seq_lens + accept,
+            next_draft_input=payload,
         )
 
 
-def _payload(bonus: torch.Tensor, gen: torch.Generator) -> RelayPayload:
-    b = bonus.numel()
+def _payload(b: int, gen: torch.Generator) -> RelayPayload:
     return RelayPayload(
-        bonus_tokens=bonus,
+        bonus_tokens=torch.full((b,), wl.FILLER, dtype=torch.int64),
         topk_p=torch.rand((b, 1), generator=gen),
-        topk_index=torch.randint(0, VOCAB, (b, 1), generator=gen),
+        topk_index=torch.randint(0, wl.VOCAB - 1, (b, 1), generator=gen),
         hidden_states=torch.randn((b, HIDDEN), generator=gen).to(torch.bfloat16),
     )
 
 
-def _kv_tokens(bs: int, page: int, iters: int) -> int:
-    need = bs * (2000 + 64 + DRAFT_TOKENS * iters + 2 * page)
-    return -(-need // page) * page
+def _rows(p: RelayPayload, b: int) -> RelayPayload:
+    assert p.topk_p is not None and p.topk_index is not None and p.hidden_states is not None
+    return RelayPayload(
+        bonus_tokens=p.bonus_tokens[:b].clone(),
+        topk_p=p.topk_p[:b].clone(),
+        topk_index=p.topk_index[:b].clone(),
+        hidden_states=p.hidden_states[:b].clone(),
+    )
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
+@attrs.define
+class _Run:
+    samples: list[float] = attrs.Factory(list)
+    finished: list[tuple[int, int, int]] = attrs.Factory(list)
+    emitted: int = 0
+    loop_s: float = 0.0
+
+
+class _Replay:
+    """One run: an engine, its requests and the draws they replay."""
+
+    def __init__(self, page: int, bs: int, settings: HostSettings) -> None:
+        self.bs = bs
+        self.churn = settings.workload == "churn"
+        rounds = self.rounds = settings.warmup + settings.iters
+        config = EngineConfig(
+            overlap=False,
+            page_size=page,
+            kv_tokens=wl.kv_tokens(bs, page, rounds, churn=self.churn),
+            max_running=bs,
+            max_prefill_tokens=bs * wl.PROMPT_RANGE[1] + 1,
+        )
+        self.worker = _ReplayWorker(2 * bs + 2, bs)
+        limits = RequestLimits(vocab_size=wl.VOCAB, max_context_len=CONTEXT, eos_token_ids={wl.EOS})
+        self.engine = Engine(self.worker, limits=limits, config=config)
+        self.draws = wl.Draws(bs)
+        self.live: dict[Req, wl.Request] = {}
+        self.slot: dict[Req, int] = {}
+        self.steady = wl.steady_accepts(bs, rounds) if not self.churn else []
+        self.order: list[Req] = []
+
+    def start(self) -> None:
+        if self.churn:
+            self.join(self.bs)
+        else:
+            for i, n in enumerate(wl.steady_prompts(self.bs)):
+                d = wl.Request(index=i, prompt_len=n, length=1 << 30, by_eos=False, accepts=[])
+                cap = wl.MAX_ACCEPT * self.rounds + 8  # never reached in the run
+                self._submit(d, SamplingParams(max_new_tokens=cap))
+        self.prefill()
+
+    def join(self, n: int) -> None:
+        for _ in range(n):
+            d = self.draws.next()
+            self._submit(d, SamplingParams(max_new_tokens=d.max_new_tokens))
+
+    def _submit(self, d: wl.Request, params: SamplingParams) -> None:
+        req = self.engine.submit(f"r{d.index}", range(d.prompt_len), params)
+        self.live[req] = d
+        self.order.append(req)
+
+    def prefill(self) -> None:
+        engine = self.engine
+        while engine.scheduler.waiting or engine.scheduler.prefilling:
+            report = engine.step()  # untimed: the joiners' prefill (their first token)
+            assert report.launched_mode == "extend" and not report.finished
+        for req in self.order:
+            self.slot[req] = engine.allocator.slot_of(req)
+        self.order = []
+
+    def prepare(self, round_: int) -> None:
+        """Untimed: every running request's next run, into the worker's per-slot tables."""
+        w = self.worker
+        if self.churn:
+            for req, d in self.live.items():
+                slot = self.slot[req]
+                w.accept[slot], w.tokens[slot] = d.next_run()
+        else:
+            accepts = self.steady[round_]
+            for i, (req, d) in enumerate(self.live.items()):
+                w.accept[self.slot[req]] = accepts[i]
+                d.emitted += accepts[i]
+
+
+def _one_run(page: int, bs: int, settings: HostSettings) -> _Run:
+    replay = _Replay(page, bs, settings)
+    engine = replay.engine
+    try:
+        replay.start()
+        run = _loop(replay, settings)
+        _check(replay, run)
+        return run
+    finally:
+        engine.close()
+
+
+def _loop(replay: _Replay, settings: HostSettings) -> _Run:
+    engine, outputs = replay.engine, replay.engine.outputs
+    run = _Run()
+    sink: list[tuple[str, Sequence[int]]] = []
+    seen = outputs.all_lengths()
+    clock = time.perf_counter_ns
+    gc.collect()
+    gc.freeze()
+    start = clock()
+    for r in range(settings.warmup + settings.iters):
+        replay.prepare(r)
+        sink.clear()
+        t0 = clock()
+        report = engine.step()
+        # What a streaming server reads: each request's new tokens.
+        now = outputs.all_lengths()
+        for s in np.flatnonzero(now != seen).tolist():
+            holder = outputs.holder(s)
+            if holder is not None:
+                sink.append((holder.request_id, outputs.read_outputs_since(s, int(seen[s]))))
+        for req in report.ended:
+            sink.append((req.request_id, req.emitted_ids[int(seen[replay.slot[req]]) :]))
+        t1 = clock()
+        if report.launched_mode != "decode" or report.launched_size != replay.bs:
+            raise RuntimeError(
+                f"round {r}: launched {report.launched_mode} of {report.launched_size}"
+            )
+        if r >= settings.warmup:
+            run.samples.append((t1 - t0) / 1e3)
+        run.emitted += sum(len(t) for _, t in sink)
+        for req in report.ended:
+            d = replay.live.pop(req)
+            replay.slot.pop(req)
+            run.finished.append((r, d.index, len(req.emitted_ids)))
+        if report.ended:
+            replay.join(len(report.ended))
+            replay.prefill()
+        seen = outputs.all_lengths()
+    run.loop_s = (clock() - start) / 1e9
+    gc.unfreeze()
+    return run
+
+
+def _check(replay: _Replay, run: _Run) -> None:
+    """Untimed: every finish is where the draws put it; the engine's invariants hold."""
+    check_engine(replay.engine)
+    by_index = {d.index: d for d in replay.draws.requests}
+    for _, index, emitted in run.finished:
+        d = by_index[index]
+        req = replay.engine.request(f"r{index}")
+        want = FinishReason.STOP if d.by_eos else FinishReason.LENGTH
+        if emitted != d.length or req.finish is None or req.finish.reason is not want:
+            raise InvariantViolation(
+                "finish", f"request r{index}: emitted {emitted} ({req.finish}); drawn {d}"
+            )
+    for req, d in replay.live.items():
+        if req.num_outputs != d.emitted:
+            raise InvariantViolation("commit-settlement", f"{req.request_id}: {req.num_outputs}")
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
     n = len(ordered)
     median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-    return {"median": round(median, 2), "p90": round(_percentile(ordered, 0.9), 2)}
-
-
-@attrs.define
-class _Run:
-    reserve: list[float] = attrs.Factory(list)
-    relay: list[float] = attrs.Factory(list)
-    settle: list[float] = attrs.Factory(list)
-    loop_s: float = 0.0
-
-
-def prompt_lengths(bs: int) -> list[int]:
-    """Request ``r``'s prompt length: draw ``r`` of ``random.Random(1234)``, 100..2000."""
-    rng = random.Random(1234)
-    return [rng.randint(100, 2000) for _ in range(bs)]
-
-
-def accept_lengths(bs: int, iterations: int) -> list[torch.Tensor]:
-    """Iteration ``i``'s accept lengths: draws ``i * bs + r`` of ``random.Random(5678)``, 1..4."""
-    rng = random.Random(5678)
-    return [
-        torch.tensor([rng.randint(1, 4) for _ in range(bs)], dtype=torch.int64)
-        for _ in range(iterations)
-    ]
-
-
-def _one_run(page: int, bs: int, workload: HostWorkload) -> _Run:
-    """One run from a fresh engine: prefill (untimed), then warm-up + measured iterations."""
-    prompt_lens = prompt_lengths(bs)
-    total_iters = workload.warmup + workload.iters
-    accepts = accept_lengths(bs, total_iters)
-    gen = torch.Generator().manual_seed(9012)
-    config = EngineConfig(
-        overlap=False,
-        page_size=page,
-        kv_tokens=_kv_tokens(bs, page, total_iters),
-        max_running=bs,
-        max_prefill_tokens=sum(prompt_lens) + 1,
-    )
-    limits = RequestLimits(vocab_size=VOCAB, max_context_len=CONTEXT, eos_token_ids={EOS})
-    engine = Engine(_PrefillWorker(gen), limits=limits, config=config)
-    try:
-        for r, n in enumerate(prompt_lens):
-            params = SamplingParams(max_new_tokens=DRAFT_TOKENS * total_iters + 2)
-            engine.submit(f"r{r}", range(n), params)
-        while engine.scheduler.waiting or engine.scheduler.prefilling:
-            engine.step()  # untimed prefill: one output token, frontier and payload relayed
-        tokens = [torch.randint(0, EOS, (bs * DRAFT_TOKENS,), generator=gen) for _ in range(4)]
-        payloads = [
-            _payload(torch.randint(0, EOS, (bs,), generator=gen), gen) for _ in range(PAYLOAD_SETS)
-        ]
-        run = _loop(engine, accepts, tokens, payloads, workload)
-        _check(engine, prompt_lens, accepts)
-        return run
-    finally:
-        engine.close()
-
-
-def _loop(
-    engine: Engine,
-    accepts: list[torch.Tensor],
-    tokens: list[torch.Tensor],
-    payloads: list[RelayPayload],
-    workload: HostWorkload,
-) -> _Run:
-    fm = engine.rounds.launcher.future_map
-    scheduler = engine.scheduler
-    run = _Run()
-    previous: tuple[LaunchPlan, GenerationBatchResult] | None = None
-    clock = time.perf_counter_ns
-    gc.collect()
-    gc.freeze()
-    start = clock()
-    for i in range(workload.warmup + workload.iters):
-        t0 = clock()
-        plan, _ = scheduler.schedule()
-        t1 = clock()
-        assert plan is not None
-        batch = plan.batch
-        indices = batch.future_indices
-        assert indices is not None
-        resolve_batch_seq_lens(fm, batch)
-        resolve_batch_forward_inputs(fm, batch)
-        t2 = clock()
-        seq_lens = batch.seq_lens
-        assert isinstance(seq_lens, torch.Tensor)
-        new = seq_lens + accepts[i]  # the simulated forward, untimed
-        payload = payloads[i % PAYLOAD_SETS]
-        result = GenerationBatchResult(
-            next_token_ids=tokens[i % len(tokens)],
-            accept_lens=accepts[i],
-            stride=DRAFT_TOKENS,
-            new_seq_lens=new,
-            next_draft_input=payload,
-        )
-        t3 = clock()
-        fm.publish(indices, new)
-        fm.stash(indices, payload)
-        t4 = clock()
-        if previous is not None:
-            _settle(engine, previous)
-        t5 = clock()
-        previous = (plan, result)
-        if i >= workload.warmup:
-            run.reserve.append((t1 - t0) / 1e3)
-            run.relay.append((t2 - t1 + t4 - t3) / 1e3)
-            run.settle.append((t5 - t4) / 1e3)
-    run.loop_s = (clock() - start) / 1e9
-    gc.unfreeze()
-    if previous is not None:
-        _settle(engine, previous)
-    return run
-
-
-def _settle(engine: Engine, flight: tuple[LaunchPlan, GenerationBatchResult]) -> None:
-    plan, result = flight
-    assert result.new_seq_lens is not None
-    # The host-CPU view the engine settles from; ``seq_lens`` only feeds the value check,
-    # which the launch runs (not timed here, as SGLang's functions check nothing).
-    engine.rounds.settle_result(plan, HostResult.view(result, result.new_seq_lens))
-
-
-def _check(engine: Engine, prompt_lens: list[int], accepts: list[torch.Tensor]) -> None:
-    """Untimed: the workload's invariants, and the engine's own checker."""
-    check_engine(engine)
-    total = torch.stack(accepts).sum(0)
-    for r, n in enumerate(prompt_lens):
-        req = engine.request(f"r{r}")
-        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        want = n + int(total[r])
-        if entry.kv_committed_len != want or req.seqlen != want + 1:
-            raise InvariantViolation(
-                "commit-settlement",
-                f"request r{r}: committed {entry.kv_committed_len}, seqlen {req.seqlen}; "
-                f"expected {want} and {want + 1}",
-            )
-        p = engine.allocator.window.page_size
-        if entry.kv_allocated_len % p or entry.kv_allocated_len < want:
-            raise InvariantViolation("reserve", f"request r{r}: allocated {entry.kv_allocated_len}")
+    p90 = ordered[max(1, math.ceil(0.9 * n)) - 1]
+    return {"median": round(median, 2), "p90": round(p90, 2)}
 
 
 def host_benchmark(
-    *,
-    page_sizes: Sequence[int] = (1, 16),
-    batch_sizes: Sequence[int] = (1, 64, 256, 1024),
-    iters: int = 300,
-    warmup: int = 20,
-    repeats: int = 5,
-    progress: Callable[[str], None] | None = None,
+    settings: HostSettings, progress: Callable[[str], None] | None = None
 ) -> dict[str, object]:
-    """Run the workload; a JSON-able dict shaped like the SGLang harness's output."""
-    workload = HostWorkload(
-        page_sizes=tuple(page_sizes),
-        batch_sizes=tuple(batch_sizes),
-        iters=iters,
-        warmup=warmup,
-        repeats=repeats,
-    )
+    """Run the workload; a JSON-able report in the shape peers' harnesses print."""
+    allocator_set = set_allocator(settings)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    launch_ns = int(settings.launch_us * 1e3)
+    store = pools._store
+
+    def store_with_launch(
+        req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
+    ) -> None:
+        store(req_pool, flat, values)
+        _spin(launch_ns)  # the device write's launch, as on a GPU
+
     runs: dict[tuple[int, int], list[_Run]] = {}
+    pools._store = store_with_launch
     try:
-        for rep in range(repeats):
-            for page in workload.page_sizes:
-                for bs in workload.batch_sizes:
+        for rep in range(settings.repeats):
+            for page in settings.page_sizes:
+                for bs in settings.batch_sizes:
                     if progress is not None:
-                        progress(f"repeat {rep + 1}/{repeats}: page {page}, bs {bs}")
-                    runs.setdefault((page, bs), []).append(_one_run(page, bs, workload))
+                        progress(f"repeat {rep + 1}/{settings.repeats}: page {page}, bs {bs}")
+                    runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
+        pools._store = store
         torch.set_num_threads(threads)
-    results = [_row(page, bs, rs, workload) for (page, bs), rs in runs.items()]
     return {
         "peer": "specstate",
         "version": specstate.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "config": {
-            "algorithm": "eagle",
-            "speculative_num_steps": STEPS,
-            "speculative_eagle_topk": 1,
-            "speculative_num_draft_tokens": DRAFT_TOKENS,
-            "alloc_len_per_decode": 4,
-            "reserve": RESERVE,
-            "page_sizes": list(workload.page_sizes),
-            "batch_sizes": list(workload.batch_sizes),
-            "iters": iters,
-            "warmup": warmup,
-            "repeats": repeats,
-            "vocab_size": VOCAB,
-            "hidden_size": HIDDEN,
+            **attrs.asdict(settings),
+            "algorithm": "eagle chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
+            "timed": "Engine.step of a decode round (normal loop) + the streaming read",
+            "allocator_set": allocator_set,
             "torch_threads": 1,
         },
-        "results": results,
-        "notes": [
-            "reserve = Scheduler.schedule (decode round); relay = FutureMap resolve of frontier "
-            "and inputs + publish + stash; settle = ResultProcessor.settle of the previous "
-            "iteration's result. Checks (ownership, invariants) off, as in production.",
-        ],
+        "results": [_row(page, bs, rs) for (page, bs), rs in runs.items()],
     }
 
 
-def _row(page: int, bs: int, runs: list[_Run], workload: HostWorkload) -> dict[str, object]:
-    reserve = [x for r in runs for x in r.reserve]
-    relay = [x for r in runs for x in r.relay]
-    settle = [x for r in runs for x in r.settle]
-    totals = [x for r in runs for x in _totals(r)]
-    per_repeat = [_stats(_totals(r))["median"] for r in runs]
-    total = _stats(totals)
+def _row(page: int, bs: int, runs: list[_Run]) -> dict[str, object]:
+    samples = [x for r in runs for x in r.samples]
+    per_repeat = [_stats(r.samples)["median"] for r in runs]
+    total = _stats(samples)
+    first = runs[0]
     return {
         "page_size": page,
         "bs": bs,
-        "iters": workload.iters,
-        "warmup": workload.warmup,
         "repeats": len(runs),
-        "samples": len(totals),
-        "reserve_us": _stats(reserve),
-        "relay_us": _stats(relay),
-        "settle_us": _stats(settle),
+        "samples": len(samples),
         "total_us": total,
         "total_us_per_req": {k: round(v / bs, 3) for k, v in total.items()},
         "total_us_median_per_repeat": per_repeat,
         "total_us_best_repeat_median": min(per_repeat),
-        "kv_pool_tokens": _kv_tokens(bs, page, workload.warmup + workload.iters),
+        "finished_requests": len(first.finished),
+        "emitted_tokens": first.emitted,
+        "workload_digest": wl.digest(first.finished),
         "loop_s": [round(r.loop_s, 2) for r in runs],
     }
-
-
-def _totals(run: _Run) -> list[float]:
-    return [a + b + c for a, b, c in zip(run.reserve, run.relay, run.settle, strict=True)]
