@@ -113,8 +113,7 @@ class Driver:
                 if not engine.is_idle:
                     fatal = self._publish(cursor.step())
                     self._inbox.set_engine_waiting(len(engine.scheduler.waiting))
-                    if fatal is not None:
-                        self._flush()
+                    if fatal is not None:  # `_stop` records it, then hands out this step's ends
                         raise fatal
                 if engine.is_idle:
                     if self._idle_waiters and not self._inbox.has_commands():
