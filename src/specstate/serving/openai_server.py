@@ -152,13 +152,13 @@ class _Routes:
         work = asyncio.ensure_future(collect_completion(stream, parsed, ids, self._model.codec))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():  # the client left (or the server stops): abort the request
                 work.cancel()
                 await stream.aclose()
-        if work.cancelled():
+        if work not in done:
             return Response(status_code=499)  # nobody reads it
         try:
             return _json(work.result())
