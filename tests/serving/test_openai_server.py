@@ -10,6 +10,7 @@ same tokens whatever its batch mates). No assertion is timed.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -289,31 +290,36 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(served: Served) -> None
     assert after.engine.deferred_releases == () and after.engine.quarantined == ()
 
 
+def _body(**fields: object) -> bytes:
+    """A request body: a one-letter text prompt to the served model, with ``fields``."""
+    return json.dumps({"model": MODEL, "prompt": "x", **fields}).encode()
+
+
 BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
-    ("wrong type", b'{"model": "embedded-test", "prompt": "x", "max_tokens": "ten"}', "max_tokens"),
-    ("negative max_tokens", b'{"model": "embedded-test", "prompt": "x", "max_tokens": -3}', "max_tokens"),
-    ("unknown model", b'{"model": "gpt-9", "prompt": "x"}', "model"),
-    ("oversized prompt", b'{"model": "embedded-test", "prompt": [' + b"65," * 1100 + b"65]}", "prompt"),
-    ("no room to generate", b'{"model": "embedded-test", "prompt": "x", "max_tokens": 1024}', "max_tokens"),
+    ("wrong type", _body(max_tokens="ten"), "max_tokens"),
+    ("negative max_tokens", _body(max_tokens=-3), "max_tokens"),
+    ("unknown model", _body(model="gpt-9"), "model"),
+    ("oversized prompt", _body(prompt=[65] * 1100), "prompt"),
+    ("no room to generate", _body(max_tokens=1024), "max_tokens"),
     ("not JSON", b"{model: embedded-test", None),
     ("not an object", b'["model", "prompt"]', None),
     ("not UTF-8", b'{"model": "\xff\xfe"}', None),
     ("NaN", b'{"model": "embedded-test", "prompt": "x", "temperature": NaN}', None),
     ("deep nesting", b"[" * 100_000 + b"]" * 100_000, None),
-    ("unknown field", b'{"model": "embedded-test", "prompt": "x", "best_ofs": 2}', "best_ofs"),
-    ("token outside vocab", b'{"model": "embedded-test", "prompt": [1, 9999]}', "prompt"),
-    ("empty prompt", b'{"model": "embedded-test", "prompt": ""}', "prompt"),
-    ("missing prompt", b'{"model": "embedded-test"}', "prompt"),
-    ("batch of prompts", b'{"model": "embedded-test", "prompt": ["a", "b"]}', "prompt"),
-    ("negative temperature", b'{"model": "embedded-test", "prompt": "x", "temperature": -1}', "temperature"),
-    ("top logprobs", b'{"model": "embedded-test", "prompt": "x", "logprobs": 5}', "logprobs"),
-    ("n above 1", b'{"model": "embedded-test", "prompt": "x", "n": 2}', "n"),
-    ("bool as int", b'{"model": "embedded-test", "prompt": "x", "max_tokens": true}', "max_tokens"),
-    ("empty stop", b'{"model": "embedded-test", "prompt": "x", "stop": [""]}', "stop"),
-    ("seed too big", b'{"model": "embedded-test", "prompt": "x", "seed": 9223372036854775808}', "seed"),
-    ("speculative not bool", b'{"model": "embedded-test", "prompt": "x", "speculative": 1}', "speculative"),
-    ("options without stream", b'{"model": "embedded-test", "prompt": "x", "stream_options": {}}', "stream_options"),
-]  # fmt: skip
+    ("unknown field", _body(best_ofs=2), "best_ofs"),
+    ("token outside vocab", _body(prompt=[1, 9999]), "prompt"),
+    ("empty prompt", _body(prompt=""), "prompt"),
+    ("missing prompt", json.dumps({"model": MODEL}).encode(), "prompt"),
+    ("batch of prompts", _body(prompt=["a", "b"]), "prompt"),
+    ("negative temperature", _body(temperature=-1), "temperature"),
+    ("top logprobs", _body(logprobs=5), "logprobs"),
+    ("n above 1", _body(n=2), "n"),
+    ("bool as int", _body(max_tokens=True), "max_tokens"),
+    ("empty stop", _body(stop=[""]), "stop"),
+    ("seed too big", _body(seed=2**63), "seed"),
+    ("speculative not bool", _body(speculative=1), "speculative"),
+    ("options without stream", _body(stream_options={}), "stream_options"),
+]
 
 
 def test_bad_inputs_get_400_while_good_streams_finish(
