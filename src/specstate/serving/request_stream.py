@@ -14,6 +14,7 @@ event (the one with a ``finish``; any reason, `FinishReason.ERROR` included) or 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 
@@ -82,7 +83,10 @@ class RequestStream:
         self.num_tokens = 0
         self._cancel = cancel
         self._accepted: asyncio.Future[None] = self.loop.create_future()
-        self._queue: asyncio.Queue[Update | Ended] = asyncio.Queue()
+        # Items the consumer has not taken; a consumer that finds none waits on `_wake`. (Lighter
+        # than an asyncio.Queue: an item already there is taken without suspending.)
+        self._items: deque[Update | Ended] = deque()
+        self._wake: asyncio.Future[None] | None = None
         self._ended = False
         self._closed = False
 
@@ -96,7 +100,9 @@ class RequestStream:
                 else:
                     self._accepted.set_result(None)
         elif isinstance(item, Update | Ended):
-            self._queue.put_nowait(item)
+            self._items.append(item)
+            if self._wake is not None and not self._wake.done():
+                self._wake.set_result(None)
         else:
             raise TypeError(f"RequestStream: unknown delivery {item!r}")
 
@@ -123,7 +129,13 @@ class RequestStream:
         """
         if self._ended or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._wake = self.loop.create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+        item = self._items.popleft()
         if isinstance(item, Ended):
             self._ended = True
             raise item.error
