@@ -10,6 +10,7 @@ same tokens whatever its batch mates). No assertion is timed.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import threading
 from collections.abc import Iterator
@@ -288,6 +289,25 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(served: Served) -> None
     assert after.engine.num_open_slots == 0
     assert after.engine.num_free_pages == after.engine.num_pages
     assert after.engine.deferred_releases == () and after.engine.quarantined == ()
+
+
+def test_a_client_that_leaves_a_whole_completion_is_aborted(served: Served) -> None:
+    """A non-streaming client that closes its connection mid-request has it aborted too."""
+    before = served.snapshot()
+    body = _body(prompt=TEXTS[5], max_tokens=900, temperature=0, ignore_eos=True)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body)
+
+    async def submitted() -> None:  # the request is in the engine before the client leaves
+        while (await served.front.snapshot()).num_submitted == before.num_submitted:
+            await asyncio.sleep(0.01)
+
+    bounded(submitted())
+    conn.close()
+    after = served.snapshot()
+    assert after.num_cancelled == before.num_cancelled + 1
+    assert after.engine is not None and after.engine.num_open_slots == 0
+    assert after.engine.num_free_pages == after.engine.num_pages
 
 
 def _body(**fields: object) -> bytes:
