@@ -23,7 +23,7 @@ from hf_oracle import greedy
 from serving_harness import Served, bounded, serving, speculative_usage, token_ids
 from transformers import LlamaForCausalLM
 
-from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate import AsyncEngineSnapshot, Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
@@ -267,6 +267,12 @@ def test_64_concurrent_streams_with_mixed_sampling(
     assert snap.engine is not None and snap.engine.num_open_slots == 0
 
 
+def _accepted_since(before: AsyncEngineSnapshot, after: AsyncEngineSnapshot) -> int:
+    """Tokens the engine's verifies accepted between two snapshots."""
+    assert before.engine is not None and after.engine is not None
+    return after.engine.metrics.num_accepted_tokens - before.engine.metrics.num_accepted_tokens
+
+
 def test_a_client_that_disconnects_mid_stream_is_aborted(served: Served) -> None:
     """Closing a stream mid-way aborts its request; its KV is released; pools balance."""
     before = served.snapshot()
@@ -285,6 +291,7 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(served: Served) -> None
     after = served.snapshot()
     assert after.num_cancelled == before.num_cancelled + 1
     assert after.num_ended == before.num_ended + 1
+    assert _accepted_since(before, after) < 899  # it stopped early: it did not run to 900
     assert after.num_streams == 0 and after.engine is not None
     assert after.engine.num_open_slots == 0
     assert after.engine.num_free_pages == after.engine.num_pages
@@ -306,6 +313,7 @@ def test_a_client_that_leaves_a_whole_completion_is_aborted(served: Served) -> N
     conn.close()
     after = served.snapshot()
     assert after.num_cancelled == before.num_cancelled + 1
+    assert _accepted_since(before, after) < 899  # it stopped early: it did not run to 900
     assert after.engine is not None and after.engine.num_open_slots == 0
     assert after.engine.num_free_pages == after.engine.num_pages
 
