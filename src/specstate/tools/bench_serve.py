@@ -28,12 +28,13 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 if TYPE_CHECKING:
+    from specstate.core.request import SamplingParams
     from specstate.engine.engine import Engine
 
 __all__ = ["add_parser", "run"]
@@ -43,7 +44,7 @@ _VOCAB: Final = 32
 _MODES: Final = ("direct", "async", "http")
 
 
-def add_parser(benches: Any) -> None:
+def add_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``serve`` on ``bench``'s subparsers."""
     parser: argparse.ArgumentParser = benches.add_parser(
         "serve", help="serving load: the front door and HTTP against the engine driven directly"
@@ -123,7 +124,7 @@ def _engine(args: argparse.Namespace) -> Engine:
     return Engine(worker, limits=limits, config=config)
 
 
-def _sampling(args: argparse.Namespace) -> Any:
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from specstate import SamplingParams
 
     return SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
@@ -286,7 +287,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def _row(runs: list[_Run]) -> dict[str, float]:
     """Medians over rounds of one mode's numbers (latencies in ms)."""
 
-    def median(fn: Any) -> float:
+    def median(fn: Callable[[_Run], float]) -> float:
         return round(statistics.median(fn(r) for r in runs), 3)
 
     row = {
@@ -296,8 +297,11 @@ def _row(runs: list[_Run]) -> dict[str, float]:
     }
     for name in ("ttft", "itl"):
         for q in (0.5, 0.9, 0.99):
-            key = f"{name}_p{round(q * 100)}_ms"
-            row[key] = median(lambda r, n=name, q=q: 1e3 * _percentile(getattr(r, n), q))
+
+            def latency_ms(r: _Run, name: str = name, q: float = q) -> float:
+                return 1e3 * _percentile(getattr(r, name), q)
+
+            row[f"{name}_p{round(q * 100)}_ms"] = median(latency_ms)
     return row
 
 
