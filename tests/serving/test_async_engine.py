@@ -414,7 +414,7 @@ def test_a_full_waiting_queue_refuses_with_queue_full() -> None:
 
 
 def test_a_refused_request_raises_invalid_request() -> None:
-    """Engine.submit's refusal reaches the caller; the front door stays healthy."""
+    """Engine.submit's refusal (or a wrong type) reaches the caller; the front door stays up."""
 
     async def main() -> None:
         async with AsyncEngine(timed_engine()) as front:
@@ -425,8 +425,14 @@ def test_a_refused_request_raises_invalid_request() -> None:
             with pytest.raises(InvalidRequest, match="live request already has this id"):
                 await front.submit("dup", [2], sampling)
             await live.aclose()
+            with pytest.raises(InvalidRequest, match="SamplingParams"):
+                await front.submit("typo", [1], {"max_new_tokens": 4})  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="prompt_ids"):
+                await front.submit("typo", 7, SamplingParams())  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="request id"):
+                await front.submit(None, [1], SamplingParams())  # type: ignore[arg-type]
             assert front.is_healthy
-            assert (await front.snapshot()).num_refused == 2
+            assert (await front.snapshot()).num_refused == 3
 
     run(main())
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import attrs
 
-from specstate.core.errors import EngineUnavailable, InvalidConfig, UsageError
+from specstate.core.errors import EngineUnavailable, InvalidConfig, InvalidRequest, UsageError
 from specstate.core.request import SamplingParams
 from specstate.engine.engine import Engine, EngineSnapshot
 from specstate.engine.stream import TokenEvent
@@ -124,8 +124,20 @@ class AsyncEngine:
             UsageError: the front door is closing or closed.
             EngineUnavailable: the engine can no longer step.
         """
+        if not isinstance(sampling, SamplingParams):  # refused here: the driver serves everyone
+            raise InvalidRequest(
+                f"request {request_id!r}: sampling must be a SamplingParams, got "
+                f"{type(sampling).__name__}"
+            )
+        try:
+            prompt = tuple(prompt_ids)
+        except TypeError:
+            raise InvalidRequest(
+                f"request {request_id!r}: prompt_ids must be a sequence of token ids, got "
+                f"{type(prompt_ids).__name__}"
+            ) from None
         stream = RequestStream(request_id, sampling, cancel=self._cancel)
-        self._inbox.submit(Submit(stream, tuple(prompt_ids)))
+        self._inbox.submit(Submit(stream, prompt))
         await stream.accepted()
         return stream
 

@@ -178,7 +178,7 @@ class Driver:
     def _submit(self, stream: RequestStream, prompt: Sequence[int]) -> None:
         try:
             req = self._engine.submit(stream.request_id, prompt, stream.sampling)
-        except InvalidRequest as exc:
+        except (InvalidRequest, TypeError, ValueError) as exc:  # this request's fault alone
             self._refused += 1
             self._send(stream, Accepted(exc))
             return
