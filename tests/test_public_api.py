@@ -31,6 +31,7 @@ SUBPACKAGES = {
     "memory",
     "reference",
     "relay",
+    "serving",
     "testing",
     "tools",
 }

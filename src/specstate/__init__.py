@@ -9,7 +9,8 @@ Two layers:
 
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
-  streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
+  streaming (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
+  `RequestStream`), the worker interface (`WorkerProtocol`,
   `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
   (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
     from specstate.core.errors import (
         DoubleRelease,
+        EngineUnavailable,
         ForwardTimeout,
         InvalidConfig,
         InvalidRequest,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
         KvPoolExhausted,
         LedgerViolation,
         OwnershipError,
+        QueueFull,
         RelayError,
         ReservationExceeded,
         SpecStateError,
@@ -75,6 +78,8 @@ if TYPE_CHECKING:
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
     from specstate.relay.streams import Event
+    from specstate.serving.async_engine import AsyncEngine, AsyncEngineSnapshot
+    from specstate.serving.request_stream import RequestStream
 
 # Each public name and the module that defines it (imported on first use).
 _EXPORTS: dict[str, str] = {
@@ -84,6 +89,7 @@ _EXPORTS: dict[str, str] = {
     "PenaltyAccumulator": "specstate.batch.sampling",
     "SamplingInfo": "specstate.batch.sampling",
     "DoubleRelease": "specstate.core.errors",
+    "EngineUnavailable": "specstate.core.errors",
     "ForwardTimeout": "specstate.core.errors",
     "InvalidConfig": "specstate.core.errors",
     "InvalidRequest": "specstate.core.errors",
@@ -91,6 +97,7 @@ _EXPORTS: dict[str, str] = {
     "KvPoolExhausted": "specstate.core.errors",
     "LedgerViolation": "specstate.core.errors",
     "OwnershipError": "specstate.core.errors",
+    "QueueFull": "specstate.core.errors",
     "RelayError": "specstate.core.errors",
     "ReservationExceeded": "specstate.core.errors",
     "SpecStateError": "specstate.core.errors",
@@ -125,17 +132,23 @@ _EXPORTS: dict[str, str] = {
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
     "Event": "specstate.relay.streams",
+    "AsyncEngine": "specstate.serving.async_engine",
+    "AsyncEngineSnapshot": "specstate.serving.async_engine",
+    "RequestStream": "specstate.serving.request_stream",
 }
 
 __all__ = [
     "AcceptMetrics",
     "AcceptanceEma",
     "AlgorithmRegistry",
+    "AsyncEngine",
+    "AsyncEngineSnapshot",
     "DoubleRelease",
     "DraftPolicy",
     "Engine",
     "EngineConfig",
     "EngineSnapshot",
+    "EngineUnavailable",
     "Event",
     "FinishReason",
     "FinishState",
@@ -153,12 +166,14 @@ __all__ = [
     "OnPublish",
     "OwnershipError",
     "PenaltyAccumulator",
+    "QueueFull",
     "RelayError",
     "RelayPayload",
     "Req",
     "ReqSnapshot",
     "ReqStatus",
     "RequestLimits",
+    "RequestStream",
     "ReservationExceeded",
     "SamplingInfo",
     "SamplingParams",

@@ -17,7 +17,7 @@ from typing import Any
 import specstate
 
 SUBCOMMAND_MODULES = {
-    f"specstate.tools.{m}" for m in ("demo", "lint", "generate", "bench", "trace")
+    f"specstate.tools.{m}" for m in ("demo", "lint", "generate", "serve", "bench", "trace")
 }
 
 PROBE = textwrap.dedent(

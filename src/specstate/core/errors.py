@@ -21,14 +21,19 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
     ├── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
     ├── ForwardTimeout          a forward that did not finish within ``forward_timeout_s``
-    └── UsageError              an engine used against its contract: after close, from a second
-                                thread
+    ├── UsageError              an engine used against its contract: after close, from a second
+    │                           thread
+    ├── QueueFull               an `AsyncEngine`'s waiting queue is full (nothing was queued;
+    │                           retry later)
+    └── EngineUnavailable       an `AsyncEngine` whose engine can no longer step (a forward
+                                timed out, its driver thread died): open streams end with it
 """
 
 from __future__ import annotations
 
 __all__ = [
     "DoubleRelease",
+    "EngineUnavailable",
     "ForwardTimeout",
     "InvalidConfig",
     "InvalidRequest",
@@ -36,6 +41,7 @@ __all__ = [
     "KvPoolExhausted",
     "LedgerViolation",
     "OwnershipError",
+    "QueueFull",
     "RelayError",
     "ReservationExceeded",
     "SpecStateError",
@@ -99,3 +105,13 @@ class ForwardTimeout(SpecStateError):
 
 class UsageError(SpecStateError):
     """An engine was used against its contract (after `close`, or from a second thread)."""
+
+
+class QueueFull(SpecStateError):
+    """An `AsyncEngine` refused a request: its waiting queue is full; nothing was queued."""
+
+
+class EngineUnavailable(SpecStateError):
+    """An `AsyncEngine` whose engine can no longer step (a forward timed out, or its driver
+    thread died): every open stream ends with this error and new requests are refused.
+    ``__cause__`` is the failure."""

@@ -21,7 +21,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.core.request import FinishState, Req
 from specstate.engine.engine import Engine
 
-__all__ = ["TokenEvent", "stream"]
+__all__ = ["StreamCursor", "TokenEvent", "stream"]
 
 
 @attrs.frozen
@@ -39,28 +39,48 @@ class TokenEvent:
     finish: FinishState | None = None
 
 
+class StreamCursor:
+    """The streaming state of one engine: which tokens of which live request were handed out.
+
+    `step` steps the engine once and returns that step's events (see the module docstring);
+    across calls each token is handed out once. `stream` is a loop over one cursor; a driver
+    that must do other work between steps (`specstate.serving.AsyncEngine`) holds a cursor
+    itself. Only the engine's driving thread may call `step`.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._sent: dict[Req, int] = {}  # tokens handed out, by request (hashes by identity)
+        self._seen = engine.outputs.all_lengths()
+
+    def step(self) -> list[TokenEvent]:
+        """One `Engine.step`, then one event per request that emitted tokens or ended in it."""
+        engine = self._engine
+        report = engine.step()
+        now = engine.outputs.all_lengths()
+        changed = [engine.outputs.holder(int(s)) for s in np.flatnonzero(now != self._seen)]
+        self._seen = now
+        events = []
+        for req in dict.fromkeys([*(r for r in changed if r is not None), *report.ended]):
+            emitted = req.emitted_ids
+            start = self._sent.get(req, 0)
+            if len(emitted) > start or req.is_finished:
+                self._sent[req] = len(emitted)
+                events.append(TokenEvent(req.request_id, tuple(emitted[start:]), req.finish))
+            if req.is_finished:
+                self._sent.pop(req, None)
+        return events
+
+
 def stream(engine: Engine, *, max_steps: int = 100_000) -> Iterator[TokenEvent]:
     """Step ``engine`` until idle, yielding every request's new tokens (module docstring).
 
     Raises:
         InvalidConfig: the engine is not idle after ``max_steps`` steps.
     """
-    sent: dict[Req, int] = {}  # tokens yielded so far, by request (a Req hashes by identity)
-    seen = engine.outputs.all_lengths()
+    cursor = StreamCursor(engine)
     for _ in range(max_steps):
         if engine.is_idle:
             return
-        report = engine.step()
-        now = engine.outputs.all_lengths()
-        ended = report.ended
-        changed = [engine.outputs.holder(int(s)) for s in np.flatnonzero(now != seen)]
-        seen = now
-        for req in dict.fromkeys([*(r for r in changed if r is not None), *ended]):
-            emitted = req.emitted_ids
-            start = sent.get(req, 0)
-            if len(emitted) > start or req.is_finished:
-                sent[req] = len(emitted)
-                yield TokenEvent(req.request_id, tuple(emitted[start:]), req.finish)
-            if req.is_finished:
-                sent.pop(req, None)
+        yield from cursor.step()
     raise InvalidConfig(f"engine not idle after {max_steps} steps")

@@ -10,6 +10,8 @@ Subcommands:
 * ``bench engine``: `Engine.step` wall time per steady decode round with a zero-cost worker.
 * ``bench overlap``: how close the overlap loop comes to max(host, device) per round against
   a timed-wait device (`specstate.tools.timed_worker.TimedWaitWorker`).
+* ``bench serve``: concurrent clients through `AsyncEngine` and over HTTP against the engine
+  driven directly (`specstate.tools.bench_serve`).
 
 Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
 A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
@@ -186,6 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
+    from specstate.tools import bench_serve  # its own module; imports nothing heavy
+
+    bench_serve.add_parser(benches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -195,8 +200,15 @@ def run(args: argparse.Namespace) -> int:
         "compare": _run_compare,
         "engine": _run_engine,
         "overlap": _run_overlap,
+        "serve": _run_serve,
     }
     return benches[args.bench](args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from specstate.tools import bench_serve
+
+    return bench_serve.run(args)
 
 
 def _progress(line: str) -> None:

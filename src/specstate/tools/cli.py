@@ -5,7 +5,9 @@ Subcommands:
 * ``specstate demo`` — the main job on the embedded model (`specstate.tools.demo`).
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
 * ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
-* ``specstate bench {host,compare,engine,overlap}`` — host time per round (`specstate.tools.bench`).
+* ``specstate serve [--model DIR]`` — an OpenAI-compatible server (`specstate.tools.serve`).
+* ``specstate bench {host,compare,engine,overlap,serve}`` — host time per round, serving load
+  (`specstate.tools.bench`).
 * ``specstate trace FILE`` — summarize a recorded trace, one request, Perfetto
   (`specstate.tools.trace`).
 
@@ -30,6 +32,7 @@ COMMANDS: Final[dict[str, tuple[str, str]]] = {
     "demo": ("specstate.tools.demo", "the main job on the embedded model"),
     "lint": ("specstate.tools.lint", "report counter writes outside owner scopes"),
     "generate": ("specstate.tools.generate", "run a JSONL of requests on a checkpoint"),
+    "serve": ("specstate.tools.serve", "serve an OpenAI-compatible completions endpoint"),
     "bench": ("specstate.tools.bench", "measure host time per round; compare with a peer"),
     "trace": ("specstate.tools.trace", "summarize a recorded trace; export Perfetto"),
 }

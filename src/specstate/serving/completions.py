@@ -1,0 +1,225 @@
+"""One completion: a request's stream of engine events turned into OpenAI response objects.
+
+Owner of a completion's output as the client sees it. The engine includes a matched stop
+sequence in a request's output (like a stop token); OpenAI's clients expect it left out. So
+while streaming, `ChoiceOutput` holds back the last ``longest stop - 1`` tokens (they might be
+the start of a stop) and, when the request ends on a stop, cuts the matched sequence::
+
+    engine output:   t1 t2 t3 s1 s2        (stop sequence s1 s2)
+    streamed:        t1 | t2 | t3          (s1 held back until the end shows it is a stop)
+    returned:        t1 t2 t3              finish_reason "stop"
+
+Usage carries the speculative statistics of the request (``accepted_tokens``: tokens its
+verifies accepted, bonus included; ``verifies``; ``mean_accept_length``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import attrs
+
+from specstate.core.request import FinishReason, FinishState
+from specstate.serving.openai_protocol import ApiError, CompletionRequest
+from specstate.serving.request_stream import RequestStream
+from specstate.serving.text import TextCodec, TextStream
+
+__all__ = ["ChoiceOutput", "CompletionIds", "Piece", "collect_completion", "stream_completion"]
+
+_FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
+
+
+@attrs.frozen
+class Piece:
+    """Output released to the client: token ids, their text, their log-probabilities."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None
+
+
+class ChoiceOutput:
+    """What the client has been handed of one request's output (module docstring)."""
+
+    def __init__(
+        self, *, codec: TextCodec | None, stops: Sequence[Sequence[int]], logprobs: bool
+    ) -> None:
+        self._stops = sorted((tuple(s) for s in stops), key=len, reverse=True)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._codec = codec
+        self._text = None if codec is None else TextStream(codec)
+        self._pending: list[int] = []
+        self._pending_lp: list[float] | None = [] if logprobs else None
+        self.num_generated = 0  # tokens the engine emitted, a cut stop included
+
+    def push(
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[float] | None,
+        finish: FinishState | None = None,
+    ) -> Piece:
+        """Take one event's tokens and release what may be shown (module docstring).
+
+        Before the end, all but the last ``longest stop - 1`` pending tokens; at the end
+        (``finish``), all of them, less the matched stop sequence if the request ended on one.
+        """
+        self.num_generated += len(tokens)
+        self._pending.extend(tokens)
+        if self._pending_lp is not None:
+            self._pending_lp.extend(logprobs or ())
+        if finish is None:
+            return self._release(max(len(self._pending) - self._hold, 0), final=False)
+        keep = len(self._pending)
+        if finish.reason is FinishReason.STOP:
+            # The last event carries the stop's last token and ``hold`` tokens stay pending
+            # before it, so a matched sequence lies whole inside the pending tokens.
+            for stop in self._stops:  # longest first
+                if tuple(self._pending[-len(stop) :]) == stop:
+                    keep -= len(stop)
+                    break
+        return self._release(keep, final=True)
+
+    def _release(self, count: int, *, final: bool) -> Piece:
+        ids, self._pending = self._pending[:count], self._pending[count:]
+        lps = None
+        if self._pending_lp is not None:
+            lps, self._pending_lp = tuple(self._pending_lp[:count]), self._pending_lp[count:]
+        text = ""
+        if self._text is not None:
+            text = self._text.push(ids) + (self._text.flush() if final else "")
+        return Piece(tuple(ids), text, lps)
+
+    def logprobs_body(self, piece: Piece) -> dict[str, object] | None:
+        """OpenAI's ``logprobs`` object for ``piece`` (None when not asked for)."""
+        if piece.logprobs is None:
+            return None
+        codec = self._codec
+        tokens = [codec.decode([t]) if codec else f"token_id:{t}" for t in piece.token_ids]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(piece.logprobs),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+
+def _usage(prompt_tokens: int, generated: int, accept_lengths: Sequence[int]) -> dict[str, Any]:
+    verifies = len(accept_lengths)
+    accepted = sum(accept_lengths)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+        # Always 0 for now: a prefix cache that reuses prompt KV will report its hits here.
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "speculative": {
+            "accepted_tokens": accepted,
+            "verifies": verifies,
+            "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
+        },
+    }
+
+
+def _error(finish: FinishState) -> ApiError:
+    return ApiError(
+        f"the request failed: {finish.detail}", status=500, kind="server_error", code="engine_error"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class CompletionIds:
+    """The response's identity: its id, creation time (Unix seconds) and model name."""
+
+    id: str
+    model: str
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """A ``text_completion`` object with ``choices``."""
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+def _choice(output: ChoiceOutput, piece: Piece, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "text": piece.text,
+        "logprobs": output.logprobs_body(piece),
+        "finish_reason": finish_reason,
+        "token_ids": list(piece.token_ids),  # extension: the output as token ids
+    }
+
+
+async def collect_completion(
+    stream: RequestStream, request: CompletionRequest, ids: CompletionIds, codec: TextCodec | None
+) -> dict[str, Any]:
+    """Consume ``stream`` to its end; the whole ``text_completion`` object.
+
+    Raises:
+        ApiError: the request ended with an error (HTTP 500).
+    """
+    output = ChoiceOutput(codec=codec, stops=request.stop_sequences, logprobs=request.logprobs)
+    parts: list[Piece] = []
+    async with stream:
+        async for event in stream:
+            if event.finish is not None and event.finish.reason is FinishReason.ERROR:
+                raise _error(event.finish)
+            lps = _new_logprobs(stream, event.tokens)
+            parts.append(output.push(event.tokens, lps, event.finish))
+    finish = stream.finish
+    assert finish is not None
+    logprobs = None
+    if request.logprobs:
+        logprobs = tuple(lp for p in parts for lp in (p.logprobs or ()))
+    whole = Piece(
+        tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), logprobs
+    )
+    usage = _usage(len(request.prompt_ids), output.num_generated, stream.accept_lengths)
+    return ids.wrap([_choice(output, whole, _FINISH_REASONS[finish.reason])], usage=usage)
+
+
+def _new_logprobs(stream: RequestStream, tokens: Sequence[int]) -> tuple[float, ...] | None:
+    """The log-probabilities of the event just yielded (the last ``len(tokens)``)."""
+    if stream.logprobs is None:
+        return None
+    return tuple(stream.logprobs[len(stream.logprobs) - len(tokens) :])
+
+
+async def stream_completion(
+    stream: RequestStream, request: CompletionRequest, ids: CompletionIds, codec: TextCodec | None
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The chunks of a streamed completion: one per engine event with output, then the end.
+
+    A request that ends with an error ends the stream with an error object instead.
+    """
+    output = ChoiceOutput(codec=codec, stops=request.stop_sequences, logprobs=request.logprobs)
+    async with stream:
+        async for event in stream:
+            finish = event.finish
+            if finish is not None and finish.reason is FinishReason.ERROR:
+                yield _error(finish).body()
+                return
+            piece = output.push(event.tokens, _new_logprobs(stream, event.tokens), finish)
+            if finish is not None:
+                yield ids.wrap([_choice(output, piece, _FINISH_REASONS[finish.reason])])
+            elif piece.token_ids:
+                yield ids.wrap([_choice(output, piece, None)])
+    if request.include_usage:
+        usage = _usage(len(request.prompt_ids), output.num_generated, stream.accept_lengths)
+        yield ids.wrap([], usage=usage)

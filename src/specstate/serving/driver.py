@@ -1,0 +1,283 @@
+"""The driver thread of an `AsyncEngine`: the one thread that calls its `Engine`.
+
+The driver owns the engine's calls, the open routes (request id -> the stream that consumes
+it) and the outbox of deliveries. Callers never touch the engine: they put commands in the
+`Inbox`, which the driver takes between two steps::
+
+    loop:  take commands (block while the engine is idle and nothing is queued)
+           apply them in order: submit, cancel, abort, read, wait-idle, close
+           one Engine.step through a StreamCursor -> that step's TokenEvents
+           route each event to its stream's outbox, one list per event loop
+           flush: one loop.call_soon_threadsafe per event loop (not per token)
+
+Failure: an exception out of `Engine.step` (or anything the driver does), or a batch that
+ended with `ForwardTimeout`, means the engine can no longer be trusted to step (after a
+timeout the worker may still be running the abandoned forward): the driver stops calling the
+worker, every open stream ends with `EngineUnavailable` (its ``__cause__`` the failure),
+queued commands are answered, and the gate refuses new requests.
+
+Invariant: every submitted request's stream gets exactly one end: its final event (any
+finish reason) or `EngineUnavailable`; a stream whose consumer left is aborted in the engine
+at the driver's next turn, so its KV is released like any aborted request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from specstate.core.errors import EngineUnavailable, ForwardTimeout, InvalidRequest, UsageError
+from specstate.core.request import FinishReason, Req
+from specstate.engine.engine import Engine, EngineSnapshot
+from specstate.engine.stream import StreamCursor, TokenEvent
+from specstate.serving.inbox import Abort, Cancel, Close, Inbox, Read, Reply, Submit, WaitIdle
+from specstate.serving.request_stream import Accepted, Ended, RequestStream, Update
+
+__all__ = ["Driver", "DriverCounts"]
+
+_log = logging.getLogger("specstate")
+
+_Delivery = tuple[Callable[[Any], None], Any]
+"""A callable to run on an event loop and its one argument."""
+
+
+@attrs.frozen(kw_only=True)
+class DriverCounts:
+    """The driver's request counters (`AsyncEngineSnapshot` carries them).
+
+    Attributes:
+        num_submitted: requests the engine accepted.
+        num_refused: requests the engine refused at submit (`InvalidRequest`).
+        num_ended: accepted requests that ended (any reason).
+        num_cancelled: requests aborted because their consumer left before the end.
+    """
+
+    num_submitted: int
+    num_refused: int
+    num_ended: int
+    num_cancelled: int
+
+
+@attrs.define
+class _Route:
+    """A live request and the stream that consumes it."""
+
+    stream: RequestStream
+    req: Req
+    num_sent: int = 0  # tokens delivered so far (logprobs are sliced from here)
+
+
+def _run_deliveries(items: list[_Delivery]) -> None:
+    """On an event loop: hand each stream what the driver routed to it in one turn."""
+    for deliver, item in items:
+        deliver(item)
+
+
+class Driver:
+    """The body of the driver thread (module docstring); `run` is the thread's target.
+
+    Args:
+        engine: the engine; no other thread may have called it.
+        inbox: the gate the callers queue commands through.
+    """
+
+    def __init__(self, engine: Engine, inbox: Inbox) -> None:
+        self._engine = engine
+        self._inbox = inbox
+        self._routes: dict[str, _Route] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
+        self._closers: list[Reply] = []
+        self._idle_waiters: list[Reply] = []
+        self._aborted_all = False
+        self._submitted = self._refused = self._ended = self._cancelled = 0
+        self.failure: EngineUnavailable | None = None
+        """Why the driver stopped stepping, once it did; None while healthy."""
+        self.final_snapshot: EngineSnapshot | None = None
+        """The engine's snapshot when the driver stopped (None while it runs)."""
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Drive the engine until a close finishes or a failure stops it."""
+        engine = self._engine
+        try:
+            cursor = StreamCursor(engine)
+            while True:
+                wait = engine.is_idle and not self._closers
+                for command in self._inbox.take(wait=wait):
+                    self._apply(command)
+                self._inbox.set_engine_waiting(len(engine.scheduler.waiting))
+                if not engine.is_idle:
+                    fatal = self._publish(cursor.step())
+                    self._inbox.set_engine_waiting(len(engine.scheduler.waiting))
+                    if fatal is not None:  # `_stop` records it, then hands out this step's ends
+                        raise fatal
+                if engine.is_idle:
+                    if self._idle_waiters and not self._inbox.has_commands():
+                        self._answer(self._idle_waiters, None)
+                    if self._closers:
+                        break
+                self._flush()
+        except BaseException as exc:  # the thread's last word: fail every stream
+            self._stop(exc)
+        else:
+            self._stop(None)
+
+    def counts(self) -> DriverCounts:
+        """The request counters so far."""
+        return DriverCounts(
+            num_submitted=self._submitted,
+            num_refused=self._refused,
+            num_ended=self._ended,
+            num_cancelled=self._cancelled,
+        )
+
+    @property
+    def num_streams(self) -> int:
+        """Requests submitted whose stream has not been handed its end yet."""
+        return len(self._routes)
+
+    # -------------------------------------------------------------- commands
+    def _apply(self, command: object) -> None:
+        match command:
+            case Submit(stream=stream, prompt_ids=prompt):
+                self._submit(stream, prompt)
+            case Cancel(stream=stream):
+                route = self._routes.get(stream.request_id)
+                if route is not None and route.stream is stream and not route.req.is_finished:
+                    self._engine.abort(stream.request_id, "the stream's consumer left")
+                    self._cancelled += 1
+            case Abort(request_id=rid, reason=reason, reply=reply):
+                route = self._routes.get(rid)
+                live = route is not None and not route.req.is_finished
+                if live:
+                    self._engine.abort(rid, reason)
+                self._answer([reply], live)
+            case Read(fn=fn, reply=reply):
+                try:
+                    value = fn(self._engine)
+                except Exception as exc:  # the caller's function failed: the caller's error
+                    self._answer([reply], None, exc)
+                else:
+                    self._answer([reply], value)
+            case WaitIdle(reply=reply):
+                self._idle_waiters.append(reply)
+            case Close(drain=drain, reply=reply):
+                self._closers.append(reply)
+                if not drain and not self._aborted_all:
+                    self._aborted_all = True
+                    for rid, route in self._routes.items():
+                        if not route.req.is_finished:
+                            self._engine.abort(rid, "the AsyncEngine closed")
+            case _:
+                raise TypeError(f"unknown driver command {command!r}")
+
+    def _submit(self, stream: RequestStream, prompt: Sequence[int]) -> None:
+        try:
+            req = self._engine.submit(stream.request_id, prompt, stream.sampling)
+        except (InvalidRequest, TypeError, ValueError) as exc:  # this request's fault alone
+            self._refused += 1
+            self._send(stream, Accepted(exc))
+            return
+        self._submitted += 1
+        self._routes[stream.request_id] = _Route(stream=stream, req=req)
+        self._send(stream, Accepted(None))
+
+    # ----------------------------------------------------------- deliveries
+    def _publish(self, events: list[TokenEvent]) -> ForwardTimeout | None:
+        """Route one step's events; a `ForwardTimeout` among the ends is returned (fatal)."""
+        fatal = None
+        for event in events:
+            route = self._routes.get(event.request_id)
+            if route is None:  # submitted to the engine by someone else: not ours to route
+                continue
+            start = route.num_sent
+            route.num_sent += len(event.tokens)
+            logprobs = None
+            if route.stream.sampling.logprobs:
+                values = route.req.logprobs or ()
+                logprobs = tuple(values[start : route.num_sent])
+            finish = event.finish
+            if finish is None:
+                self._send(route.stream, Update(event, logprobs))
+                continue
+            del self._routes[event.request_id]
+            self._ended += 1
+            accept = route.req.accept_lengths
+            self._send(route.stream, Update(event, logprobs, accept_lengths=accept))
+            # NOTE: the engine names the error type first in an ERROR finish's detail.
+            prefix = f"{ForwardTimeout.__name__}: "
+            if finish.reason is FinishReason.ERROR and finish.detail.startswith(prefix):
+                fatal = ForwardTimeout(finish.detail.removeprefix(prefix))
+        return fatal
+
+    def _send(self, stream: RequestStream, item: object) -> None:
+        self._outbox.setdefault(stream.loop, []).append((stream.deliver, item))
+
+    def _answer(
+        self, replies: list[Reply], value: object, error: BaseException | None = None
+    ) -> None:
+        for reply in replies:
+            self._outbox.setdefault(reply.loop, []).append((reply.resolve, (value, error)))
+        replies.clear()
+
+    def _flush(self) -> None:
+        """One hand-off per event loop; a loop that is gone has its streams cancelled."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_run_deliveries, items)
+            except RuntimeError:  # the loop is closed: nobody will consume these streams
+                for deliver, _ in items:
+                    stream = getattr(deliver, "__self__", None)
+                    if isinstance(stream, RequestStream):
+                        self._apply(Cancel(stream))
+
+    # ------------------------------------------------------------------ stop
+    def _stop(self, error: BaseException | None) -> None:
+        """Answer everything once the loop ends; on a failure, end every open stream."""
+        if error is not None:
+            self.failure = _unavailable(error)
+            _log.error("AsyncEngine driver stopped; every open stream ends", exc_info=error)
+            for route in self._routes.values():
+                self._send(route.stream, Ended(_unavailable(error)))
+            self._routes.clear()
+        leftover = self._inbox.shut(self.failure)
+        closed: BaseException = self.failure or UsageError("AsyncEngine: used after close()")
+        for command in leftover:
+            match command:
+                case Submit(stream=stream):
+                    self._send(stream, Accepted(closed))
+                case Abort(reply=reply):
+                    self._answer([reply], False)
+                case Read(reply=reply):
+                    self._answer([reply], None, closed)
+                case WaitIdle(reply=reply):
+                    self._idle_waiters.append(reply)
+                case Close(reply=reply):
+                    self._closers.append(reply)
+        if error is None or isinstance(error, ForwardTimeout):
+            self._close_engine()  # after a timeout the fresh forward stream is idle
+        try:
+            self.final_snapshot = self._engine.snapshot()
+        except Exception:  # a failed engine may not even summarize itself; keep the last
+            _log.exception("AsyncEngine: the engine's final snapshot failed")
+        self._answer(self._idle_waiters, None)
+        self._answer(self._closers, None)
+        self._flush()
+
+    def _close_engine(self) -> None:
+        try:
+            self._engine.close()
+        except Exception:  # closing is best effort once the driver is done
+            _log.exception("AsyncEngine: closing the engine failed")
+
+
+def _unavailable(error: BaseException) -> EngineUnavailable:
+    """A fresh `EngineUnavailable` caused by ``error`` (one per stream: each raises its own)."""
+    failure = EngineUnavailable(f"the engine can no longer step: {type(error).__name__}: {error}")
+    failure.__cause__ = error
+    return failure

@@ -1,0 +1,338 @@
+"""The OpenAI completions protocol: a request body checked into engine terms, and error bodies.
+
+Owner of what ``POST /v1/completions`` accepts. `parse_completion` reads a body strictly and
+refuses anything else with an `ApiError` that names the field (``param``), which the server
+sends as HTTP 400 with OpenAI's error object::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
+               "code": "invalid_value"}}
+
+Accepted fields (OpenAI's, with its defaults): ``model`` (the served model's name), ``prompt``
+(text when the model has a codec, token ids, or a one-element list of either), ``max_tokens``
+(16), ``temperature`` (1.0), ``top_p`` (1.0), ``seed``, ``stop`` (strings when the model has a
+codec; lists of token ids), ``stream``, ``stream_options.include_usage``, ``logprobs`` (0: the
+chosen token's log-probability; top alternatives are not computed), ``frequency_penalty``,
+``presence_penalty``, and ``n``, ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``user`` at
+their defaults only. Extensions: ``speculative`` (false: this request does not speculate; its
+tokens are the same), ``top_k``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``. Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from specstate.core.request import RequestLimits, SamplingParams
+from specstate.serving.text import TextCodec
+
+__all__ = ["ApiError", "CompletionRequest", "parse_completion"]
+
+MAX_SEED: Final = 2**63
+MAX_STOPS: Final = 16
+DEFAULT_MAX_TOKENS: Final = 16
+_AT_DEFAULT: Final[Mapping[str, tuple[object, ...]]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+    "logit_bias": (None, {}),
+}
+_FIELDS: Final = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "frequency_penalty",
+        "presence_penalty",
+        "user",
+        *_AT_DEFAULT,
+        # extensions
+        "speculative",
+        "top_k",
+        "min_tokens",
+        "repetition_penalty",
+        "stop_token_ids",
+        "ignore_eos",
+    }
+)
+
+
+class ApiError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = "invalid_value",
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.kind = kind
+
+    def body(self) -> dict[str, object]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest:
+    """A checked completion request, in engine terms.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (text already encoded).
+        sampling: the engine's sampling parameters.
+        stream: answer with server-sent events.
+        include_usage: (streaming) end with a chunk that carries the usage.
+        logprobs: return the chosen tokens' log-probabilities.
+        stop_sequences: the stops to cut from the returned output (OpenAI leaves them out).
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    stop_sequences: tuple[tuple[int, ...], ...]
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _loads(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ApiError(f"the body is not valid JSON ({exc})", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError("the body must be a JSON object", code="invalid_json")
+    return obj
+
+
+def _number(obj: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not low <= value <= high:
+        raise ApiError(f"{name} must be a number in [{low}, {high}], got {value!r:.40}", param=name)
+    return float(value)
+
+
+def _count(obj: Mapping[str, Any], name: str, default: int | None, low: int) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low:
+        raise ApiError(f"{name} must be an integer >= {low}, got {value!r:.40}", param=name)
+    return int(value)
+
+
+def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false, got {value!r:.40}", param=name)
+    return value
+
+
+def _ids(value: object, name: str, limits: RequestLimits) -> tuple[int, ...]:
+    """A non-empty list of token ids inside the vocabulary."""
+    if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
+        raise ApiError(f"{name} must be a non-empty list of token ids", param=name)
+    bad = [t for t in value if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ApiError(
+            f"{name}: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+            param=name,
+        )
+    return tuple(value)
+
+
+def _prompt(value: object, limits: RequestLimits, codec: TextCodec | None) -> tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if codec is None:
+            raise ApiError(
+                "this model has no tokenizer: send the prompt as a list of token ids",
+                param="prompt",
+            )
+        if not value:
+            raise ApiError("prompt must not be empty", param="prompt")
+        ids = _ids(codec.encode(value), "prompt", limits)
+    elif isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        raise ApiError("one prompt per request (a batch of prompts is not served)", param="prompt")
+    else:
+        ids = _ids(value, "prompt", limits)
+    if len(ids) >= limits.max_context_len:
+        raise ApiError(
+            f"prompt has {len(ids)} tokens; the context holds {limits.max_context_len} "
+            "(prompt and at least one new token)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    return ids
+
+
+def _stops(
+    value: object, limits: RequestLimits, codec: TextCodec | None
+) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOPS:
+        raise ApiError(
+            f"stop must be a string or a list of at most {MAX_STOPS} strings or token-id lists",
+            param="stop",
+        )
+    sequences = []
+    for item in items:
+        if isinstance(item, str):
+            if codec is None:
+                raise ApiError(
+                    "this model has no tokenizer: give stop as lists of token ids", param="stop"
+                )
+            if not item:
+                raise ApiError("a stop string must not be empty", param="stop")
+            sequences.append(_ids(codec.encode_plain(item), "stop", limits))
+        else:
+            sequences.append(_ids(item, "stop", limits))
+    return tuple(sequences)
+
+
+def _check_known(obj: Mapping[str, Any], model: str) -> None:
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise ApiError(
+            f"unrecognized request argument: {unknown[0]}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+    for name, allowed in _AT_DEFAULT.items():
+        if name in obj and not any(obj[name] == a and type(obj[name]) is type(a) for a in allowed):
+            raise ApiError(f"{name}={obj[name]!r:.40} is not supported", param=name)
+    if "model" not in obj:
+        raise ApiError("model is required", param="model", code="missing_required_parameter")
+    if obj["model"] != model:
+        raise ApiError(
+            f"the model {obj['model']!r:.60} does not exist; this server serves {model!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if "prompt" not in obj:
+        raise ApiError("prompt is required", param="prompt", code="missing_required_parameter")
+    if "user" in obj and not isinstance(obj["user"], str):
+        raise ApiError("user must be a string", param="user")
+
+
+def _stream_options(obj: Mapping[str, Any], stream: bool) -> bool:
+    options = obj.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError("stream_options takes include_usage only", param="stream_options")
+    return _flag(options, "include_usage", False)
+
+
+def parse_completion(
+    body: bytes, *, model: str, limits: RequestLimits, codec: TextCodec | None
+) -> CompletionRequest:
+    """The checked request of ``body`` (module docstring).
+
+    Raises:
+        ApiError: the body is not a completion request this server serves; ``param`` names
+            the field.
+    """
+    obj = _loads(body)
+    _check_known(obj, model)
+    prompt = _prompt(obj["prompt"], limits, codec)
+    max_tokens = _count(obj, "max_tokens", DEFAULT_MAX_TOKENS, 1)
+    assert max_tokens is not None
+    if len(prompt) + max_tokens > limits.max_context_len:
+        raise ApiError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+            f"of {limits.max_context_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    logprobs = obj.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
+        raise ApiError(
+            "logprobs must be 0 or null: the chosen token's log-probability is returned; top "
+            f"alternatives are not computed (got {logprobs!r:.40})",
+            param="logprobs",
+        )
+    seed = obj.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+        raise ApiError(f"seed must be an integer in [0, 2^63), got {seed!r:.40}", param="seed")
+    stop_ids = obj.get("stop_token_ids")
+    stop_tokens = () if stop_ids is None else _ids(stop_ids, "stop_token_ids", limits)
+    stream = _flag(obj, "stream", False)
+    stops = _stops(obj.get("stop"), limits, codec)
+    min_tokens = _count(obj, "min_tokens", 0, 0)
+    assert min_tokens is not None
+    if min_tokens > max_tokens:
+        raise ApiError(
+            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
+        )
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_number(obj, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(obj, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_count(obj, "top_k", None, 1),
+        seed=seed,
+        stop_sequences=stops,
+        stop_token_ids=stop_tokens,
+        ignore_eos=_flag(obj, "ignore_eos", False),
+        frequency_penalty=_number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(obj, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(obj, "repetition_penalty", 1.0, 1e-6, 100.0),
+        min_new_tokens=min_tokens,
+        speculative=_flag(obj, "speculative", True),
+        logprobs=logprobs is not None,
+    )
+    return CompletionRequest(
+        prompt_ids=prompt,
+        sampling=sampling,
+        stream=stream,
+        include_usage=_stream_options(obj, stream),
+        logprobs=logprobs is not None,
+        stop_sequences=stops,
+    )

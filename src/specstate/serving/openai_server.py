@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP server of ``specstate serve``: Starlette routes over an `AsyncEngine`.
+
+Needs the ``serve`` extra (``pip install 'specstate[serve]'``: Starlette, uvicorn,
+prometheus_client); nothing else in specstate imports this module.
+
+Routes:
+
+* ``POST /v1/completions`` (`specstate.serving.openai_protocol` says what it accepts): the
+  whole completion, or server-sent events (``data: {chunk}`` ... ``data: [DONE]``) with
+  ``stream: true``. A client that disconnects has its request aborted (its KV released).
+* ``GET /v1/models``: the one model served.
+* ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine can no
+  longer step.
+* ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`), scraped on
+  the driver thread between two steps, from a registry of this app's own.
+
+Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 429 when
+the waiting queue is full, 503 when the engine is unavailable or closed, 500 when the request
+itself failed in the worker. No input crashes the server: anything unexpected is a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from specstate.core.errors import EngineUnavailable, InvalidRequest, QueueFull, UsageError
+from specstate.core.request import RequestLimits
+from specstate.engine.engine import Engine
+from specstate.serving.async_engine import AsyncEngine
+from specstate.serving.completions import CompletionIds, collect_completion, stream_completion
+from specstate.serving.openai_protocol import ApiError, CompletionRequest, parse_completion
+from specstate.serving.request_stream import RequestStream
+from specstate.serving.text import TextCodec, load_codec
+
+__all__ = ["ServedModel", "create_app"]
+
+_log = logging.getLogger("specstate")
+_Handler = Callable[[Request], Awaitable[Response]]
+
+
+@attrs.frozen(kw_only=True)
+class ServedModel:
+    """The model a server answers for.
+
+    Attributes:
+        name: its name in ``/v1/models`` and the ``model`` field requests must give.
+        limits: its vocabulary, context and EOS ids (request checks).
+        codec: text <-> ids, or None (prompts and stops as token ids only).
+        created: Unix seconds, shown in ``/v1/models``.
+    """
+
+    name: str
+    limits: RequestLimits
+    codec: TextCodec | None = None
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, limits: RequestLimits, *, name: str) -> ServedModel:
+        """The model of the checkpoint at ``path``, its codec found by `load_codec`."""
+        return cls(name=name, limits=limits, codec=load_codec(path))
+
+
+def _unavailable(exc: Exception) -> ApiError:
+    return ApiError(str(exc), status=503, kind="server_error", code="engine_unavailable")
+
+
+def _json(body: dict[str, Any], status: int = 200) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose source is closed whatever ends the response.
+
+    A disconnect cancels the response (ASGI < 2.4) or makes ``send`` raise (2.4): either way
+    the events' generator is closed here, which aborts the request behind it.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (the body was read: only a disconnect comes next)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Routes:
+    """The route handlers of one app over one front door."""
+
+    def __init__(self, front: AsyncEngine, model: ServedModel) -> None:
+        self._front = front
+        self._model = model
+        self._registry: Any = None
+
+    async def completions(self, request: Request) -> Response:
+        model = self._model
+        try:
+            parsed = parse_completion(
+                await request.body(), model=model.name, limits=model.limits, codec=model.codec
+            )
+            ids = CompletionIds(id=f"cmpl-{uuid.uuid4().hex}", model=model.name)
+            stream = await self._submit(ids.id, parsed)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        if parsed.stream:
+            return _EventStream(self._events(stream, parsed, ids))
+        return await self._whole(request, stream, parsed, ids)
+
+    async def _submit(self, rid: str, parsed: CompletionRequest) -> RequestStream:
+        try:
+            return await self._front.submit(rid, parsed.prompt_ids, parsed.sampling)
+        except InvalidRequest as exc:
+            raise ApiError(str(exc)) from None
+        except QueueFull as exc:
+            raise ApiError(
+                str(exc), status=429, kind="rate_limit_error", code="queue_full"
+            ) from None
+        except (EngineUnavailable, UsageError) as exc:
+            raise _unavailable(exc) from None
+
+    async def _whole(
+        self, request: Request, stream: RequestStream, parsed: CompletionRequest, ids: CompletionIds
+    ) -> Response:
+        work = asyncio.ensure_future(collect_completion(stream, parsed, ids, self._model.codec))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left (or the server stops): abort the request
+                work.cancel()
+                await stream.aclose()
+        if work not in done:
+            return Response(status_code=499)  # nobody reads it
+        try:
+            return _json(work.result())
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        except EngineUnavailable as exc:
+            error = _unavailable(exc)
+            return _json(error.body(), error.status)
+
+    async def _events(
+        self, stream: RequestStream, parsed: CompletionRequest, ids: CompletionIds
+    ) -> AsyncGenerator[bytes, None]:
+        chunks = stream_completion(stream, parsed, ids, self._model.codec)
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield _sse(chunk)
+            except EngineUnavailable as exc:
+                yield _sse(_unavailable(exc).body())
+        yield b"data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        model = self._model
+        card = {"id": model.name, "object": "model", "created": model.created}
+        return _json({"object": "list", "data": [{**card, "owned_by": "specstate"}]})
+
+    async def health(self, request: Request) -> Response:
+        failure = self._front.failure
+        if failure is None:
+            return _json({"status": "ok"})
+        return _json({"status": "unhealthy", "error": str(failure)}, 503)
+
+    async def metrics(self, request: Request) -> Response:
+        try:
+            text = await self._front.read(self._scrape)
+        except (EngineUnavailable, UsageError) as exc:
+            error = _unavailable(exc)
+            return _json(error.body(), error.status)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _scrape(self, engine: Engine) -> bytes:
+        """On the driver thread: the exposition of this app's registry (made on first use)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from specstate.engine.metrics import register_metrics
+
+        if self._registry is None:
+            self._registry = CollectorRegistry()
+            register_metrics(engine, self._registry)
+        exposition: bytes = generate_latest(self._registry)
+        return exposition
+
+
+def _guarded(handler: _Handler) -> _Handler:
+    """``handler`` with any unexpected exception answered as a 500 error object (logged)."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception:
+            _log.exception("specstate serve: %s %s failed", request.method, request.url.path)
+            error = ApiError("internal server error", status=500, kind="server_error", code=None)
+            return _json(error.body(), 500)
+
+    return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
+    return _json(error.body(), status)
+
+
+def create_app(
+    front: AsyncEngine, model: ServedModel, *, close_on_shutdown: bool = False
+) -> Starlette:
+    """The server's ASGI app over ``front`` (module docstring).
+
+    Args:
+        front: the front door the routes submit to.
+        model: the model served.
+        close_on_shutdown: close ``front`` (aborting what still runs) when the app shuts down;
+            leave False when the caller owns ``front``.
+    """
+    routes = _Routes(front, model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_on_shutdown:
+                await front.close(drain=False)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
+            Route("/v1/models", _guarded(routes.models), methods=["GET"]),
+            Route("/health", _guarded(routes.health), methods=["GET"]),
+            Route("/metrics", _guarded(routes.metrics), methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
+    )

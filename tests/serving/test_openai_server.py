@@ -1,0 +1,411 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 and driven by the `openai` client.
+
+The server runs uvicorn on a thread over an `AsyncEngine` on the embedded byte-level model with
+a draft model (speculation and overlap on, the invariant checker after every step). Greedy
+outputs are checked against HF ``generate()`` and against the same request run through an
+`Engine` directly; seeded sampled outputs against `Engine` directly (a seeded request emits the
+same tokens whatever its batch mates). No assertion is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+from hf_oracle import greedy
+from serving_harness import Served, bounded, serving, speculative_usage, token_ids
+from transformers import LlamaForCausalLM
+
+from specstate import AsyncEngineSnapshot, Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate.engine.worker import WorkerProtocol
+from specstate.reference import embedded
+from specstate.reference.workers import default_registry
+from specstate.serving.openai_server import ServedModel
+
+MODEL = "embedded-test"
+LIMITS = RequestLimits(
+    vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
+)
+TEXTS = (
+    "def add(a, b):\n    return ",
+    "import os\n\n\nclass Config:\n    def ",
+    "for i in range(10):\n    ",
+    "    if x is None:\n        ",
+    "return self.",
+    "# Copyright ",
+    'def __repr__(self):\n        return f"',
+    "try:\n    import ",
+)
+NEW = 16
+
+
+def embedded_worker() -> WorkerProtocol:
+    """The embedded target with its draft model, 4 draft steps, float32 (exact)."""
+    return default_registry().create(
+        "draft_model",
+        target=embedded.target_dir(),
+        draft=embedded.draft_dir(),
+        num_steps=4,
+        dtype=torch.float32,
+    )
+
+
+def embedded_engine() -> Engine:
+    """An engine on `embedded_worker`, overlap on, checked after every step."""
+    config = EngineConfig(
+        overlap=True,
+        page_size=16,
+        kv_tokens=16384,
+        max_running=64,
+        check_invariants=True,
+        check_ownership=True,
+    )
+    return Engine(embedded_worker(), limits=LIMITS, config=config)
+
+
+def prompt_ids(text: str) -> list[int]:
+    """What the server's byte codec makes of ``text``: BOS, then its bytes."""
+    return [embedded.BOS_ID, *embedded.encode(text)]
+
+
+def run_directly(requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """The same requests through an `Engine` driven directly; their emitted tokens."""
+    with embedded_engine() as engine:
+        reqs = {rid: engine.submit(rid, p, s) for rid, (p, s) in requests.items()}
+        engine.run_until_idle()
+    return {rid: list(req.emitted_ids) for rid, req in reqs.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> LlamaForCausalLM:
+    """The embedded target in transformers (float32): the oracle."""
+    model = LlamaForCausalLM.from_pretrained(embedded.target_dir(), dtype=torch.float32)
+    model.train(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_model: LlamaForCausalLM) -> dict[str, list[int]]:
+    """HF greedy continuations of every prompt text."""
+    return {text: greedy(hf_model, prompt_ids(text), NEW) for text in TEXTS}
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """The server on the embedded model, for the module."""
+    model = ServedModel.from_checkpoint(embedded.target_dir(), LIMITS, name=MODEL)
+    with serving(embedded_engine(), model) as running:
+        yield running
+
+
+def test_greedy_completion_equals_hf_and_the_engine(
+    served: Served, oracle: dict[str, list[int]]
+) -> None:
+    """Non-streaming greedy text completion: HF generate()'s tokens, Engine's tokens, text."""
+    text = TEXTS[0]
+    completion = served.client().completions.create(
+        model=MODEL, prompt=text, max_tokens=NEW, temperature=0
+    )
+    choice = completion.choices[0]
+    direct = run_directly({"d": (prompt_ids(text), SamplingParams(max_new_tokens=NEW))})["d"]
+    assert token_ids(choice) == oracle[text] == direct
+    assert choice.text == embedded.decode(direct)
+    assert choice.finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == len(prompt_ids(text))
+    assert completion.usage.completion_tokens == NEW
+    stats = speculative_usage(completion)
+    assert stats["verifies"] > 0 and 1.0 < stats["mean_accept_length"] <= 5.0
+
+
+def test_streaming_yields_the_same_tokens_with_usage_last(
+    served: Served, oracle: dict[str, list[int]]
+) -> None:
+    """Streaming: chunks concatenate to the greedy output; finish on the last; usage after."""
+    text = TEXTS[1]
+    chunks = list(
+        served.client().completions.create(
+            model=MODEL,
+            prompt=text,
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [c for c in chunks if c.choices]
+    assert len(pieces) > 1  # tokens arrive in several steps
+    assert [t for c in pieces for t in token_ids(c.choices[0])] == oracle[text]
+    assert "".join(c.choices[0].text for c in pieces) == embedded.decode(oracle[text])
+    assert [c.choices[0].finish_reason for c in pieces][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in pieces[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == NEW
+
+
+def test_token_id_prompts_and_stop_sequences(served: Served) -> None:
+    """Token-id prompt and stops (and a stop string): the stop is cut, as OpenAI does."""
+    prompt = prompt_ids(TEXTS[2])
+    full = run_directly({"f": (prompt, SamplingParams(max_new_tokens=NEW))})["f"]
+    stop = full[5:7]  # a stop that the greedy output reaches
+    cut = run_directly(
+        {"c": (prompt, SamplingParams(max_new_tokens=NEW, stop_sequences=[tuple(stop)]))}
+    )["c"]
+    assert cut[-2:] == stop and len(cut) < NEW
+    client = served.client()
+    by_ids = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=NEW,
+        temperature=0,
+        stop=[stop],  # type: ignore[list-item]
+    )
+    assert token_ids(by_ids.choices[0]) == cut[:-2]
+    assert by_ids.choices[0].finish_reason == "stop"
+    text_stop = embedded.decode(stop)
+    streamed = client.completions.create(
+        model=MODEL, prompt=TEXTS[2], max_tokens=NEW, temperature=0, stop=text_stop, stream=True
+    )
+    chunks = [c.choices[0] for c in streamed]
+    assert [t for c in chunks for t in token_ids(c)] == cut[:-2]
+    assert "".join(c.text for c in chunks) == embedded.decode(cut[:-2])
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_logprobs_are_the_engines(served: Served) -> None:
+    """logprobs=0: one log-probability per returned token, the engine's own."""
+    prompt = prompt_ids(TEXTS[3])
+    sampling = SamplingParams(max_new_tokens=8, logprobs=True)
+    with embedded_engine() as engine:
+        req = engine.submit("l", prompt, sampling)
+        engine.run_until_idle()
+        expected = req.logprobs
+    completion = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and expected
+    assert logprobs.token_logprobs == pytest.approx(list(expected), abs=1e-5)
+    assert logprobs.tokens is not None and len(logprobs.tokens) == 8
+
+
+def _mixed_request(i: int) -> tuple[str, dict[str, Any], SamplingParams]:
+    """Request ``i`` of the mixed load: greedy or seeded, speculating or not."""
+    text = TEXTS[i % len(TEXTS)]
+    kind = (i // len(TEXTS)) % 4
+    speculative = kind in (0, 2)
+    fields: dict[str, Any] = {"temperature": 0.0}
+    sampling = SamplingParams(max_new_tokens=NEW, speculative=speculative)
+    if kind >= 2:
+        fields = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+        sampling = SamplingParams(
+            max_new_tokens=NEW, temperature=0.8, top_p=0.95, seed=1000 + i, speculative=speculative
+        )
+    return text, {**fields, "extra_body": {"speculative": speculative}}, sampling
+
+
+def test_64_concurrent_streams_with_mixed_sampling(
+    served: Served, oracle: dict[str, list[int]]
+) -> None:
+    """64 concurrent clients (greedy/seeded, speculative on/off, streamed or not) are exact."""
+    requests = {i: _mixed_request(i) for i in range(64)}
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], dict[str, float]]:
+        text, fields, _ = requests[i]
+        if i % 2:
+            completion = await client.completions.create(
+                model=MODEL, prompt=text, max_tokens=NEW, **fields
+            )
+            return token_ids(completion.choices[0]), speculative_usage(completion)
+        tokens: list[int] = []
+        stats: dict[str, float] = {}
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=text,
+            max_tokens=NEW,
+            stream=True,
+            stream_options={"include_usage": True},
+            **fields,
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                tokens += token_ids(chunk.choices[0])
+            else:
+                stats = speculative_usage(chunk)
+        return tokens, stats
+
+    async def everyone() -> list[tuple[list[int], dict[str, float]]]:
+        async with served.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    outs = bounded(everyone())
+    seeded = {
+        str(i): (prompt_ids(text), sampling)
+        for i, (text, _, sampling) in requests.items()
+        if sampling.seed is not None
+    }
+    direct = run_directly(seeded)
+    spec_accepted = spec_verifies = 0
+    for i, (tokens, stats) in enumerate(outs):
+        text, _, sampling = requests[i]
+        expected = oracle[text] if sampling.seed is None else direct[str(i)]
+        assert tokens == expected, f"request {i}"
+        if not sampling.speculative:
+            assert stats["mean_accept_length"] == 1.0  # one token per verify: no speculation
+        else:
+            spec_accepted += int(stats["accepted_tokens"])
+            spec_verifies += int(stats["verifies"])
+    assert 1.0 < spec_accepted / spec_verifies < 5.0
+    snap = served.snapshot()
+    assert snap.engine is not None and snap.engine.num_open_slots == 0
+
+
+def _accepted_since(before: AsyncEngineSnapshot, after: AsyncEngineSnapshot) -> int:
+    """Tokens the engine's verifies accepted between two snapshots."""
+    assert before.engine is not None and after.engine is not None
+    return after.engine.metrics.num_accepted_tokens - before.engine.metrics.num_accepted_tokens
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted(served: Served) -> None:
+    """Closing a stream mid-way aborts its request; its KV is released; pools balance."""
+    before = served.snapshot()
+    stream = served.client().completions.create(
+        model=MODEL,
+        prompt=TEXTS[4],
+        max_tokens=900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    after = served.snapshot()
+    assert after.num_cancelled == before.num_cancelled + 1
+    assert after.num_ended == before.num_ended + 1
+    assert _accepted_since(before, after) < 899  # it stopped early: it did not run to 900
+    assert after.num_streams == 0 and after.engine is not None
+    assert after.engine.num_open_slots == 0
+    assert after.engine.num_free_pages == after.engine.num_pages
+    assert after.engine.deferred_releases == () and after.engine.quarantined == ()
+
+
+def test_a_client_that_leaves_a_whole_completion_is_aborted(served: Served) -> None:
+    """A non-streaming client that closes its connection mid-request has it aborted too."""
+    before = served.snapshot()
+    body = _body(prompt=TEXTS[5], max_tokens=900, temperature=0, ignore_eos=True)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body)
+
+    async def submitted() -> None:  # the request is in the engine before the client leaves
+        while (await served.front.snapshot()).num_submitted == before.num_submitted:
+            await asyncio.sleep(0.01)
+
+    bounded(submitted())
+    conn.close()
+    after = served.snapshot()
+    assert after.num_cancelled == before.num_cancelled + 1
+    assert _accepted_since(before, after) < 899  # it stopped early: it did not run to 900
+    assert after.engine is not None and after.engine.num_open_slots == 0
+    assert after.engine.num_free_pages == after.engine.num_pages
+
+
+def _body(**fields: object) -> bytes:
+    """A request body: a one-letter text prompt to the served model, with ``fields``."""
+    return json.dumps({"model": MODEL, "prompt": "x", **fields}).encode()
+
+
+BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
+    ("wrong type", _body(max_tokens="ten"), "max_tokens"),
+    ("negative max_tokens", _body(max_tokens=-3), "max_tokens"),
+    ("unknown model", _body(model="gpt-9"), "model"),
+    ("oversized prompt", _body(prompt=[65] * 1100), "prompt"),
+    ("no room to generate", _body(max_tokens=1024), "max_tokens"),
+    ("not JSON", b"{model: embedded-test", None),
+    ("not an object", b'["model", "prompt"]', None),
+    ("not UTF-8", b'{"model": "\xff\xfe"}', None),
+    ("NaN", b'{"model": "embedded-test", "prompt": "x", "temperature": NaN}', None),
+    ("deep nesting", b"[" * 100_000 + b"]" * 100_000, None),
+    ("unknown field", _body(best_ofs=2), "best_ofs"),
+    ("token outside vocab", _body(prompt=[1, 9999]), "prompt"),
+    ("empty prompt", _body(prompt=""), "prompt"),
+    ("missing prompt", json.dumps({"model": MODEL}).encode(), "prompt"),
+    ("batch of prompts", _body(prompt=["a", "b"]), "prompt"),
+    ("negative temperature", _body(temperature=-1), "temperature"),
+    ("top logprobs", _body(logprobs=5), "logprobs"),
+    ("n above 1", _body(n=2), "n"),
+    ("bool as int", _body(max_tokens=True), "max_tokens"),
+    ("empty stop", _body(stop=[""]), "stop"),
+    ("seed too big", _body(seed=2**63), "seed"),
+    ("speculative not bool", _body(speculative=1), "speculative"),
+    ("options without stream", _body(stream_options={}), "stream_options"),
+]
+
+
+def test_bad_inputs_get_400_while_good_streams_finish(
+    served: Served, oracle: dict[str, list[int]]
+) -> None:
+    """Malformed requests get 400 naming the field; concurrent good streams are unharmed."""
+    good: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def good_streams() -> None:
+        async def one(client: openai.AsyncOpenAI, i: int) -> None:
+            stream = await client.completions.create(
+                model=MODEL, prompt=TEXTS[i], max_tokens=NEW, temperature=0, stream=True
+            )
+            good[i] = [t async for c in stream for t in token_ids(c.choices[0])]
+
+        async def all_of_them() -> None:
+            async with served.async_client() as client:
+                await asyncio.gather(*(one(client, i) for i in range(len(TEXTS))))
+
+        try:
+            bounded(all_of_them())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=good_streams)
+    thread.start()
+    try:
+        for name, body, param in BAD_REQUESTS:
+            status, answer = served.request("POST", "/v1/completions", body)
+            assert status == 400, name
+            error = answer["error"]
+            assert error["type"] == "invalid_request_error", name
+            assert error["param"] == param, name
+            assert error["message"], name
+        with pytest.raises(openai.BadRequestError) as info:
+            served.client().completions.create(model=MODEL, prompt="x", max_tokens=-1)
+        assert info.value.status_code == 400
+        assert served.request("GET", "/v1/completions")[0] == 405
+        assert served.request("GET", "/nowhere")[0] == 404
+    finally:
+        thread.join(300)
+    assert errors == []
+    assert good == {i: oracle[text] for i, text in enumerate(TEXTS)}
+    assert served.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_models_health_and_metrics(served: Served) -> None:
+    """/v1/models names the model; /health is ok; /metrics exports the engine's counters."""
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.request("GET", "/health") == (200, {"status": "ok"})
+    import urllib.request
+
+    with urllib.request.urlopen(f"{served.url}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    snap = served.snapshot()
+    assert snap.engine is not None
+    verifies = snap.engine.metrics.num_verifies
+    assert f"specstate_spec_verifies_total {float(verifies)}" in text
+    assert "specstate_kv_free_pages" in text

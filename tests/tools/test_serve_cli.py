@@ -1,0 +1,151 @@
+"""`specstate serve`: light --help, the install hint without the extra, and a real run.
+
+The real run starts the command itself in a subprocess with no ``--model`` (the embedded
+model, as on a fresh install), sends the curl request docs/serving.md shows (with the port the
+test picked), checks the answer against the same request run through an `Engine` directly,
+and stops the server with Ctrl-C (exit 0). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate.reference import embedded
+from specstate.reference.workers import default_registry
+from specstate.tools.serve import INSTALL_HINT
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "specstate.tools.cli"]
+BOUND_S = 180
+
+
+def _env() -> dict[str, str]:
+    """This checkout's sources first, as the tests import them."""
+    src = str(ROOT / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_serve_help_loads_no_torch_and_no_server() -> None:
+    """`specstate serve --help` imports neither torch nor Starlette / uvicorn."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from specstate.tools.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try: main(['serve', '--help'])\n"
+        "    except SystemExit: pass\n"
+        "heavy = [m for m in ('torch', 'starlette', 'uvicorn', 'specstate.tools.generate')\n"
+        "         if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_serve_without_the_extra_prints_the_install_line() -> None:
+    """Without uvicorn the command prints one install line and exits 2."""
+    code = (
+        "import sys; sys.modules['uvicorn'] = None\n"
+        "from specstate.tools.cli import main\n"
+        "sys.exit(main(['serve']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert out.returncode == 2
+    assert out.stderr.strip() == INSTALL_HINT
+
+
+def test_serve_with_a_missing_checkpoint_exits_2(tmp_path: Path) -> None:
+    """A --model that is not a checkpoint fails before serving, one line, exit 2."""
+    out = subprocess.run(
+        [*CLI, "serve", "--model", str(tmp_path / "nowhere"), "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=BOUND_S,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith("specstate serve: ") and len(out.stderr.splitlines()) == 1
+
+
+def _docs_curl(port: int) -> list[str]:
+    """The curl command of docs/serving.md, pointed at ``port``."""
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    (line,) = re.findall(r"^\$ (curl .*)$", text, re.M)
+    return shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+
+
+def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.communicate()[1]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+    raise AssertionError("the server did not come up")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/bin/curl").exists(), reason="needs curl")
+def test_serve_on_a_fresh_install_answers_the_docs_curl() -> None:
+    """`specstate serve` (embedded model) answers docs/serving.md's curl exactly; Ctrl-C exits 0."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [*CLI, "serve", "--algorithm", "draft_model", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        out = subprocess.run(
+            _docs_curl(port), capture_output=True, text=True, check=True, timeout=BOUND_S
+        )
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=BOUND_S)
+    assert server.returncode == 0, stderr
+    assert "specstate-embedded (bytes codec)" in stderr
+    answer = json.loads(out.stdout)
+    worker = default_registry().create(
+        "draft_model",
+        target=embedded.target_dir(),
+        draft=embedded.draft_dir(),
+        num_steps=4,
+        dtype=torch.float32,
+    )
+    limits = RequestLimits(
+        vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
+    )
+    with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=4096)) as engine:
+        prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    ")]
+        req = engine.submit("d", prompt, SamplingParams(max_new_tokens=16))
+        engine.run_until_idle()
+    assert answer["model"] == "specstate-embedded"
+    assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
+    assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)
