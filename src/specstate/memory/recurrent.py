@@ -1,0 +1,379 @@
+"""The recurrent-state pool: where each request's recurrent state lives, and who commits it.
+
+A hybrid model (Mamba2, gated delta net, short convolution layers beside attention) carries, per
+request and per recurrent layer, a fixed-size state that cannot be truncated like KV: after a
+verify of ``D`` tokens the state must be the one after exactly the accepted tokens. This module
+owns the layout of those states in a worker's buffers and the host record of which one is
+committed. The worker owns the buffers (as it owns its KV caches) and writes them; specstate
+owns the indices, exactly as it owns ``req_to_token``.
+
+Layout (`RecurrentLayout`): request slot ``s`` owns ``C`` consecutive *state rows*, and the
+state after a request has absorbed ``p`` tokens lives in row ``s * C + p % C``::
+
+    rows of slot s      s*C + 0   s*C + 1   s*C + 2   ...   s*C + C-1
+    a verify at S        ----      read S    S+1 ckpt  ...   S+D ckpt    (C = D + 1, S % C = 1)
+
+A forward over positions ``[P, P + n)`` of a row reads its start state from ``row(P)`` (the
+zero state when ``P == 0``) and writes the state after each token it absorbs to
+``row(p + 1)`` (an extend needs only its last one). A verify at ``S`` therefore leaves the
+checkpoint of every possible accept length ``a`` in ``row(S + a)``, and ``C = D + 1`` rows
+mean none of them aliases the start row ``row(S)``, which a worker may still be reading.
+
+Selection is keyed by the request's slot and its committed length, never by a batch row: the
+committed state is ``row(kv_committed_len)``. No state is copied at acceptance, and there is no
+second pointer that could go stale (the vLLM bug class of a zero-draft step reading a stale
+state): every forward, drafting or not, chunk or verify, reads the row of its own frontier.
+
+The N / N+1 timeline under overlap (the host settles N after launching N+1)::
+
+    host     | schedule N+1 (frontier Unresolved) | launch N+1 | wait N | settle N: commit +a |
+    forward  | N: read row(S), verify S..S+D-1, write row(S+1..S+D), PUBLISH S+a, draft-extend |
+             |                          N+1: resolve S' = S+a -> read row(S') ... write row(S'+j) |
+
+The device selects the accepted checkpoint through the relay: N+1's frontier is the published
+``S + a``, so N+1 starts from ``row(S + a)`` behind the publish fence, without the host. The
+host record (`RecurrentStatePool`) advances at settlement, by the result processor, to the
+same length; the invariant checker verifies that it agrees with the KV ledger's committed
+length, and that every request holding a KV slot holds exactly one state record.
+
+Invariant: for every open record, ``recurrent_committed_len == kv_committed_len`` after every
+step, the record's incarnation is its request's, and ``row(slot, committed)`` is the only row of
+the slot that a later forward reads before writing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation
+from specstate.core.ownership import OwnershipChecker, Role
+
+__all__ = [
+    "RecurrentGroupSpec",
+    "RecurrentLayout",
+    "RecurrentPoolSnapshot",
+    "RecurrentStatePool",
+    "RecurrentStateSpec",
+    "StateTensorSpec",
+    "rows_per_request",
+]
+
+IntArray = npt.NDArray[np.int64]
+_CLOSED: Final = -1
+
+
+@attrs.frozen(kw_only=True)
+class StateTensorSpec:
+    """One tensor of a recurrent layer's state, per state row.
+
+    Attributes:
+        name: what it holds (``conv``: the last inputs of a causal convolution; ``ssm``: the
+            state-space state).
+        shape: its shape per state row (the buffer is ``[num_rows, *shape]``).
+        dtype: its dtype.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __attrs_post_init__(self) -> None:
+        if not self.shape or any(not isinstance(d, int) or d < 1 for d in self.shape):
+            raise InvalidConfig(f"state tensor {self.name!r}: shape {self.shape} must be >= 1")
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of one state row of this tensor."""
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@attrs.frozen(kw_only=True)
+class RecurrentGroupSpec:
+    """Layers of one kind that share a state shape (e.g. every Mamba2 layer of a target).
+
+    Attributes:
+        name: the group (``target.mamba2``, ``draft.mamba2``).
+        num_layers: how many layers hold a state of this shape.
+        tensors: the state tensors of one layer.
+    """
+
+    name: str
+    num_layers: int
+    tensors: tuple[StateTensorSpec, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_layers < 1 or not self.tensors:
+            raise InvalidConfig(
+                f"recurrent group {self.name!r}: needs num_layers >= 1 and a state tensor, got "
+                f"{self.num_layers} layers, {len(self.tensors)} tensors"
+            )
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of one state row over every layer of the group."""
+        return self.num_layers * sum(t.num_bytes for t in self.tensors)
+
+
+@attrs.frozen(kw_only=True)
+class RecurrentStateSpec:
+    """What a hybrid worker declares (`WorkerCapabilities.recurrent`): its state shapes.
+
+    The engine sizes the state rows from it and the worker's window (`rows_per_request`); a
+    worker with a drafter that has recurrent layers declares the drafter's groups too (the
+    drafter's states use the same rows, as its KV uses the same token slots).
+
+    Attributes:
+        groups: one entry per layer group, in the worker's order.
+    """
+
+    groups: tuple[RecurrentGroupSpec, ...]
+
+    def __attrs_post_init__(self) -> None:
+        names = [g.name for g in self.groups]
+        if not names or len(set(names)) != len(names):
+            raise InvalidConfig(f"recurrent state spec needs distinct groups, got {names}")
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes of one state row over every group (one request holds ``C`` rows)."""
+        return sum(g.num_bytes for g in self.groups)
+
+    def merged(self, other: RecurrentStateSpec | None) -> RecurrentStateSpec:
+        """This spec followed by ``other``'s groups (a target's and its drafter's)."""
+        return self if other is None else RecurrentStateSpec(groups=self.groups + other.groups)
+
+
+def rows_per_request(num_draft_tokens: int) -> int:
+    """``C``: state rows per request for a verify of ``num_draft_tokens`` (D) tokens.
+
+    ``D + 1``: the committed state plus one checkpoint per token a verify absorbs, so that the
+    checkpoints of a round never alias the state it starts from. Without speculation D is 1.
+    """
+    if num_draft_tokens < 1:
+        raise InvalidConfig(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    return num_draft_tokens + 1
+
+
+@attrs.frozen(kw_only=True)
+class RecurrentLayout:
+    """Where request states sit in a worker's state buffers (handed over at attach).
+
+    Attributes:
+        rows_per_request: ``C``, state rows per request slot (`rows_per_request`).
+        num_request_slots: request slots including the padding slot 0 (whose rows padded
+            batch rows write harmlessly).
+
+    Invariant: the rows of slot ``s`` are ``[s*C, (s+1)*C)``; `rows` never leaves them.
+    """
+
+    rows_per_request: int
+    num_request_slots: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.rows_per_request < 2 or self.num_request_slots < 2:
+            raise InvalidConfig(
+                f"recurrent layout needs rows_per_request >= 2 and num_request_slots >= 2, got "
+                f"{self.rows_per_request}, {self.num_request_slots}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        """State rows every buffer must hold (``num_request_slots * C``)."""
+        return self.num_request_slots * self.rows_per_request
+
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The row holding the state after ``positions`` tokens of ``slots`` (broadcast).
+
+        ``slots * C + positions % C``, on the tensors' device (no host synchronization).
+        """
+        c = self.rows_per_request
+        return slots.long() * c + torch.remainder(positions.long(), c)
+
+
+@attrs.frozen(kw_only=True)
+class RecurrentPoolSnapshot:
+    """Frozen statistics of a `RecurrentStatePool`."""
+
+    rows_per_request: int
+    num_request_slots: int
+    num_open: int
+    bytes_per_request: int
+
+
+class RecurrentStatePool:
+    """The host record of committed recurrent states, one per request slot.
+
+    A record opens when a hybrid request takes a KV slot (the allocator), its committed length
+    is set at prepare-for-extend (the scheduler, as for ``kv_committed_len``) and advanced by
+    each accepted run at settlement (the result processor, the only committer after prefill),
+    and it closes with the KV slot (finish, abort, retraction: the state is discarded; a
+    retracted request re-prefills from the zero state). Every mutator is vectorized and asks
+    the ownership checker for its role.
+
+    Args:
+        spec: the worker's declared state shapes.
+        layout: the rows handed to the worker.
+        checker: the engine's ownership checker.
+        validate: per-row checks (open, current incarnation, no repeats) on every commit.
+    """
+
+    def __init__(
+        self,
+        *,
+        spec: RecurrentStateSpec,
+        layout: RecurrentLayout,
+        checker: OwnershipChecker,
+        validate: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.layout = layout
+        self._checker = checker
+        self._validate = validate
+        n = layout.num_request_slots
+        self._recurrent_committed = np.zeros(n, dtype=np.int64)
+        self._incarnation = np.full(n, _CLOSED, dtype=np.int64)
+        self._request_ids: list[str | None] = [None] * n
+
+    # ------------------------------------------------------------------ reads
+    def is_open(self, slot: int) -> bool:
+        """True while ``slot`` holds a request's state record."""
+        return bool(self._incarnation[slot] != _CLOSED)
+
+    def open_slots(self) -> list[int]:
+        """The slots with an open record, ascending."""
+        return np.flatnonzero(self._incarnation != _CLOSED).tolist()
+
+    def holder(self, slot: int) -> tuple[str, int] | None:
+        """``(request id, incarnation)`` of ``slot``'s record, or None when closed."""
+        rid = self._request_ids[slot]
+        return None if rid is None else (rid, int(self._incarnation[slot]))
+
+    def committed_lengths(self, slots: IntArray) -> IntArray:
+        """Tokens the committed states of ``slots`` have absorbed (a new host array)."""
+        return self._recurrent_committed[slots]
+
+    def committed_rows(self, slots: IntArray) -> IntArray:
+        """The rows holding the committed states of ``slots`` (host)."""
+        c = self.layout.rows_per_request
+        rows: IntArray = slots * c + self._recurrent_committed[slots] % c
+        return rows
+
+    def snapshot(self) -> RecurrentPoolSnapshot:
+        """Frozen statistics."""
+        return RecurrentPoolSnapshot(
+            rows_per_request=self.layout.rows_per_request,
+            num_request_slots=self.layout.num_request_slots,
+            num_open=int(np.count_nonzero(self._incarnation != _CLOSED)),
+            bytes_per_request=self.layout.rows_per_request * self.spec.bytes_per_row,
+        )
+
+    # --------------------------------------------------------------- mutators
+    def open(self, slot: int, request_id: str, incarnation: int) -> None:
+        """Open ``slot``'s record for ``request_id`` at length 0 (allocator, at admission)."""
+        self._checker.require((Role.ALLOCATOR,), counter="recurrent state", request=request_id)
+        if not 0 < slot < self.layout.num_request_slots or self.is_open(slot):
+            holder = self.holder(slot) if 0 <= slot < self.layout.num_request_slots else None
+            raise LedgerViolation(
+                f"request {request_id}: state record of slot {slot} cannot open (held: {holder})"
+            )
+        self._request_ids[slot] = request_id
+        self._incarnation[slot] = incarnation
+        self._recurrent_committed[slot] = 0
+
+    def close_many(self, slots: IntArray) -> None:
+        """Close the records of ``slots`` (allocator, with the KV release): states discarded."""
+        if self._checker.enabled:
+            self._checker.require(
+                (Role.ALLOCATOR,), counter="recurrent state", request=self._names(slots)
+            )
+        if slots.size == 0:
+            return
+        closed = self._incarnation[slots] == _CLOSED
+        if bool(closed.any()):
+            raise DoubleRelease(f"state records of slots {slots[closed].tolist()} are not open")
+        self._incarnation[slots] = _CLOSED
+        self._recurrent_committed[slots] = 0
+        ids = self._request_ids
+        for slot in slots.tolist():
+            ids[slot] = None
+
+    def commit_extend(self, slots: IntArray, extend_ends: IntArray) -> None:
+        """Set the committed lengths to the ends of launched extends (scheduler, at prepare)."""
+        if self._checker.enabled:
+            names = self._names(slots)
+            self._checker.require(
+                (Role.SCHEDULER,), counter="recurrent_committed_len", request=names
+            )
+        if self._validate:
+            self._require_open(slots, extend_ends)
+            below = extend_ends < self._recurrent_committed[slots]
+            if bool(below.any()):
+                i = int(np.flatnonzero(below)[0])
+                raise LedgerViolation(
+                    f"request {self._request_ids[int(slots[i])]}: recurrent_committed_len would "
+                    f"move from {int(self._recurrent_committed[slots[i]])} down to "
+                    f"{int(extend_ends[i])}"
+                )
+        self._recurrent_committed[slots] = extend_ends
+
+    def commit(
+        self, slots: IntArray, accept_lens: IntArray, incarnations: IntArray | None = None
+    ) -> None:
+        """Advance each committed state by its accepted run (result processor, at settlement).
+
+        The state after ``committed + a`` tokens is the checkpoint the verify left in
+        ``row(committed + a)``; committing selects it. ``incarnations`` (checked when
+        validating) must be the records' own: a result for an older incarnation is refused.
+
+        Raises:
+            LedgerViolation: (validating) a closed, repeated or stale record, or a run < 0.
+        """
+        if self._checker.enabled:
+            names = self._names(slots)
+            self._checker.require(
+                (Role.RESULT_PROCESSOR,), counter="recurrent_committed_len", request=names
+            )
+        if self._validate:
+            self._require_open(slots, accept_lens)
+            if bool((accept_lens < 0).any()):
+                raise LedgerViolation(f"negative accepted run in {accept_lens.tolist()}")
+            if incarnations is not None and bool((self._incarnation[slots] != incarnations).any()):
+                i = int(np.flatnonzero(self._incarnation[slots] != incarnations)[0])
+                raise LedgerViolation(
+                    f"request {self._request_ids[int(slots[i])]}: commit for incarnation "
+                    f"{int(incarnations[i])}, record is at {int(self._incarnation[slots[i]])}"
+                )
+        self._recurrent_committed[slots] += accept_lens
+
+    # ------------------------------------------------------------- validation
+    def _require_open(self, slots: IntArray, values: IntArray) -> None:
+        if slots.shape != values.shape or slots.ndim != 1:
+            raise LedgerViolation(
+                f"slots {slots.shape} and values {values.shape} must be equal 1-D"
+            )
+        if slots.size == 0:
+            return
+        if int(slots.min()) < 1 or int(slots.max()) >= self.layout.num_request_slots:
+            raise LedgerViolation(
+                f"state slots outside 1..{self.layout.num_request_slots - 1}: {slots.tolist()}"
+            )
+        closed = self._incarnation[slots] == _CLOSED
+        if bool(closed.any()):
+            raise LedgerViolation(f"state records of slots {slots[closed].tolist()} are not open")
+        if np.unique(slots).size != slots.size:
+            raise LedgerViolation(f"a slot repeats in one state commit: {slots.tolist()}")
+
+    def _names(self, slots: IntArray | Sequence[int]) -> str:
+        ids = self._request_ids
+        shown = [str(ids[s]) for s in list(slots)[:4] if 0 <= s < len(ids)]
+        more = len(slots) - 4
+        return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
