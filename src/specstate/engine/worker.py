@@ -42,6 +42,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
+from specstate.memory.recurrent import RecurrentLayout, RecurrentStateSpec
 from specstate.memory.sizing import SpecWindow
 
 __all__ = [
@@ -87,6 +88,11 @@ class WorkerCapabilities:
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
             more than ``num_draft_steps + 1``.
+        recurrent: the recurrent state of a hybrid model (Mamba2, linear attention, short
+            convolution layers), or None. The engine then lays out ``C = num_draft_tokens + 1``
+            state rows per request (`WorkerMemory.recurrent`), commits the state of the
+            accepted length at settlement, and a prefix cache does not share prefixes (the
+            state is not checkpointed at cache boundaries). Chains only (``topk == 1``).
     """
 
     algorithm: str
@@ -103,6 +109,7 @@ class WorkerCapabilities:
     supports_seeds: bool = False
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
+    recurrent: RecurrentStateSpec | None = None
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:
@@ -150,12 +157,16 @@ class WorkerMemory:
         num_token_slots: KV token slots per layer the worker's caches must hold (slot 0 is
             the padding slot).
         device: where the engine's tensors live.
+        recurrent: where request states sit in the worker's state buffers (a worker that
+            declares `WorkerCapabilities.recurrent` allocates ``recurrent.num_rows`` rows per
+            state tensor); None for a worker without recurrent state.
     """
 
     req_to_token: torch.Tensor
     ledger: WorkerLedgerView
     num_token_slots: int
     device: torch.device
+    recurrent: RecurrentLayout | None = None
 
 
 @runtime_checkable

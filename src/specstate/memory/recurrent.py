@@ -61,11 +61,13 @@ __all__ = [
     "RecurrentStatePool",
     "RecurrentStateSpec",
     "StateTensorSpec",
+    "recurrent_pool_for",
     "rows_per_request",
 ]
 
 IntArray = npt.NDArray[np.int64]
 _CLOSED: Final = -1
+_COUNTER: Final = "recurrent_committed_len"
 
 
 @attrs.frozen(kw_only=True)
@@ -212,12 +214,12 @@ class RecurrentPoolSnapshot:
 class RecurrentStatePool:
     """The host record of committed recurrent states, one per request slot.
 
-    A record opens when a hybrid request takes a KV slot (the allocator), its committed length
-    is set at prepare-for-extend (the scheduler, as for ``kv_committed_len``) and advanced by
-    each accepted run at settlement (the result processor, the only committer after prefill),
-    and it closes with the KV slot (finish, abort, retraction: the state is discarded; a
-    retracted request re-prefills from the zero state). Every mutator is vectorized and asks
-    the ownership checker for its role.
+    A record opens when a hybrid request takes a KV slot (the allocator) and closes with it
+    (finish, abort, retraction: the state is discarded; a retracted request re-prefills from
+    the zero state, with a new incarnation). Only the result processor commits: when the last
+    chunk of a prefill settles (the state of the whole prefill) and, for every decode-like row
+    it settles, by the accepted run. Every mutator is vectorized and asks the ownership checker
+    for its role.
 
     Args:
         spec: the worker's declared state shapes.
@@ -277,24 +279,32 @@ class RecurrentStatePool:
         )
 
     # --------------------------------------------------------------- mutators
-    def open(self, slot: int, request_id: str, incarnation: int) -> None:
-        """Open ``slot``'s record for ``request_id`` at length 0 (allocator, at admission)."""
+    def open_state(self, slot: int, request_id: str, incarnation: int) -> None:
+        """Open ``slot``'s record for ``request_id`` at length 0 (allocator, at admission).
+
+        Nothing is committed until the prefill completes: the state of a partial prefill is
+        carried from chunk to chunk on the device (each chunk starts from the row of its
+        prefix), and committed when the last chunk settles.
+        """
         self._checker.require((Role.ALLOCATOR,), counter="recurrent state", request=request_id)
         if not 0 < slot < self.layout.num_request_slots or self.is_open(slot):
-            holder = self.holder(slot) if 0 <= slot < self.layout.num_request_slots else None
+            held = self.holder(slot) if 0 <= slot < self.layout.num_request_slots else None
             raise LedgerViolation(
-                f"request {request_id}: state record of slot {slot} cannot open (held: {holder})"
+                f"request {request_id}: state record of slot {slot} cannot open (held: {held})"
             )
         self._request_ids[slot] = request_id
         self._incarnation[slot] = incarnation
         self._recurrent_committed[slot] = 0
 
-    def close_many(self, slots: IntArray) -> None:
-        """Close the records of ``slots`` (allocator, with the KV release): states discarded."""
+    def close_states(self, slots: IntArray) -> None:
+        """Close the records of ``slots`` (allocator, with the KV release): states discarded.
+
+        Raises:
+            DoubleRelease: a record is not open; nothing is closed.
+        """
         if self._checker.enabled:
-            self._checker.require(
-                (Role.ALLOCATOR,), counter="recurrent state", request=self._names(slots)
-            )
+            names = self._names(slots)
+            self._checker.require((Role.ALLOCATOR,), counter="recurrent state", request=names)
         if slots.size == 0:
             return
         closed = self._incarnation[slots] == _CLOSED
@@ -306,53 +316,63 @@ class RecurrentStatePool:
         for slot in slots.tolist():
             ids[slot] = None
 
-    def commit_extend(self, slots: IntArray, extend_ends: IntArray) -> None:
-        """Set the committed lengths to the ends of launched extends (scheduler, at prepare)."""
-        if self._checker.enabled:
-            names = self._names(slots)
-            self._checker.require(
-                (Role.SCHEDULER,), counter="recurrent_committed_len", request=names
-            )
-        if self._validate:
-            self._require_open(slots, extend_ends)
-            below = extend_ends < self._recurrent_committed[slots]
-            if bool(below.any()):
-                i = int(np.flatnonzero(below)[0])
-                raise LedgerViolation(
-                    f"request {self._request_ids[int(slots[i])]}: recurrent_committed_len would "
-                    f"move from {int(self._recurrent_committed[slots[i]])} down to "
-                    f"{int(extend_ends[i])}"
-                )
-        self._recurrent_committed[slots] = extend_ends
-
-    def commit(
-        self, slots: IntArray, accept_lens: IntArray, incarnations: IntArray | None = None
-    ) -> None:
+    def commit_states(self, slots: IntArray, accept_lens: IntArray) -> None:
         """Advance each committed state by its accepted run (result processor, at settlement).
 
         The state after ``committed + a`` tokens is the checkpoint the verify left in
-        ``row(committed + a)``; committing selects it. ``incarnations`` (checked when
-        validating) must be the records' own: a result for an older incarnation is refused.
+        ``row(committed + a)``: committing selects it. One vectorized add.
 
         Raises:
-            LedgerViolation: (validating) a closed, repeated or stale record, or a run < 0.
+            LedgerViolation: (validating) a closed or repeated record, or a run < 0.
         """
         if self._checker.enabled:
             names = self._names(slots)
-            self._checker.require(
-                (Role.RESULT_PROCESSOR,), counter="recurrent_committed_len", request=names
-            )
+            self._checker.require((Role.RESULT_PROCESSOR,), counter=_COUNTER, request=names)
         if self._validate:
             self._require_open(slots, accept_lens)
             if bool((accept_lens < 0).any()):
                 raise LedgerViolation(f"negative accepted run in {accept_lens.tolist()}")
-            if incarnations is not None and bool((self._incarnation[slots] != incarnations).any()):
-                i = int(np.flatnonzero(self._incarnation[slots] != incarnations)[0])
-                raise LedgerViolation(
-                    f"request {self._request_ids[int(slots[i])]}: commit for incarnation "
-                    f"{int(incarnations[i])}, record is at {int(self._incarnation[slots[i]])}"
-                )
         self._recurrent_committed[slots] += accept_lens
+
+    def commit_prefilled(self, slots: IntArray, lengths: IntArray) -> None:
+        """Commit the states of completed prefills (result processor, when the last chunk
+        settles): ``lengths`` are the prefilled token counts.
+
+        Raises:
+            LedgerViolation: (validating) a closed or repeated record, or a record that already
+                committed something (a prefill completes once per incarnation).
+        """
+        if self._checker.enabled:
+            names = self._names(slots)
+            self._checker.require((Role.RESULT_PROCESSOR,), counter=_COUNTER, request=names)
+        if self._validate:
+            self._require_open(slots, lengths)
+            done = self._recurrent_committed[slots] != 0
+            if bool(done.any()):
+                i = int(np.flatnonzero(done)[0])
+                raise LedgerViolation(
+                    f"request {self._request_ids[int(slots[i])]}: prefill committed twice "
+                    f"(recurrent_committed_len already {int(self._recurrent_committed[slots[i]])})"
+                )
+        self._recurrent_committed[slots] = lengths
+
+    def settle_states(
+        self,
+        slots: IntArray,
+        accept_lens: IntArray,
+        decode_rows: IntArray | None,
+        prefilled_rows: Sequence[int],
+        prefilled_lengths: IntArray,
+    ) -> None:
+        """One settlement's commits (result processor): the decode-like rows by their runs
+        (``decode_rows`` None: every row, the steady round), the completed prefills to their
+        lengths. A fixed number of array operations."""
+        if decode_rows is None:
+            self.commit_states(slots, accept_lens)
+        elif decode_rows.size:
+            self.commit_states(slots[decode_rows], accept_lens[decode_rows])
+        if prefilled_rows:
+            self.commit_prefilled(slots[list(prefilled_rows)], prefilled_lengths)
 
     # ------------------------------------------------------------- validation
     def _require_open(self, slots: IntArray, values: IntArray) -> None:
@@ -377,3 +397,30 @@ class RecurrentStatePool:
         shown = [str(ids[s]) for s in list(slots)[:4] if 0 <= s < len(ids)]
         more = len(slots) - 4
         return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
+
+
+def recurrent_pool_for(
+    spec: RecurrentStateSpec | None,
+    *,
+    num_draft_tokens: int,
+    topk: int,
+    num_request_slots: int,
+    checker: OwnershipChecker,
+    validate: bool,
+) -> RecurrentStatePool | None:
+    """The pool for a worker's declared state (None without one), sized from its window.
+
+    Raises:
+        InvalidConfig: a recurrent worker that drafts trees (``topk > 1``): a state follows one
+            chain of tokens, and a tree's nodes would each need their own.
+    """
+    if spec is None:
+        return None
+    if topk != 1:
+        raise InvalidConfig(
+            f"a worker with recurrent state drafts chains only (topk 1), got topk {topk}"
+        )
+    layout = RecurrentLayout(
+        rows_per_request=rows_per_request(num_draft_tokens), num_request_slots=num_request_slots
+    )
+    return RecurrentStatePool(spec=spec, layout=layout, checker=checker, validate=validate)
