@@ -10,6 +10,7 @@ write transformers' checkpoint format.
 from __future__ import annotations
 
 from specstate.reference.hybrid.checkpoint import (
+    is_hybrid_checkpoint,
     load_paged_hybrid,
     read_hybrid_config,
     save_paged_hybrid,
@@ -31,6 +32,7 @@ __all__ = [
     "PagedHybrid",
     "StateBuffers",
     "from_hf_config",
+    "is_hybrid_checkpoint",
     "is_hybrid_config",
     "load_paged_hybrid",
     "read_hybrid_config",

@@ -30,12 +30,26 @@ from specstate.reference.checkpoint import (
     read_config_json,
     write_safetensors,
 )
-from specstate.reference.hybrid.config import HybridConfig, from_hf_config, to_hf_config
+from specstate.reference.hybrid.config import (
+    HybridConfig,
+    from_hf_config,
+    is_hybrid_config,
+    to_hf_config,
+)
 from specstate.reference.hybrid.model import PagedHybrid
 
-__all__ = ["load_paged_hybrid", "read_hybrid_config", "save_paged_hybrid"]
+__all__ = ["is_hybrid_checkpoint", "load_paged_hybrid", "read_hybrid_config", "save_paged_hybrid"]
 
 _PREFIX: Final = "backbone."
+
+
+def is_hybrid_checkpoint(directory: StrPath) -> bool:
+    """True when ``directory/config.json`` is a NemotronH config (False if it cannot be read)."""
+    try:
+        raw, _ = read_config_json(directory, kind="a checkpoint")
+    except InvalidConfig:
+        return False
+    return is_hybrid_config(raw)
 
 
 def read_hybrid_config(directory: StrPath) -> HybridConfig:
