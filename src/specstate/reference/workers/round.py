@@ -49,7 +49,7 @@ from specstate.reference.workers.layout import (
     extend_result,
 )
 from specstate.reference.workers.sampler import TokenSampler
-from specstate.reference.workers.sources import ModelSource
+from specstate.reference.workers.sources import ModelSource, SourceModel
 from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
@@ -141,6 +141,11 @@ class ChainRoundWorker(abc.ABC):
     def capabilities(self) -> WorkerCapabilities:
         """The algorithm and window this worker runs; constant for its lifetime."""
         return self._capabilities
+
+    @property
+    def target_network(self) -> SourceModel:
+        """The target model (after attach), a Llama or a hybrid (`PagedHybrid`)."""
+        return self._target.network
 
     @property
     def target_model(self) -> PagedLlama:
