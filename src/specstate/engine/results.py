@@ -17,6 +17,8 @@ riding a mixed batch as 1-token extends of their bonus). Per row:
   forward (a mixed tail accepts exactly 1: its bonus's KV is now written).
 
 The result's ``logprobs``, when present, are appended with the tokens (same rows, same slices).
+For a worker with recurrent state the same settle commits the states (`RecurrentStatePool`): the
+decode-like rows by their runs, the completed prefills to their lengths.
 A finishing row's detail names its stop token, or its stop sequence.
 
 Python touches a request only when it finishes, or when its last prefill chunk settles.

@@ -24,6 +24,11 @@ row; ``S`` is ``batch.seq_lens[row]``, the KV-ready prefix before this forward):
       out:  next_token_ids [B * stride] (row i's run at i*stride : i*stride + a_i), accept_lens,
             new_seq_lens = S + accept_lens, next_draft_input (bonus = last token of each run).
 
+A worker with recurrent state (`WorkerCapabilities.recurrent`) also reads each row's start state
+from the state row of its prefix (``S`` in DECODE, ``prefix_lens`` in EXTEND; the zero state at
+0) and writes the state after each token at position ``p`` to the row of ``p + 1``
+(`WorkerMemory.recurrent`, `specstate.memory.recurrent`).
+
 Invariant (what the engine relies on): the worker reads KV only below ``S`` plus what it wrote in
 this forward, writes KV only inside ``[S, kv_allocated_len)`` of each row (EXTEND: only at
 ``out_cache_loc``), calls ``on_publish`` at most once per forward with the next frontier, and

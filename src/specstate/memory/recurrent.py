@@ -36,9 +36,10 @@ host record (`RecurrentStatePool`) advances at settlement, by the result process
 same length; the invariant checker verifies that it agrees with the KV ledger's committed
 length, and that every request holding a KV slot holds exactly one state record.
 
-Invariant: for every open record, ``recurrent_committed_len == kv_committed_len`` after every
-step, the record's incarnation is its request's, and ``row(slot, committed)`` is the only row of
-the slot that a later forward reads before writing.
+Invariant: the open records are exactly the open KV slots; a running request's
+``recurrent_committed_len == kv_committed_len`` (a prefilling one's is 0: its partial state is
+carried on the device from chunk to chunk); ``row(slot, committed)`` is the only row of the slot
+that a later forward reads before writing.
 """
 
 from __future__ import annotations

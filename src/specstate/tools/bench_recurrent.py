@@ -159,11 +159,15 @@ def _step_us(batch_size: int, rounds: int, *, stateful: bool) -> float:
             report = engine.step()
             if report.launched_mode == "decode" and report.launched_size == batch_size:
                 break
+        else:
+            raise RuntimeError(f"bs {batch_size}: the batch never decoded whole")
         samples = []
         for _ in range(rounds):
             start = time.perf_counter()
-            engine.step()
+            report = engine.step()
             samples.append(time.perf_counter() - start)
+            if report.launched_size != batch_size:
+                raise RuntimeError(f"bs {batch_size}: a round ran {report.launched_size} rows")
     return statistics.median(samples) * 1e6
 
 
