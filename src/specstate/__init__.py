@@ -11,7 +11,8 @@ Two layers:
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
   streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
   `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`, and for a hybrid
+  model `RecurrentStateSpec` and `RecurrentLayout`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -71,6 +72,12 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.memory.recurrent import (
+        RecurrentGroupSpec,
+        RecurrentLayout,
+        RecurrentStateSpec,
+        StateTensorSpec,
+    )
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
@@ -121,6 +128,10 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
+    "RecurrentGroupSpec": "specstate.memory.recurrent",
+    "RecurrentLayout": "specstate.memory.recurrent",
+    "RecurrentStateSpec": "specstate.memory.recurrent",
+    "StateTensorSpec": "specstate.memory.recurrent",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -153,6 +164,9 @@ __all__ = [
     "OnPublish",
     "OwnershipError",
     "PenaltyAccumulator",
+    "RecurrentGroupSpec",
+    "RecurrentLayout",
+    "RecurrentStateSpec",
     "RelayError",
     "RelayPayload",
     "Req",
@@ -165,6 +179,7 @@ __all__ = [
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
+    "StateTensorSpec",
     "StepReport",
     "TokenEvent",
     "UsageError",
