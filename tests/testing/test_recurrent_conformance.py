@@ -85,15 +85,18 @@ class _KeepsTheLastCheckpoint(SpyWorker):
 
 
 def test_a_worker_that_commits_the_last_checkpoint_fails(ckpt: HybridCheckpoints) -> None:
-    """Its tokens drift from HF generate: the kit names the ``tokens`` rule, in the recurrent
-    scenarios too."""
+    """Its tokens drift from HF generate: the recurrent scenarios report ``tokens`` findings."""
 
     def factory() -> WorkerProtocol:
         worker = ckpt.worker("draft_model")
         assert isinstance(worker, ChainRoundWorker)
         return _KeepsTheLastCheckpoint(worker)
 
+    prompts = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [5, 5, 5, 5]]
     with torch.no_grad():
-        report = check_worker(factory, vocab_size=ckpt.vocab_size, oracle=_oracle(ckpt))
-    assert "tokens" in report.rules()
-    assert any("zero-draft" in f.config or "rows" in f.config for f in report.findings)
+        findings, scenarios = check_recurrent_state(
+            factory, vocab_size=ckpt.vocab_size, prompts=prompts, max_new_tokens=10,
+            oracle=_oracle(ckpt),
+        )  # fmt: skip
+    assert {rule for rule, _, _ in findings} == {"tokens"}
+    assert {scenario for _, scenario, _ in findings} == set(scenarios)  # every scenario sees it
