@@ -72,7 +72,7 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
-    from specstate.memory.recurrent import (
+    from specstate.memory.recurrent_layout import (
         RecurrentGroupSpec,
         RecurrentLayout,
         RecurrentStateSpec,
@@ -128,10 +128,10 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
-    "RecurrentGroupSpec": "specstate.memory.recurrent",
-    "RecurrentLayout": "specstate.memory.recurrent",
-    "RecurrentStateSpec": "specstate.memory.recurrent",
-    "StateTensorSpec": "specstate.memory.recurrent",
+    "RecurrentGroupSpec": "specstate.memory.recurrent_layout",
+    "RecurrentLayout": "specstate.memory.recurrent_layout",
+    "RecurrentStateSpec": "specstate.memory.recurrent_layout",
+    "StateTensorSpec": "specstate.memory.recurrent_layout",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",

@@ -8,13 +8,12 @@ import torch
 
 from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation, OwnershipError
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.memory.recurrent import (
+from specstate.memory.recurrent import RecurrentStatePool, recurrent_pool_for
+from specstate.memory.recurrent_layout import (
     RecurrentGroupSpec,
     RecurrentLayout,
-    RecurrentStatePool,
     RecurrentStateSpec,
     StateTensorSpec,
-    recurrent_pool_for,
     rows_per_request,
 )
 

@@ -11,7 +11,7 @@ from hybrid_oracle import make_hybrid_checkpoint
 from transformers import NemotronHForCausalLM
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid import (
     LayerKind,
     PagedHybrid,

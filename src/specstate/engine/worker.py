@@ -47,7 +47,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
-from specstate.memory.recurrent import RecurrentLayout, RecurrentStateSpec
+from specstate.memory.recurrent_layout import RecurrentLayout, RecurrentStateSpec
 from specstate.memory.sizing import SpecWindow
 
 __all__ = [

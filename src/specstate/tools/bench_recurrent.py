@@ -32,11 +32,11 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.ownership import OwnershipChecker
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
-from specstate.memory.recurrent import (
+from specstate.memory.recurrent import recurrent_pool_for
+from specstate.memory.recurrent_layout import (
     RecurrentGroupSpec,
     RecurrentStateSpec,
     StateTensorSpec,
-    recurrent_pool_for,
 )
 from specstate.tools.timed_worker import TimedWaitWorker
 

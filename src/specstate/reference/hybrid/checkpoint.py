@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,

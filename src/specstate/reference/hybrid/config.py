@@ -26,7 +26,11 @@ import attrs
 import torch
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentGroupSpec, RecurrentStateSpec, StateTensorSpec
+from specstate.memory.recurrent_layout import (
+    RecurrentGroupSpec,
+    RecurrentStateSpec,
+    StateTensorSpec,
+)
 from specstate.reference.checkpoint import DTYPES, StrPath, read_float_field, read_int_field
 
 __all__ = ["HybridConfig", "LayerKind", "from_hf_config", "is_hybrid_config", "to_hf_config"]

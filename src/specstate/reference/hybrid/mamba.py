@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid.config import HybridConfig
 
 __all__ = ["Mamba2Mixer", "StateBuffers", "TokenGrid"]

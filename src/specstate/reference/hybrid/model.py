@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid.config import HybridConfig, LayerKind
 from specstate.reference.hybrid.mamba import Mamba2Mixer, StateBuffers, TokenGrid, check_layout
 from specstate.reference.model import (

@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.checkpoint import CONFIG_FILE, load_paged_llama, read_model_config
 from specstate.reference.hybrid import (
     HybridConfig,

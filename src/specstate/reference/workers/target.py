@@ -38,7 +38,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.memory.recurrent import RecurrentStateSpec
+from specstate.memory.recurrent_layout import RecurrentStateSpec
 from specstate.reference.hybrid import HybridConfig, PagedHybrid
 from specstate.reference.model import AttentionBatch, PagedLlama
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
