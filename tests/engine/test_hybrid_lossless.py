@@ -233,3 +233,28 @@ def test_trees_and_eagle_are_refused(ckpt: HybridCheckpoints, tmp_path: Path) ->
         registry.create("draft_model", target=ckpt.target, draft=ckpt.partial, topk=2)
     with pytest.raises(InvalidConfig, match="eagle worker needs a Llama target"):
         registry.create("eagle", target=ckpt.target, eagle=tmp_path)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_sampling_is_independent_of_the_drafts(
+    ckpt: HybridCheckpoints, overlap: bool
+) -> None:
+    """Seeded sampled requests emit the same tokens with speculation as without it: the state
+    committed after a sampled verify is the one of its accepted run."""
+    params = [
+        SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i) for i in range(5)
+    ]
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    outputs = {}
+    spies = {}
+    for algorithm in ("none", "ngram", "draft_model"):
+        spies[algorithm] = spy = RoundSpy(ckpt.worker(algorithm))
+        with Engine(spy, limits=limits, config=_config(overlap=overlap)) as engine:
+            reqs = [engine.submit(f"s{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
+            run_checked(engine)
+        outputs[algorithm] = [list(r.emitted_ids) for r in reqs]
+    assert outputs["ngram"] == outputs["none"]
+    assert outputs["draft_model"] == outputs["none"]
+    assert _partial_accepts(
+        spies["draft_model"].rounds, spies["draft_model"].capabilities.max_accept
+    )

@@ -24,7 +24,8 @@ a name (`InvariantViolation.invariant`):
 * ``recurrent-slots`` (a worker with recurrent state): the open state records are exactly the
   open KV slots, each held by the same request and, for a live request, its current
   incarnation: every running hybrid request owns exactly one committed state, and the state
-  pool balances with the KV pool;
+  pool balances with the KV pool; no such request shares a cached prefix
+  (``cache_protected_len == 0``: the state has no checkpoint at a cache boundary);
 * ``recurrent-commit``: a running request's committed state has absorbed exactly its committed
   KV (``recurrent_committed_len == kv_committed_len``); a prefilling one has committed none
   (its partial state is carried on the device from chunk to chunk).
@@ -87,7 +88,13 @@ class SettlementParts(Protocol):
         ...
 
 
-__all__ = ["InvariantViolation", "SettlementProbe", "check_engine", "check_settlement"]
+__all__ = [
+    "InvariantViolation",
+    "SettlementProbe",
+    "check_engine",
+    "check_recurrent",
+    "check_settlement",
+]
 
 
 class InvariantViolation(SpecStateError):
@@ -309,6 +316,13 @@ def _check_state_settled(
         )
 
 
+def check_recurrent(engine: Engine) -> None:
+    """``recurrent-slots`` and ``recurrent-commit`` alone (`check_engine` runs them too)."""
+    sched = engine.scheduler
+    entries = engine.ledger.batch_snapshot().entries
+    _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
+
+
 def _check_recurrent(
     engine: Engine, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
 ) -> None:
@@ -327,6 +341,12 @@ def _check_recurrent(
         if holder is None or holder[0] != entry.request_id:
             _fail(
                 "recurrent-slots", f"slot {slot}: state record {holder}, KV of {entry.request_id}"
+            )
+        if entry.cache_protected_len:  # the state is not checkpointed at cache boundaries
+            _fail(
+                "recurrent-slots",
+                f"request {entry.request_id}: shares a cached prefix of "
+                f"{entry.cache_protected_len} tokens; its recurrent state has no checkpoint there",
             )
     for req in admitted:
         slot = engine.allocator.slot_of(req)
