@@ -10,8 +10,8 @@ the layout (`specstate.memory.recurrent_layout`) is the value both sides share.
 Layout (`RecurrentLayout`): request slot ``s`` owns ``C`` consecutive *state rows*, and the
 state after a request has absorbed ``p`` tokens lives in row ``s * C + p % C``::
 
-    rows of slot s      s*C + 0   s*C + 1   s*C + 2   ...   s*C + C-1
-    a verify at S        ----      read S    S+1 ckpt  ...   S+D ckpt    (C = D + 1, S % C = 1)
+    rows of slot s      s*C + 0    s*C + 1   s*C + 2    ...   s*C + C-1
+    a verify at S       S+D ckpt   read S    S+1 ckpt   ...   S+D-1 ckpt   (C = D + 1, S % C = 1)
 
 A forward over positions ``[P, P + n)`` of a row reads its start state from ``row(P)`` (the
 zero state when ``P == 0``) and writes the state after each token it absorbs to

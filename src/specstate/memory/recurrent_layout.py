@@ -6,8 +6,8 @@ the engine sizes ``C = D + 1`` rows per request slot from the worker's window
 (`rows_per_request`) and hands the worker a `RecurrentLayout`, in which the state after ``p``
 tokens of slot ``s`` is row ``s * C + p % C``::
 
-    rows of slot s      s*C + 0   s*C + 1   s*C + 2   ...   s*C + C-1
-    a verify at S        ----      read S    S+1 ckpt  ...   S+D ckpt    (C = D + 1, S % C = 1)
+    rows of slot s      s*C + 0    s*C + 1   s*C + 2    ...   s*C + C-1
+    a verify at S       S+D ckpt   read S    S+1 ckpt   ...   S+D-1 ckpt   (C = D + 1, S % C = 1)
 
 Invariant: every spec is validated at construction (`InvalidConfig`), and `RecurrentLayout.rows`
 never leaves the rows of the slot it is given.
