@@ -12,7 +12,8 @@ Two layers:
   streaming (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
   `RequestStream`), the worker interface (`WorkerProtocol`,
   `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`, and for a hybrid
+  model `RecurrentStateSpec` and `RecurrentLayout`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -74,6 +75,12 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.memory.recurrent_layout import (
+        RecurrentGroupSpec,
+        RecurrentLayout,
+        RecurrentStateSpec,
+        StateTensorSpec,
+    )
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
@@ -128,6 +135,10 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
+    "RecurrentGroupSpec": "specstate.memory.recurrent_layout",
+    "RecurrentLayout": "specstate.memory.recurrent_layout",
+    "RecurrentStateSpec": "specstate.memory.recurrent_layout",
+    "StateTensorSpec": "specstate.memory.recurrent_layout",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -167,6 +178,9 @@ __all__ = [
     "OwnershipError",
     "PenaltyAccumulator",
     "QueueFull",
+    "RecurrentGroupSpec",
+    "RecurrentLayout",
+    "RecurrentStateSpec",
     "RelayError",
     "RelayPayload",
     "Req",
@@ -180,6 +194,7 @@ __all__ = [
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
+    "StateTensorSpec",
     "StepReport",
     "TokenEvent",
     "UsageError",

@@ -29,6 +29,7 @@ from specstate.core.ownership import OwnershipChecker, Role, RoleScope
 from specstate.engine.finish import resolve_finish
 from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
 from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
+from specstate.memory.recurrent import RecurrentPoolSnapshot, RecurrentStatePool
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
 from specstate.memory.sizing import DecodeAllocLens, page_aligned_decode_alloc_lens
 from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
@@ -60,6 +61,8 @@ __all__ = [
     "LedgerViews",
     "MixedTails",
     "OwnershipChecker",
+    "RecurrentPoolSnapshot",
+    "RecurrentStatePool",
     "ReleasedKv",
     "ReqToTokenPool",
     "ResolvedSeqLens",

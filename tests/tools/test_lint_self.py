@@ -52,6 +52,27 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         # The result processor: the only committer after prefill, and the only output writer.
         ("engine/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
         ("engine/results.py", "ResultProcessor._append", "call append_runs"): 1,
+        # The recurrent-state pool (hybrid workers): records opened and closed by the allocator
+        # with the request slots; committed lengths advanced only by the result processor.
+        ("memory/allocation.py", "KvAllocator.admit", "call open_state"): 1,
+        ("memory/allocation.py", "KvAllocator.release_many", "call close_states"): 1,
+        ("memory/recurrent.py", "RecurrentStatePool.__init__", "assign _recurrent_committed"): 1,
+        (
+            "memory/recurrent.py",
+            "RecurrentStatePool.commit_states",
+            "augassign _recurrent_committed",
+        ): 1,
+        (
+            "memory/recurrent.py",
+            "RecurrentStatePool.commit_prefilled",
+            "assign _recurrent_committed",
+        ): 1,
+        ("memory/recurrent.py", "RecurrentStatePool.settle_states", "call commit_states"): 2,
+        ("memory/recurrent.py", "RecurrentStatePool.settle_states", "call commit_prefilled"): 1,
+        ("engine/results.py", "ResultProcessor._commit_states", "call settle_states"): 1,
+        # `specstate bench recurrent` times the commit on a standalone pool it owns.
+        ("tools/bench_recurrent.py", "_commit_us", "call open_state"): 1,
+        ("tools/bench_recurrent.py", "_commit_us", "call settle_states"): 1,
     }
 )
 

@@ -48,6 +48,7 @@ from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
+from specstate.memory.recurrent import recurrent_pool_for
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepReport"]
 
@@ -122,6 +123,14 @@ class Engine:
         row_width = context + window.row_headroom + caps.max_accept + config.page_size
         num_pages = config.kv_tokens // config.page_size
         max_requests = config.max_running * 2  # room for requests whose release is deferred
+        self.recurrent = recurrent_pool_for(
+            caps.recurrent,
+            num_draft_tokens=caps.num_draft_tokens,
+            topk=caps.topk,
+            num_request_slots=max_requests + 1,
+            checker=self.checker,
+            validate=config.check_invariants,
+        )
         self.ledger = KvLedger(
             max_requests, row_width, checker=self.checker, validate=config.check_invariants
         )
@@ -133,6 +142,7 @@ class Engine:
             validate=config.check_invariants,
             window=window,
             checker=self.checker,
+            recurrent=self.recurrent,
         )
         self.deferred = DeferredReleases(self.allocator)
         self.outputs = OutputTable(
@@ -165,6 +175,7 @@ class Engine:
             outputs=self.outputs,
             checker=self.checker,
             num_draft_tokens=caps.num_draft_tokens,
+            recurrent=self.recurrent,
         )
         launcher = Launcher(
             worker=worker,
@@ -186,6 +197,7 @@ class Engine:
                 ledger=views.worker,
                 num_token_slots=num_pages * config.page_size,
                 device=device,
+                recurrent=None if self.recurrent is None else self.recurrent.layout,
             )
         )
         self.lifecycle = RequestLifecycle(

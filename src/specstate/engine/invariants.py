@@ -21,12 +21,23 @@ a name (`InvariantViolation.invariant`):
 * ``idle-empty``: at idle, nothing is open and every page is free (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
   every open output row belongs to such a request.
+* ``recurrent-slots`` (a worker with recurrent state): the open state records are exactly the
+  open KV slots, each held by the same request and, for a live request, its current
+  incarnation: every running hybrid request owns exactly one committed state, and the state
+  pool balances with the KV pool; no such request shares a cached prefix
+  (``cache_protected_len == 0``: the state has no checkpoint at a cache boundary);
+* ``recurrent-commit``: a running request's committed state has absorbed exactly its committed
+  KV (``recurrent_committed_len == kv_committed_len``); a prefilling one has committed none
+  (its partial state is carried on the device from chunk to chunk).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
 * ``commit-settlement``: a settled decode row advances committed by exactly its accept length
   and appends exactly that many outputs (up to its cap); a row whose request ended or was
   retracted while the batch was in flight changes neither (`check_settlement`);
+* ``recurrent-settlement``: a settled decode-like row advances its committed state by exactly
+  its accept length (it selects the checkpoint of the accepted run: the round's other
+  checkpoints are free again), and a row that was not live changes nothing;
 * ``draft-width``: a decode round launched with an adaptive width settles a run and a stride
   of at most ``num_draft_steps + 1`` (the width changes between rounds; a round in flight
   keeps its own).
@@ -39,6 +50,7 @@ checker refuses a counter write by a role that does not own it (`OwnershipError`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -49,7 +61,7 @@ from specstate.core.errors import SpecStateError
 from specstate.core.request import Req, ReqStatus
 
 if TYPE_CHECKING:
-    from specstate.core.ledger import LedgerReader
+    from specstate.core.ledger import KvLedgerSnapshot, LedgerReader
     from specstate.engine.engine import Engine
     from specstate.engine.launch import InFlight
     from specstate.engine.outputs import OutputTable
@@ -76,7 +88,13 @@ class SettlementParts(Protocol):
         ...
 
 
-__all__ = ["InvariantViolation", "SettlementProbe", "check_engine", "check_settlement"]
+__all__ = [
+    "InvariantViolation",
+    "SettlementProbe",
+    "check_engine",
+    "check_recurrent",
+    "check_settlement",
+]
 
 
 class InvariantViolation(SpecStateError):
@@ -147,6 +165,7 @@ def check_engine(engine: Engine) -> None:
             )
     _check_reserve(engine)
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
+    _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:
@@ -184,6 +203,7 @@ class SettlementProbe:
     allocated: npt.NDArray[np.int64]
     outputs: npt.NDArray[np.int64]
     live: npt.NDArray[np.bool_]  # the request still holds the row it was launched for
+    states: npt.NDArray[np.int64] | None = None  # committed recurrent lengths (hybrid)
 
     @classmethod
     def take(cls, engine: SettlementParts, flight: InFlight) -> SettlementProbe:
@@ -203,7 +223,9 @@ class SettlementProbe:
             ],
             dtype=np.bool_,
         )
-        return cls(committed, allocated, engine.outputs.lengths(slots), live)
+        pool = engine.allocator.recurrent
+        states = None if pool is None else pool.committed_lengths(slots)
+        return cls(committed, allocated, engine.outputs.lengths(slots), live, states)
 
 
 def check_settlement(
@@ -228,6 +250,7 @@ def check_settlement(
         grew, emitted = committed[i] - before.committed[i], outputs[i] - before.outputs[i]
         where = f"request {req.request_id}, batch {flight.batch_id}"
         if not before.live[i]:
+            _check_state_settled(engine, flight, i, 0, before)
             if grew or emitted:
                 _fail(
                     "commit-settlement",
@@ -251,6 +274,7 @@ def check_settlement(
                 f"{where}: a round launched with {steps} draft steps settled a run of "
                 f"{accept} (stride {width}); at most {steps + 1}",
             )
+        _check_state_settled(engine, flight, i, accept, before)
         if plan.is_decode and int(host.seq_lens[i]) + width > before.allocated[i]:
             _fail(
                 "reserve",
@@ -271,3 +295,72 @@ def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
         rows.discard(slot)
     if rows:
         _fail("output-rows", f"output rows {sorted(rows)} are open without an admitted request")
+
+
+def _check_state_settled(
+    engine: SettlementParts, flight: InFlight, row: int, accept: int, before: SettlementProbe
+) -> None:
+    """``recurrent-settlement``: row ``row``'s committed state moved by exactly ``accept``."""
+    pool = engine.allocator.recurrent
+    if pool is None or before.states is None:
+        return
+    slot = flight.plan.slots_host[row : row + 1]
+    moved = int(pool.committed_lengths(slot)[0] - before.states[row])
+    if moved != accept and pool.is_open(int(slot[0])):
+        req = flight.plan.batch.reqs[row]
+        _fail(
+            "recurrent-settlement",
+            f"request {req.request_id}, batch {flight.batch_id}: accept length {accept} but the "
+            f"committed state moved by {moved} ({int(before.states[row])} -> "
+            f"{int(before.states[row]) + moved})",
+        )
+
+
+def check_recurrent(engine: Engine) -> None:
+    """``recurrent-slots`` and ``recurrent-commit`` alone (`check_engine` runs them too)."""
+    sched = engine.scheduler
+    entries = engine.ledger.batch_snapshot().entries
+    _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
+
+
+def _check_recurrent(
+    engine: Engine, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
+) -> None:
+    """``recurrent-slots`` and ``recurrent-commit`` (see the module docstring)."""
+    pool = engine.allocator.recurrent
+    if pool is None:
+        return
+    by_slot = {e.slot: e for e in entries}
+    if pool.open_slots() != sorted(by_slot):
+        _fail(
+            "recurrent-slots",
+            f"open state records {pool.open_slots()} != open KV slots {sorted(by_slot)}",
+        )
+    for slot, entry in by_slot.items():
+        holder = pool.holder(slot)
+        if holder is None or holder[0] != entry.request_id:
+            _fail(
+                "recurrent-slots", f"slot {slot}: state record {holder}, KV of {entry.request_id}"
+            )
+        if entry.cache_protected_len:  # the state is not checkpointed at cache boundaries
+            _fail(
+                "recurrent-slots",
+                f"request {entry.request_id}: shares a cached prefix of "
+                f"{entry.cache_protected_len} tokens; its recurrent state has no checkpoint there",
+            )
+    for req in admitted:
+        slot = engine.allocator.slot_of(req)
+        if pool.holder(slot) != (req.request_id, req.incarnation):
+            _fail(
+                "recurrent-slots",
+                f"request {req.request_id} (incarnation {req.incarnation}): slot {slot}'s state "
+                f"record is {pool.holder(slot)}",
+            )
+        state = int(pool.committed_lengths(np.array([slot], dtype=np.int64))[0])
+        want = by_slot[slot].kv_committed_len if req.status is ReqStatus.RUNNING else 0
+        if state != want:
+            _fail(
+                "recurrent-commit",
+                f"request {req.request_id} ({req.status.value}): committed state has absorbed "
+                f"{state} tokens, committed KV {by_slot[slot].kv_committed_len} (want {want})",
+            )

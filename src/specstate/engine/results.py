@@ -17,6 +17,8 @@ riding a mixed batch as 1-token extends of their bonus). Per row:
   forward (a mixed tail accepts exactly 1: its bonus's KV is now written).
 
 The result's ``logprobs``, when present, are appended with the tokens (same rows, same slices).
+For a worker with recurrent state the same settle commits the states (`RecurrentStatePool`): the
+decode-like rows by their runs, the completed prefills to their lengths.
 A finishing row's detail names its stop token, or its stop sequence.
 
 Python touches a request only when it finishes, or when its last prefill chunk settles.
@@ -41,6 +43,7 @@ from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
 from specstate.engine.finish import abort_finish
 from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
 from specstate.engine.result_copy import HostResult
+from specstate.memory.recurrent import RecurrentStatePool
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
 
@@ -99,6 +102,7 @@ class ResultProcessor:
         outputs: the output table (the result processor is its only appender).
         checker: the engine's ownership checker (the processor acts as RESULT_PROCESSOR).
         num_draft_tokens: verify width D, for the proposed-drafts metric.
+        recurrent: a hybrid worker's state records, committed with the KV (None: no state).
     """
 
     def __init__(
@@ -108,8 +112,10 @@ class ResultProcessor:
         outputs: OutputTable,
         checker: OwnershipChecker,
         num_draft_tokens: int,
+        recurrent: RecurrentStatePool | None = None,
     ) -> None:
         self._ledger = ledger
+        self._recurrent = recurrent
         self._outputs = outputs
         self._checker = checker
         self._drafts_per_verify = max(num_draft_tokens - 1, 0)
@@ -167,6 +173,8 @@ class ResultProcessor:
             firsts = [i for i in range(n_prefill) if last_chunk[i] and live[i]]
         with self._checker.acting(Role.RESULT_PROCESSOR):
             self._commit(slots_np, accept, decode)
+            if self._recurrent is not None:
+                self._commit_states(self._recurrent, slots_np, accept, decode, firsts)
             rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
             ended = self._append(
                 slots_np, tokens, accept, result.logprobs, rows, verifies, n_prefill
@@ -190,6 +198,18 @@ class ResultProcessor:
                 return
             slots, accept = slots[rows], accept[rows]
         self._ledger.advance_committed(slots, accept)
+
+    def _commit_states(
+        self,
+        pool: RecurrentStatePool,
+        slots: IntArray,
+        accept: IntArray,
+        rows: IntArray | None,
+        firsts: list[int],
+    ) -> None:
+        """The recurrent states follow the KV: runs selected, completed prefills committed."""
+        prefilled = self._ledger.host_lengths(slots[firsts])[0] if firsts else slots[:0]
+        pool.settle_states(slots, accept, rows, firsts, prefilled)
 
     def _append(
         self,

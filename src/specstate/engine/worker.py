@@ -24,6 +24,11 @@ row; ``S`` is ``batch.seq_lens[row]``, the KV-ready prefix before this forward):
       out:  next_token_ids [B * stride] (row i's run at i*stride : i*stride + a_i), accept_lens,
             new_seq_lens = S + accept_lens, next_draft_input (bonus = last token of each run).
 
+A worker with recurrent state (`WorkerCapabilities.recurrent`) also reads each row's start state
+from the state row of its prefix (``S`` in DECODE, ``prefix_lens`` in EXTEND; the zero state at
+0) and writes the state after each token at position ``p`` to the row of ``p + 1``
+(`WorkerMemory.recurrent`, `specstate.memory.recurrent`).
+
 Invariant (what the engine relies on): the worker reads KV only below ``S`` plus what it wrote in
 this forward, writes KV only inside ``[S, kv_allocated_len)`` of each row (EXTEND: only at
 ``out_cache_loc``), calls ``on_publish`` at most once per forward with the next frontier, and
@@ -42,6 +47,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
+from specstate.memory.recurrent_layout import RecurrentLayout, RecurrentStateSpec
 from specstate.memory.sizing import SpecWindow
 
 __all__ = [
@@ -87,6 +93,11 @@ class WorkerCapabilities:
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
             more than ``num_draft_steps + 1``.
+        recurrent: the recurrent state of a hybrid model (Mamba2, linear attention, short
+            convolution layers), or None. The engine then lays out ``C = num_draft_tokens + 1``
+            state rows per request (`WorkerMemory.recurrent`), commits the state of the
+            accepted length at settlement, and a prefix cache does not share prefixes (the
+            state is not checkpointed at cache boundaries). Chains only (``topk == 1``).
     """
 
     algorithm: str
@@ -103,6 +114,7 @@ class WorkerCapabilities:
     supports_seeds: bool = False
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
+    recurrent: RecurrentStateSpec | None = None
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:
@@ -150,12 +162,16 @@ class WorkerMemory:
         num_token_slots: KV token slots per layer the worker's caches must hold (slot 0 is
             the padding slot).
         device: where the engine's tensors live.
+        recurrent: where request states sit in the worker's state buffers (a worker that
+            declares `WorkerCapabilities.recurrent` allocates ``recurrent.num_rows`` rows per
+            state tensor); None for a worker without recurrent state.
     """
 
     req_to_token: torch.Tensor
     ledger: WorkerLedgerView
     num_token_slots: int
     device: torch.device
+    recurrent: RecurrentLayout | None = None
 
 
 @runtime_checkable

@@ -51,6 +51,7 @@ from specstate.memory.pools import (
     has_duplicates,
     host_index,
 )
+from specstate.memory.recurrent import RecurrentStatePool
 from specstate.memory.sizing import (
     DecodeAllocLens,
     SpecWindow,
@@ -131,6 +132,8 @@ class KvAllocator:
         checker: the engine's ownership checker.
         validate: run the per-row checks of every call (tests and ``check_invariants``);
             off, a round's reservation is a fixed number of host array operations.
+        recurrent: the recurrent-state records of a hybrid worker, opened and closed with the
+            request slots (None: the worker keeps no recurrent state).
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class KvAllocator:
         window: SpecWindow,
         checker: OwnershipChecker,
         validate: bool = True,
+        recurrent: RecurrentStatePool | None = None,
     ) -> None:
         if window.page_size != token_pool.page_size:
             raise InvalidConfig(
@@ -158,6 +162,7 @@ class KvAllocator:
         self.window = window
         self._checker = checker
         self._validate = validate
+        self._recurrent = recurrent
         # Per request slot: its holder and the pool generation it was admitted at (the handle).
         self._holders: dict[int, Req] = {}
         self._admitted_generation = np.zeros(req_pool.max_requests + 1, dtype=np.int64)
@@ -174,6 +179,11 @@ class KvAllocator:
     def req_to_token_host(self) -> IntArray:
         """The host copy of the table (what the scheduler computes batch locations from)."""
         return self._req_pool.table_host
+
+    @property
+    def recurrent(self) -> RecurrentStatePool | None:
+        """The recurrent-state records opened and closed with the slots (None: no state)."""
+        return self._recurrent
 
     @property
     def token_pool(self) -> TokenSlotAllocator:
@@ -221,6 +231,8 @@ class KvAllocator:
         handle = self._req_pool.alloc(req.request_id)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.open_slot(handle.slot, req.request_id)
+            if self._recurrent is not None:
+                self._recurrent.open_state(handle.slot, req.request_id, req.incarnation)
         self._holders[handle.slot] = req
         self._admitted_generation[handle.slot] = handle.generation
         self._slot_by_req[req] = handle.slot
@@ -339,6 +351,8 @@ class KvAllocator:
         )
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.close_slots(index_t)
+            if self._recurrent is not None:  # the states go with the slots
+                self._recurrent.close_states(index)
         self._req_pool.free_slots(index, generations)
         deque(map(self._holders.pop, slots), maxlen=0)  # C loops: no Python per request
         deque(map(held.pop, reqs), maxlen=0)

@@ -20,6 +20,9 @@ configuration runs under KV pressure (retraction) and aborts a request mid-fligh
                     between configurations (the same requests must emit the same
                     tokens in every loop, page size and chunking)
 ``unfinished``      a request that did not end by length or stop
+``recurrent``       (a worker with recurrent state) a recurrent-state invariant failed:
+                    the committed state is not the checkpoint of the accepted run
+                    (`specstate.testing.recurrent_conformance`)
 ==================  ===============================================================
 
 ``assert_worker_conforms`` raises `AssertionError` listing the findings (for pytest).
@@ -37,6 +40,7 @@ from specstate.core.request import FinishReason, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import WorkerProtocol
 from specstate.relay.isolation import IsolationError
+from specstate.testing.recurrent_conformance import check_recurrent_state
 
 __all__ = ["ConformanceReport", "Finding", "assert_worker_conforms", "check_worker"]
 
@@ -160,7 +164,15 @@ def check_worker(
             factory, config, name, vocab_size, prompts, max_new_tokens, oracle, seen,
             abort=config is pressure,
         )  # fmt: skip
-    return ConformanceReport(findings=tuple(findings), configs=tuple(names))
+    more, scenarios = check_recurrent_state(
+        factory,
+        vocab_size=vocab_size,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        oracle=oracle,
+    )  # a hybrid worker's state commit (nothing without recurrent state)
+    findings += [Finding(*f) for f in more]
+    return ConformanceReport(findings=tuple(findings), configs=(*names, *scenarios))
 
 
 def _run_config(

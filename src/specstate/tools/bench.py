@@ -12,6 +12,8 @@ Subcommands:
   a timed-wait device (`specstate.tools.timed_worker.TimedWaitWorker`).
 * ``bench serve``: concurrent clients through `AsyncEngine` and over HTTP against the engine
   driven directly (`specstate.tools.bench_serve`).
+* ``bench recurrent``: the host cost of committing a hybrid worker's recurrent states per round
+  (`specstate.tools.bench_recurrent`).
 
 Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
 A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
@@ -36,6 +38,8 @@ from typing import Final, TypeVar
 
 import attrs
 import torch
+
+from specstate.tools import bench_recurrent
 
 __all__ = ["add_arguments", "run"]
 
@@ -191,6 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specstate.tools import bench_serve  # its own module; imports nothing heavy
 
     bench_serve.add_parser(benches)
+    bench_recurrent.add_parser(benches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         "engine": _run_engine,
         "overlap": _run_overlap,
         "serve": _run_serve,
+        "recurrent": bench_recurrent.run,
     }
     return benches[args.bench](args)
 

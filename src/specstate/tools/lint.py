@@ -82,6 +82,9 @@ TRACKED_COUNTERS: Final[frozenset[str]] = frozenset(
         "_output_tokens",
         "_output_tokens_flat",
         "_output_lengths",
+        # The recurrent-state pool's committed lengths (hybrid models).
+        "recurrent_committed_len",
+        "_recurrent_committed",
     }
 )
 """Attribute names whose writes are sites."""
@@ -101,6 +104,11 @@ OWNER_MUTATORS: Final[frozenset[str]] = frozenset(
         "append_outputs",
         "append_runs",
         "open_row",
+        "open_state",
+        "close_states",
+        "commit_states",
+        "commit_prefilled",
+        "settle_states",
     }
 )
 """Owner methods whose every call is a site (they write tracked counters)."""

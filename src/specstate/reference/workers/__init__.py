@@ -14,7 +14,7 @@
 ``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``topk``,
                ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
 ``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
-               ``seed``
+               ``seed``, ``draft_without_match``
 =============  ==========================================================================
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
@@ -24,8 +24,11 @@ sees the penalties and ``min_new_tokens`` state of its own path, seeded rows ver
 their seeded draws, and logprobs and ``speculative=False`` work as on a chain. Trees do not
 take an adaptive draft length.
 
-``target`` / ``draft`` are Hugging Face Llama checkpoint directories or in-memory `PagedLlama`
-models; ``eagle`` is a directory in the `specstate.reference.eagle_head` format.
+``target`` / ``draft`` are Hugging Face Llama or NemotronH checkpoint directories, or in-memory
+`PagedLlama` / `PagedHybrid` models; ``eagle`` is a directory in the
+`specstate.reference.eagle_head` format. A NemotronH target or drafter (Mamba2 layers) declares
+its recurrent state (`WorkerCapabilities.recurrent`) and keeps it in the engine's state rows;
+``none``, ``ngram`` and chain ``draft_model`` serve it (``eagle`` and trees need a Llama).
 
 Rows with ``temperature > 0`` sample: the target and the drafters draw from their top-k / top-p
 filtered ``softmax(logits / T)`` and chains are verified by speculative sampling

@@ -26,16 +26,19 @@ target's own greedy tokens.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.reference.model import AttentionBatch, ModelOutput, PagedLlama
+from specstate.reference.hybrid import HybridConfig
+from specstate.reference.model import AttentionBatch, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import (
     ModelSource,
+    SourceModel,
     build_model,
     check_same_vocab,
     read_source_config,
@@ -58,7 +61,10 @@ class DraftModelWorker(TreeRoundWorker):
 
     Args:
         target: the target checkpoint directory or in-memory `PagedLlama`.
-        draft: the drafter, same vocabulary as the target (may be the target itself).
+        draft: the drafter, same vocabulary as the target (may be the target itself). A hybrid
+            drafter (NemotronH) keeps its states in the engine's state rows, beside the
+            target's: its drafting steps and its post-verify extend read and write the rows of
+            the positions they absorb, exactly as its KV uses the target's token slots.
         num_steps: K, draft steps per round (a chain verifies D = K + 1 tokens).
         topk: branches per tree node; 1 (the default) drafts a chain.
         num_draft_tokens: D, tree nodes verified per round, root included (default: ``K + 1``
@@ -89,16 +95,21 @@ class DraftModelWorker(TreeRoundWorker):
             raise InvalidConfig(f"draft_model worker needs num_steps >= 1, got {num_steps}")
         runner = TargetRunner(target, device=device, dtype=dtype)
         check_same_vocab(target, runner.config, draft, read_source_config(draft, dtype=dtype))
+        draft_config = read_source_config(draft, dtype=dtype)
         capabilities = tree_capabilities(
             "draft_model", num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens
         )
+        if isinstance(draft_config, HybridConfig):  # its states share the target's rows
+            capabilities = attrs.evolve(
+                capabilities, recurrent=draft_config.recurrent_spec(prefix="draft")
+            )
         super().__init__(runner, capabilities, seed=seed)
         self._draft_source = draft
         self._dtype = dtype
-        self._drafter: PagedLlama | None = None
+        self._drafter: SourceModel | None = None
 
     @property
-    def draft_model(self) -> PagedLlama:
+    def draft_model(self) -> SourceModel:
         """The drafter (after attach)."""
         if self._drafter is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
@@ -110,6 +121,7 @@ class DraftModelWorker(TreeRoundWorker):
             num_token_slots=memory.num_token_slots,
             device=self._target.device_for(memory),
             dtype=self._dtype,
+            recurrent=memory.recurrent,
         )
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:

@@ -40,7 +40,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.checkpoint import CONFIG_FILE
 from specstate.reference.eagle_head import EagleHead, load_eagle_head, read_eagle_config
-from specstate.reference.model import AttentionBatch, ModelOutput
+from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
@@ -87,6 +87,10 @@ class EagleWorker(TreeRoundWorker):
         if num_steps < 1:
             raise InvalidConfig(f"eagle worker needs num_steps >= 1, got {num_steps}")
         runner = TargetRunner(target, device=device, dtype=dtype)
+        if not isinstance(runner.config, ModelConfig):
+            raise InvalidConfig(
+                f"eagle worker needs a Llama target; {source_label(target)} is a hybrid model"
+            )
         head_config = read_eagle_config(eagle)
         for name in ("hidden_size", "vocab_size"):
             ours, theirs = getattr(head_config, name), getattr(runner.config, name)

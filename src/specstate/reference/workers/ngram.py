@@ -9,7 +9,8 @@ holds its token at ``p``. Writes are idempotent, so a replayed or overlapped wri
     lookup          trailing n-gram h[S-n+1 .. S] (n = max_ngram .. 1); the most recent earlier
                     occurrence starting at i; drafts continue it: h[i+n], h[i+n+1], ... repeating
                     with period S+1-(i+n) when they run past S (so "abcab" drafts "c a b ...")
-                    no occurrence: the bonus repeated
+                    no occurrence: the bonus repeated (or, with draft_without_match=False and
+                    no row matching, no drafts at all this round)
     after verify    history[slot, S+1 .. S+m] = d1..dm (the accepted drafts)
 
 The drafts are deterministic, so a sampled row verifies them with a one-hot ``q``: ``d_i`` is
@@ -60,6 +61,12 @@ class TokenHistory:
         self, slots: torch.Tensor, start: torch.Tensor, *, num_tokens: int, max_ngram: int
     ) -> torch.Tensor:
         """Drafts ``[B, num_tokens]`` following the trailing n-gram that ends at ``start``."""
+        return self.propose_matched(slots, start, num_tokens=num_tokens, max_ngram=max_ngram)[0]
+
+    def propose_matched(
+        self, slots: torch.Tensor, start: torch.Tensor, *, num_tokens: int, max_ngram: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`propose`, and ``[B]`` True where a trailing n-gram occurred earlier (no fallback)."""
         rows = self.read(slots)
         length = start.long() + 1  # tokens known per row, the bonus at `start` included
         best = torch.full_like(length, -1)
@@ -75,7 +82,7 @@ class TokenHistory:
         index = (first[:, None] + steps % period[:, None]).clamp(0, rows.shape[1] - 1)
         drafts = rows.gather(1, index)
         bonus = rows.gather(1, start.long()[:, None]).expand_as(drafts)
-        return torch.where((best >= 0)[:, None], drafts, bonus)
+        return torch.where((best >= 0)[:, None], drafts, bonus), best >= 0
 
     @staticmethod
     def _latest_occurrence(rows: torch.Tensor, length: torch.Tensor, n: int) -> torch.Tensor:
@@ -102,6 +109,9 @@ class NgramWorker(ChainRoundWorker):
         target: checkpoint directory or in-memory `PagedLlama`.
         num_steps: K, draft tokens per round (D = K + 1 tokens are verified).
         max_ngram: the longest trailing n-gram looked up (then shorter ones, down to 1).
+        draft_without_match: with False, a round in which no row's trailing n-gram occurred
+            earlier drafts nothing (a plain decode step, as n-gram proposers in serving engines
+            do); True (the default) drafts the bonus repeated instead.
         device: where the model and history live (default: the engine memory's device).
         dtype: parameter and KV dtype (default: the checkpoint's).
         seed: seeds the worker's generator for sampled rows (None: not reproducible).
@@ -119,6 +129,7 @@ class NgramWorker(ChainRoundWorker):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
+        draft_without_match: bool = True,
     ) -> None:
         if num_steps < 1 or max_ngram < 1:
             raise InvalidConfig(
@@ -129,6 +140,7 @@ class NgramWorker(ChainRoundWorker):
         runner = TargetRunner(target, device=device, dtype=dtype)
         super().__init__(runner, capabilities, seed=seed)
         self._max_ngram = max_ngram
+        self._draft_without_match = draft_without_match
         self._history: TokenHistory | None = None
 
     @property
@@ -151,12 +163,14 @@ class NgramWorker(ChainRoundWorker):
 
     def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         self.history.write(batch.req_pool_indices, start, roots)
-        drafts = self.history.propose(
+        drafts, matched = self.history.propose_matched(
             batch.req_pool_indices,
             start,
             num_tokens=batch.draft_steps(self.capabilities.num_steps),
             max_ngram=self._max_ngram,
         )
+        if not self._draft_without_match and not bool(matched.any()):  # a host read
+            return DraftChain(tokens=drafts[:, :0])  # nothing to propose: a plain decode step
         return DraftChain(tokens=drafts)
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:

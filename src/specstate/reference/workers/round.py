@@ -49,7 +49,7 @@ from specstate.reference.workers.layout import (
     extend_result,
 )
 from specstate.reference.workers.sampler import TokenSampler
-from specstate.reference.workers.sources import ModelSource
+from specstate.reference.workers.sources import ModelSource, SourceModel
 from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
@@ -88,6 +88,29 @@ def with_sampling_controls(capabilities: WorkerCapabilities) -> WorkerCapabiliti
     )
 
 
+def _with_recurrent_state(
+    capabilities: WorkerCapabilities, target: TargetRunner
+) -> WorkerCapabilities:
+    """``capabilities`` declaring the target's recurrent state before a drafter's (if any).
+
+    Both models' states use the engine's state rows, as both models' KV uses its token slots:
+    each forward reads the row of its frontier and writes the rows of the positions it absorbs.
+
+    Raises:
+        InvalidConfig: a model with recurrent state in a tree worker (``topk > 1``).
+    """
+    spec = target.recurrent
+    merged = capabilities.recurrent if spec is None else spec.merged(capabilities.recurrent)
+    if merged is None:
+        return capabilities
+    if capabilities.topk > 1:
+        raise InvalidConfig(
+            f"{capabilities.algorithm}: a model with recurrent state verifies chains only; "
+            f"topk {capabilities.topk} drafts a tree"
+        )
+    return attrs.evolve(capabilities, recurrent=merged)
+
+
 def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
     if on_publish is not None:
         on_publish(new_seq_lens)
@@ -106,6 +129,7 @@ class ChainRoundWorker(abc.ABC):
         self, target: TargetRunner, capabilities: WorkerCapabilities, *, seed: int | None = None
     ) -> None:
         self._target = target
+        capabilities = _with_recurrent_state(capabilities, target)
         self._capabilities = capabilities
         if capabilities.topk == 1:  # the chain round implements every sampling control
             self._capabilities = attrs.evolve(
@@ -117,6 +141,11 @@ class ChainRoundWorker(abc.ABC):
     def capabilities(self) -> WorkerCapabilities:
         """The algorithm and window this worker runs; constant for its lifetime."""
         return self._capabilities
+
+    @property
+    def target_network(self) -> SourceModel:
+        """The target model (after attach), a Llama or a hybrid (`PagedHybrid`)."""
+        return self._target.network
 
     @property
     def target_model(self) -> PagedLlama:

@@ -2,11 +2,14 @@
 
 A worker is configured before the engine knows how many KV token slots its caches need, so it
 holds a `ModelSource` and builds the model only at ``attach``. Configs are read eagerly, at
-construction, so a wrong checkpoint (not a Llama, a draft whose vocabulary differs from the
-target's) fails before an engine is built around the worker::
+construction, so a wrong checkpoint (not a Llama or a NemotronH, a draft whose vocabulary
+differs from the target's) fails before an engine is built around the worker::
 
-    ModelSource ──read_source_config──▶ (ModelConfig, label)      at construction
-    ModelSource ──build_model(num_token_slots)──▶ PagedLlama      at attach
+    ModelSource ──read_source_config──▶ (ModelConfig | HybridConfig, label)     at construction
+    ModelSource ──build_model(num_token_slots, layout)──▶ PagedLlama | PagedHybrid  at attach
+
+A NemotronH checkpoint (``model_type`` ``nemotron_h``) builds a `PagedHybrid`, whose Mamba2
+states live in the rows of the engine's `RecurrentLayout` (``WorkerMemory.recurrent``).
 
 Invariant: a model built from an in-memory `PagedLlama` is a copy with its own KV cache; the
 source model's parameters and cache are never written.
@@ -21,40 +24,65 @@ import attrs
 import torch
 
 from specstate.core.errors import InvalidConfig
+from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.checkpoint import CONFIG_FILE, load_paged_llama, read_model_config
+from specstate.reference.hybrid import (
+    HybridConfig,
+    PagedHybrid,
+    is_hybrid_checkpoint,
+    load_paged_hybrid,
+    read_hybrid_config,
+)
 from specstate.reference.model import ModelConfig, PagedLlama
 
 __all__ = [
     "ModelSource",
+    "SourceConfig",
+    "SourceModel",
     "build_model",
     "check_same_vocab",
     "read_source_config",
     "source_label",
 ]
 
-ModelSource = str | os.PathLike[str] | PagedLlama
-"""A Hugging Face Llama checkpoint directory, or an already built `PagedLlama`."""
+ModelSource = str | os.PathLike[str] | PagedLlama | PagedHybrid
+"""A Hugging Face Llama or NemotronH checkpoint directory, or an already built model."""
+
+SourceConfig = ModelConfig | HybridConfig
+"""The config of a source: a Llama's or a hybrid's."""
+
+SourceModel = PagedLlama | PagedHybrid
+"""A built reference model."""
 
 
 def source_label(source: ModelSource) -> str:
     """How error messages name ``source``: its ``config.json`` path, or ``<in-memory model>``."""
-    if isinstance(source, PagedLlama):
-        return "<in-memory PagedLlama>"
+    if isinstance(source, PagedLlama | PagedHybrid):
+        return f"<in-memory {type(source).__name__}>"
     return str(Path(source) / CONFIG_FILE)
 
 
-def read_source_config(source: ModelSource, *, dtype: torch.dtype | None = None) -> ModelConfig:
+def read_source_config(source: ModelSource, *, dtype: torch.dtype | None = None) -> SourceConfig:
     """The config of ``source`` (``dtype`` overrides the checkpoint's).
 
     Raises:
-        InvalidConfig: the loader's error for a missing or non-Llama checkpoint.
+        InvalidConfig: the loader's error for a missing or unsupported checkpoint.
     """
-    config = source.config if isinstance(source, PagedLlama) else read_model_config(source)
+    config: SourceConfig
+    if isinstance(source, PagedLlama | PagedHybrid):
+        config = source.config
+    elif is_hybrid_checkpoint(source):
+        config = read_hybrid_config(source)
+    else:
+        config = read_model_config(source)
     return config if dtype is None else attrs.evolve(config, dtype=dtype)
 
 
 def check_same_vocab(
-    target: ModelSource, target_config: ModelConfig, draft: ModelSource, draft_config: ModelConfig
+    target: ModelSource,
+    target_config: SourceConfig,
+    draft: ModelSource,
+    draft_config: SourceConfig,
 ) -> None:
     """Raise `InvalidConfig` naming both sources and sizes unless the vocabularies agree."""
     if draft_config.vocab_size != target_config.vocab_size:
@@ -71,15 +99,26 @@ def build_model(
     num_token_slots: int,
     device: torch.device | str,
     dtype: torch.dtype | None = None,
-) -> PagedLlama:
-    """A `PagedLlama` of ``source`` whose own KV cache holds ``num_token_slots`` slots.
+    recurrent: RecurrentLayout | None = None,
+) -> SourceModel:
+    """The model of ``source``, whose own KV cache holds ``num_token_slots`` slots (and, for a
+    hybrid, whose states hold the rows of ``recurrent``).
 
     Raises:
-        InvalidConfig: the checkpoint cannot be loaded (see `load_paged_llama`).
+        InvalidConfig: the checkpoint cannot be loaded (`load_paged_llama`, `load_paged_hybrid`).
     """
-    if not isinstance(source, PagedLlama):
-        return load_paged_llama(source, num_token_slots=num_token_slots, device=device, dtype=dtype)
-    config = read_source_config(source, dtype=dtype)
-    model = PagedLlama(config, num_token_slots=num_token_slots, device=device)
-    model.load_state_dict(source.state_dict(), strict=True)
-    return model
+    slots = num_token_slots
+    if isinstance(source, PagedLlama | PagedHybrid):
+        config = read_source_config(source, dtype=dtype)
+        model: SourceModel
+        if isinstance(config, HybridConfig):
+            model = PagedHybrid(config, num_token_slots=slots, layout=recurrent, device=device)
+        else:
+            model = PagedLlama(config, num_token_slots=slots, device=device)
+        model.load_state_dict(source.state_dict(), strict=True)
+        return model
+    if is_hybrid_checkpoint(source):
+        return load_paged_hybrid(
+            source, num_token_slots=slots, layout=recurrent, device=device, dtype=dtype
+        )
+    return load_paged_llama(source, num_token_slots=slots, device=device, dtype=dtype)

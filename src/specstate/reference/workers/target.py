@@ -1,9 +1,10 @@
 """The target model of a reference worker: its prefill/extend and its chain verify forwards.
 
-`TargetRunner` owns the target `PagedLlama` (built at attach, with the engine's number of KV
-token slots) and the engine's `WorkerMemory`. It reads ``req_to_token`` and writes the target's
-own KV cache; it never writes a scheduler counter. Both forwards choose tokens per row with the
-worker's `TokenSampler`: argmax for greedy rows, the filtered distribution for the others::
+`TargetRunner` owns the target `PagedLlama` or `PagedHybrid` (built at attach, with the engine's
+number of KV token slots and, for a hybrid, its state rows) and the engine's `WorkerMemory`. It
+reads ``req_to_token`` and writes the target's own KV cache; it never writes a scheduler counter.
+Both forwards choose tokens per row with the worker's `TokenSampler`: argmax for greedy rows, the
+filtered distribution for the others::
 
     extend(batch)        tokens at out_cache_loc          -> next token after each row's last
                                                              token, hidden states of all tokens
@@ -37,7 +38,9 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
+from specstate.memory.recurrent_layout import RecurrentStateSpec
+from specstate.reference.hybrid import HybridConfig, PagedHybrid
+from specstate.reference.model import AttentionBatch, PagedLlama
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
 from specstate.reference.workers.sampler import (
     TokenCounts,
@@ -46,7 +49,13 @@ from specstate.reference.workers.sampler import (
     sample_with_uniforms,
     token_logprobs,
 )
-from specstate.reference.workers.sources import ModelSource, build_model, read_source_config
+from specstate.reference.workers.sources import (
+    ModelSource,
+    SourceConfig,
+    SourceModel,
+    build_model,
+    read_source_config,
+)
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
@@ -129,8 +138,8 @@ class TargetRunner:
         self._source = source
         self._device = device
         self._dtype = dtype
-        self.config: ModelConfig = read_source_config(source, dtype=dtype)
-        self._model: PagedLlama | None = None
+        self.config: SourceConfig = read_source_config(source, dtype=dtype)
+        self._model: SourceModel | None = None
         self._memory: WorkerMemory | None = None
         self._history: torch.Tensor | None = None
 
@@ -147,6 +156,7 @@ class TargetRunner:
             num_token_slots=memory.num_token_slots,
             device=self.device_for(memory),
             dtype=self._dtype,
+            recurrent=memory.recurrent,
         )
         self._memory = memory
         self._history = torch.zeros(
@@ -159,10 +169,27 @@ class TargetRunner:
 
     @property
     def model(self) -> PagedLlama:
-        """The target model (after attach)."""
+        """The target model (after attach), for algorithms that need a Llama target.
+
+        Raises:
+            InvalidConfig: not attached, or the target is a hybrid (`network` runs either).
+        """
+        model = self.network
+        if isinstance(model, PagedHybrid):
+            raise InvalidConfig("the target is a hybrid model (PagedHybrid), not a PagedLlama")
+        return model
+
+    @property
+    def network(self) -> SourceModel:
+        """The target model that runs the forwards (after attach): a Llama or a hybrid."""
         if self._model is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
         return self._model
+
+    @property
+    def recurrent(self) -> RecurrentStateSpec | None:
+        """The target's recurrent state (None for a Llama, or a hybrid without Mamba2 layers)."""
+        return self.config.recurrent_spec() if isinstance(self.config, HybridConfig) else None
 
     @property
     def memory(self) -> WorkerMemory:
@@ -210,7 +237,7 @@ class TargetRunner:
         """Runs the EXTEND / MIXED forward and chooses the token after each row's last one."""
         attention = extend_attention(batch, self.req_to_token)
         last_rows = last_token_rows(attention.extend_lens)
-        out = self.model(attention, logit_rows=last_rows)
+        out = self.network(attention, logit_rows=last_rows)
         invalid = _mask_non_finite(out.logits)
         sampling = batch.sampling_info
         last = attention.positions.index_select(0, last_rows)
@@ -273,7 +300,7 @@ class TargetRunner:
         (`begin_round`), else it is built here when the batch has logit controls."""
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
-        out = self.model(attention)
+        out = self.network(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
