@@ -46,6 +46,7 @@ from specstate.engine.rounds import RoundPipeline
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
 from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
+from specstate.grammar.table import GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 
@@ -142,6 +143,7 @@ class Engine:
             eos_token_ids=limits.eos_token_ids,
             checker=self.checker,
         )
+        self.grammar = GrammarTable(limits=limits, outputs=self.outputs, trace=trace)
         device = torch.device(config.device)
         budget = config.chunked_prefill or config.max_prefill_tokens
         self.scheduler = Scheduler(
@@ -207,6 +209,7 @@ class Engine:
             checker=self.checker,
             draft_policy=draft_policy,
             trace=trace,
+            grammar=self.grammar,
         )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
@@ -238,6 +241,7 @@ class Engine:
             self.limits,
             window=self.allocator.window,
             pool_tokens=pool.num_pages * pool.page_size,
+            grammar=self.grammar,
         )
         self.lifecycle.register(req)
         self.scheduler.enqueue(req)
@@ -290,6 +294,7 @@ class Engine:
         if rec is not None:
             self._record_events(rec, finished, retracted)
         ended = self.lifecycle.remember_ended(finished)
+        self.grammar.forget(ended)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(

@@ -87,6 +87,9 @@ class WorkerCapabilities:
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
             more than ``num_draft_steps + 1``.
+        supports_grammar: the worker masks every sampled, drafted and verified position of a
+            row with ``ForwardBatch.grammar`` (`GrammarRows`), so a request may set
+            ``SamplingParams.grammar``; the reference chain workers do, draft trees do not.
     """
 
     algorithm: str
@@ -103,6 +106,7 @@ class WorkerCapabilities:
     supports_seeds: bool = False
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
+    supports_grammar: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:
