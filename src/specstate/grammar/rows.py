@@ -110,6 +110,7 @@ class GrammarStats:
     """Counters of one forward's grammar work."""
 
     masks: int = 0
+    prefetched: int = 0
     rollbacks: int = 0
     rolled_back_tokens: int = 0
     pruned_drafts: int = 0
@@ -163,7 +164,7 @@ class GrammarRows:
         self._steps: list[MaskArray] = []
         self._kept: list[tuple[int, ...]] = [() for _ in range(n)]
         self._failure: list[str | None] = [None] * n
-        self._masks = self._rollbacks = self._rolled_back = self._pruned = 0
+        self._masks = self._prefetched = self._rollbacks = self._rolled_back = self._pruned = 0
         self._rebuilds_before = sum(s.num_rebuilds for s in self._states)
 
     # ------------------------------------------------------------------ reads
@@ -171,6 +172,12 @@ class GrammarRows:
     def num_rows(self) -> int:
         """Grammar rows in this forward."""
         return len(self._rows)
+
+    @property
+    def was_used(self) -> bool:
+        """Whether the worker used this view at all (a forward that ignores it breaks the
+        grammar contract: its rows end with `GrammarError`)."""
+        return self._phase != "new"
 
     @property
     def batch_rows(self) -> tuple[int, ...]:
@@ -195,6 +202,7 @@ class GrammarRows:
         rebuilds = sum(s.num_rebuilds for s in self._states) - self._rebuilds_before
         return GrammarStats(
             masks=self._masks,
+            prefetched=self._prefetched,
             rollbacks=self._rollbacks,
             rolled_back_tokens=self._rolled_back,
             pruned_drafts=self._pruned,
@@ -220,8 +228,8 @@ class GrammarRows:
         for r in np.flatnonzero(self._active).tolist():
             if self._failure[r] is None:
                 self._keep(r, int(chosen[self._rows[r]]), self._steps[0][r], step=0)
-        self._prefetch()
         self._mark(start, "grammar-advance")
+        self._prefetch()
 
     # ---------------------------------------------------------- decode rows
     def draft_masks(self) -> RowMasks | None:
@@ -284,8 +292,8 @@ class GrammarRows:
         for r in np.flatnonzero(self._active).tolist():
             if self._failure[r] is None:
                 self._accept_row(r, runs[self._rows[r]], int(lens[self._rows[r]]))
-        self._prefetch()
         self._mark(start, "grammar-advance")
+        self._prefetch()
 
     # -------------------------------------------------------------- helpers
     def _enter(self, allowed: str | tuple[str, ...], then: str) -> int:
@@ -335,7 +343,8 @@ class GrammarRows:
             state = self._states[r]
             cached = state.prefetched
             if step == 0 and cached is not None and cached[0] == state.version:
-                masks[r] = cached[1]
+                masks[r] = cached[1]  # built by the previous forward, after its accepted run
+                self._prefetched += 1
             else:
                 todo.append((state.matcher_for_mask(), int(r)))
         if todo:
@@ -420,6 +429,7 @@ class GrammarRows:
 
     def _prefetch(self) -> None:
         """Build the mask of each continuing row's next position now (the next round's first)."""
+        start = time.perf_counter_ns() if self._traced else 0
         todo = [
             r
             for r in np.flatnonzero(self._active)
@@ -439,6 +449,7 @@ class GrammarRows:
                 state.mark_dead(state.position)
             else:
                 state.prefetched = (state.version, masks[i].copy())
+        self._mark(start, "grammar-next-mask")
 
     def _row_masks(self, masks: MaskArray, *, only_open: bool = False) -> RowMasks | None:
         rows = self._open if only_open else self._active

@@ -19,7 +19,8 @@ is imported on the first compile.
 Invariant (``check``, after every step with ``check_invariants``): every live request with a
 grammar has a state and no other request has one; an admitted request's ``num_committed``
 equals its settled outputs; a running request with no batch in flight holds a matcher exactly at
-its outputs (``position == num_committed``, the same tokens), neither ended nor at a dead end.
+its outputs (``position == num_committed``, the same tokens), not ended, and its matcher is in
+llguidance's error state only at a recorded dead end (the request ends at its next round).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class GrammarSnapshot:
         num_requests: live requests with a grammar.
         committed: ``(request id, committed position)`` of each, in submission order.
         num_masks: token masks computed (one per row and position).
+        num_prefetched_masks: masks a forward used that the previous forward had built (the
+            first position of a round, built right after the previous round's accepted run).
         num_rollbacks: times a row's rejected drafts were rolled back (one per row and round).
         num_rolled_back_tokens: draft tokens rolled back.
         num_pruned_drafts: drafts the grammar refused (proposed without masks, e.g. n-gram).
@@ -73,6 +76,7 @@ class GrammarSnapshot:
     num_requests: int
     committed: tuple[tuple[str, int], ...]
     num_masks: int
+    num_prefetched_masks: int
     num_rollbacks: int
     num_rolled_back_tokens: int
     num_pruned_drafts: int
@@ -119,7 +123,8 @@ class GrammarTable:
         self._executor: llguidance.LLExecutor | None = None
         self._states: dict[Req, GrammarState] = {}
         self._counts = dict.fromkeys(
-            ("masks", "rollbacks", "rolled_back_tokens", "pruned_drafts", "rebuilds"), 0
+            ("masks", "prefetched", "rollbacks", "rolled_back_tokens", "pruned_drafts", "rebuilds"),
+            0,
         )
         self._dead_ends = 0
         self._violations = 0
@@ -207,7 +212,19 @@ class GrammarTable:
         live = self._outputs.epochs(plan.slots_host) == plan.epochs
         batch = plan.batch
         failed: list[tuple[int, str]] = []
-        for out in view.outcome():
+        outcomes = view.outcome()
+        seen = {out.row for out in outcomes}
+        for i in view.batch_rows:
+            if live[i] and i not in seen:  # a row the forward never took into account
+                self._violations += 1
+                failed.append(
+                    (
+                        i,
+                        f"request {batch.reqs[i].request_id}: the forward did not use its "
+                        "grammar (ForwardBatch.grammar) for this row",
+                    )
+                )
+        for out in outcomes:
             i = out.row
             if not live[i]:
                 continue  # the request ended or was retracted while the batch was in flight
@@ -305,11 +322,13 @@ class GrammarTable:
                 f"{state.tokens[-6:]} but {len(outputs)} outputs ending {outputs[-6:]} settled "
                 "with no batch in flight",
             )
-        if not state.is_active or state.is_error():
+        # A dead end found by looking ahead ends the request at its next round; an error state
+        # nobody recorded (a dead end on a draft that was not rebuilt) is a broken matcher.
+        if state.ended or (state.is_error() and state.dead is None):
             _fail_check(
                 "grammar-position",
-                f"request {req.request_id}: running with an ended or failed matcher "
-                f"(ended {state.ended}, dead {state.dead})",
+                f"request {req.request_id}: running with an ended or broken matcher "
+                f"(ended {state.ended}, error {state.is_error()})",
             )
 
     # --------------------------------------------------------------- snapshot
@@ -319,6 +338,7 @@ class GrammarTable:
             num_requests=len(self._states),
             committed=tuple((s.request_id, s.num_committed) for s in self._states.values()),
             num_masks=self._counts["masks"],
+            num_prefetched_masks=self._counts["prefetched"],
             num_rollbacks=self._counts["rollbacks"],
             num_rolled_back_tokens=self._counts["rolled_back_tokens"],
             num_pruned_drafts=self._counts["pruned_drafts"],
