@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import attrs
 import pytest
-import torch
 from engine_driver import run_checked
 from grammar_oracle import EOS, GRAMMARS, VOCAB, ascii_vocabulary, matches
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
@@ -86,11 +85,13 @@ def test_a_draft_tree_refuses_grammar_requests(partial_ckpt: SpecCheckpoints) ->
         "draft_model", target=partial_ckpt.target, draft=partial_ckpt.draft, num_steps=2, topk=2
     )
     assert not worker.capabilities.supports_grammar
-    with engine(worker) as eng:
-        with pytest.raises(
+    with (
+        engine(worker) as eng,
+        pytest.raises(
             InvalidRequest, match=r"does not support grammar \(a draft tree, topk 2: use a chain"
-        ):
-            eng.submit("t", PROMPT, SamplingParams(max_new_tokens=20, grammar=grammar("regex")))
+        ),
+    ):
+        eng.submit("t", PROMPT, SamplingParams(max_new_tokens=20, grammar=grammar("regex")))
 
 
 def test_grammar_requests_need_a_vocabulary(partial_ckpt: SpecCheckpoints) -> None:
