@@ -9,9 +9,10 @@ Two layers:
 
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
-  streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
-  `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+  streaming (`stream`, `TokenEvent`), structured output (`Grammar`, `GrammarVocabulary`), the
+  worker interface (`WorkerProtocol`, `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and
+  the types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
+  `SamplingInfo`, `GrammarRows`, `RowMasks`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from specstate.core.errors import (
         DoubleRelease,
         ForwardTimeout,
+        GrammarError,
         InvalidConfig,
         InvalidRequest,
         InvalidTransition,
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.grammar.rows import GrammarRows, RowMasks
+    from specstate.grammar.spec import Grammar, GrammarVocabulary
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
@@ -85,6 +89,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingInfo": "specstate.batch.sampling",
     "DoubleRelease": "specstate.core.errors",
     "ForwardTimeout": "specstate.core.errors",
+    "GrammarError": "specstate.core.errors",
     "InvalidConfig": "specstate.core.errors",
     "InvalidRequest": "specstate.core.errors",
     "InvalidTransition": "specstate.core.errors",
@@ -121,6 +126,10 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
+    "GrammarRows": "specstate.grammar.rows",
+    "RowMasks": "specstate.grammar.rows",
+    "Grammar": "specstate.grammar.spec",
+    "GrammarVocabulary": "specstate.grammar.spec",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -143,6 +152,10 @@ __all__ = [
     "ForwardMode",
     "ForwardTimeout",
     "GenerationBatchResult",
+    "Grammar",
+    "GrammarError",
+    "GrammarRows",
+    "GrammarVocabulary",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
@@ -160,6 +173,7 @@ __all__ = [
     "ReqStatus",
     "RequestLimits",
     "ReservationExceeded",
+    "RowMasks",
     "SamplingInfo",
     "SamplingParams",
     "SpecStateError",

@@ -27,6 +27,8 @@ from specstate.core.ledger import (
 )
 from specstate.core.ownership import OwnershipChecker, Role, RoleScope
 from specstate.engine.finish import resolve_finish
+from specstate.grammar.state import GrammarCompiler, GrammarState
+from specstate.grammar.table import GrammarSnapshot, GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
 from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
@@ -52,6 +54,10 @@ __all__ = [
     "ForwardIsolation",
     "ForwardIsolator",
     "FutureMap",
+    "GrammarCompiler",
+    "GrammarSnapshot",
+    "GrammarState",
+    "GrammarTable",
     "KvAllocator",
     "KvLedger",
     "KvLedgerSnapshot",
