@@ -143,7 +143,12 @@ class Engine:
             eos_token_ids=limits.eos_token_ids,
             checker=self.checker,
         )
-        self.grammar = GrammarTable(limits=limits, outputs=self.outputs, trace=trace)
+        self.grammar = GrammarTable(
+            limits=limits,
+            outputs=self.outputs,
+            trace=trace,
+            mask_threads=config.grammar_mask_threads,
+        )
         device = torch.device(config.device)
         budget = config.chunked_prefill or config.max_prefill_tokens
         self.scheduler = Scheduler(

@@ -130,7 +130,7 @@ class GrammarRows:
         resume: per grammar row, the committed position to roll back to first (a prefill's last
             chunk: the request may have been retracted with a round in flight), or None.
         current: per grammar row, a predicate: the request is still the incarnation scheduled.
-        executor: llguidance's parallel mask executor.
+        executor: llguidance's parallel mask executor, or None: one matcher at a time.
         mask_words: ``ceil(vocab_size / 32)``.
         traced: record the clock marks of each grammar step (`spans`).
     """
@@ -142,7 +142,7 @@ class GrammarRows:
         states: Sequence[GrammarState],
         resume: Sequence[int | None],
         current: Sequence[Any],
-        executor: llguidance.LLExecutor,
+        executor: llguidance.LLExecutor | None,
         mask_words: int,
         traced: bool = False,
     ) -> None:
@@ -339,20 +339,18 @@ class GrammarRows:
         """The masks of ``step`` for the open rows (others: no constraint)."""
         masks = np.full((len(self._rows), self._words), _ALL, dtype=np.int32)
         todo: list[tuple[Any, int]] = []
-        for r in np.flatnonzero(self._open):
+        open_rows = np.flatnonzero(self._open).tolist()
+        for r in open_rows:
             state = self._states[r]
             cached = state.prefetched
             if step == 0 and cached is not None and cached[0] == state.version:
                 masks[r] = cached[1]  # built by the previous forward, after its accepted run
                 self._prefetched += 1
             else:
-                todo.append((state.matcher_for_mask(), int(r)))
+                todo.append((state.matcher_for_mask(), r))
         if todo:
-            from llguidance.numpy import fill_next_token_bitmask_par
-
-            fill_next_token_bitmask_par(self._executor, todo, masks)
-            self._masks += len(todo)
-        for r in np.flatnonzero(self._open):
+            self._fill(todo, masks)
+        for r in open_rows:
             state = self._states[r]
             if state.is_error():  # a dead end: nothing can follow this position
                 masks[r] = _ALL  # keep the logits finite; the row never emits from here
@@ -363,11 +361,30 @@ class GrammarRows:
         self._steps.append(masks)
         return masks
 
+    def _fill(self, todo: list[tuple[Any, int]], masks: MaskArray) -> None:
+        """Compute the mask of each ``(matcher, index)`` into ``masks[index]`` (C-contiguous).
+
+        One call per matcher (each releases the interpreter lock), or llguidance's parallel
+        executor when the table was given threads.
+        """
+        self._masks += len(todo)
+        if self._executor is not None:
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(self._executor, todo, masks)
+            return
+        base, row_bytes = masks.ctypes.data, masks.shape[1] * 4
+        for matcher, index in todo:
+            matcher.unsafe_compute_mask_ptr(base + index * row_bytes, row_bytes)
+
     def _push_step(self, chosen: np.ndarray[Any, Any], step: int) -> None:
-        masks = self._steps[step]
-        for r in np.flatnonzero(self._open):
-            token = int(chosen[self._rows[r]])
-            if not _allows(masks[r], token):
+        open_rows = np.flatnonzero(self._open)
+        if open_rows.size == 0:
+            return
+        tokens = chosen[np.asarray(self._rows)[open_rows]].astype(np.int64)
+        valid = _allowed_bits(self._steps[step][open_rows], tokens)
+        for r, token, ok in zip(open_rows.tolist(), tokens.tolist(), valid.tolist(), strict=True):
+            if not ok:
                 self._open[r] = False  # pruned: the grammar refuses this draft
                 self._pruned += 1
                 continue
@@ -378,7 +395,7 @@ class GrammarRows:
                 self._open[r] = False
 
     def _check_pushed(self, chain: np.ndarray[Any, Any]) -> None:
-        for r in np.flatnonzero(self._active):
+        for r in np.flatnonzero(self._active).tolist():
             pushed = self._pushed[r]
             row = chain[self._rows[r], : len(pushed)].tolist()
             if row != pushed:
@@ -432,23 +449,19 @@ class GrammarRows:
         start = time.perf_counter_ns() if self._traced else 0
         todo = [
             r
-            for r in np.flatnonzero(self._active)
+            for r in np.flatnonzero(self._active).tolist()
             if self._failure[r] is None and self._states[r].is_active
         ]
         if not todo:
             return
         masks = np.full((len(todo), self._words), _ALL, dtype=np.int32)
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        pairs = [(self._states[r].matcher_for_mask(), i) for i, r in enumerate(todo)]
-        fill_next_token_bitmask_par(self._executor, pairs, masks)
-        self._masks += len(todo)
+        self._fill([(self._states[r].matcher_for_mask(), i) for i, r in enumerate(todo)], masks)
         for i, r in enumerate(todo):
             state = self._states[r]
             if state.is_error():
                 state.mark_dead(state.position)
             else:
-                state.prefetched = (state.version, masks[i].copy())
+                state.prefetched = (state.version, masks[i])
         self._mark(start, "grammar-next-mask")
 
     def _row_masks(self, masks: MaskArray, *, only_open: bool = False) -> RowMasks | None:
@@ -460,6 +473,15 @@ class GrammarRows:
             rows=torch.tensor([self._rows[r] for r in index], dtype=torch.int64),
             bitmask=torch.from_numpy(masks[index]),
         )
+
+
+def _allowed_bits(masks: MaskArray, tokens: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Per row, whether ``masks[i]`` allows ``tokens[i]`` (vectorized; ids past the mask: no)."""
+    words = tokens >> 5
+    inside = (tokens >= 0) & (words < masks.shape[1])
+    picked = masks[np.arange(len(tokens)), np.clip(words, 0, masks.shape[1] - 1)]
+    allowed: np.ndarray[Any, Any] = inside & (((picked >> (tokens & 31)) & 1) == 1)
+    return allowed
 
 
 def _allows(mask: MaskArray, token: int) -> bool:

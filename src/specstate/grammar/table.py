@@ -31,7 +31,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
 
 from specstate.core.errors import GrammarError, InvalidRequest
 from specstate.core.request import Req, ReqStatus, RequestLimits
@@ -98,7 +97,8 @@ class GrammarTable:
             refused at submit).
         outputs: the output table (read: which rows of a batch are still live at settlement).
         trace: the engine's trace recorder; grammar steps become ``grammar-*`` spans.
-        num_threads: threads of llguidance's mask executor (None: its default).
+        mask_threads: threads of llguidance's parallel mask executor; 1 builds the masks one
+            request after the other (each call releases the interpreter lock).
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class GrammarTable:
         limits: RequestLimits,
         outputs: OutputTable,
         trace: TraceRecorder | None = None,
-        num_threads: int | None = None,
+        mask_threads: int = 1,
     ) -> None:
         vocabulary = limits.grammar_vocabulary
         self._compiler = (
@@ -119,7 +119,7 @@ class GrammarTable:
         )
         self._outputs = outputs
         self._trace = trace
-        self._num_threads = num_threads
+        self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._states: dict[Req, GrammarState] = {}
         self._counts = dict.fromkeys(
@@ -192,11 +192,11 @@ class GrammarTable:
             traced=self._trace is not None,
         )
 
-    def _get_executor(self) -> llguidance.LLExecutor:
-        if self._executor is None:
+    def _get_executor(self) -> llguidance.LLExecutor | None:
+        if self._executor is None and self._mask_threads > 1:
             import llguidance
 
-            self._executor = llguidance.LLExecutor(self._num_threads)
+            self._executor = llguidance.LLExecutor(self._mask_threads)
         return self._executor
 
     # ----------------------------------------------------------------- settle
@@ -230,7 +230,7 @@ class GrammarTable:
                 continue  # the request ended or was retracted while the batch was in flight
             req = batch.reqs[i]
             state = self._states[req]
-            settled = _grammar_run(host.tokens[i, : int(host.accept[i])], state)
+            settled = _grammar_run(host.tokens[i, : int(host.accept[i])].tolist(), state)
             if out.failure is None and out.tokens != settled:
                 self._violations += 1
                 failed.append(
@@ -348,14 +348,13 @@ class GrammarTable:
         )
 
 
-def _grammar_run(run: np.ndarray[Any, Any], state: GrammarState) -> tuple[int, ...]:
+def _grammar_run(run: list[int], state: GrammarState) -> tuple[int, ...]:
     """The part of a settled run the grammar consumes: up to and including its first end token."""
-    tokens = tuple(int(t) for t in run)
     eos = state.eos_token_ids
-    for k, token in enumerate(tokens):
+    for k, token in enumerate(run):
         if token in eos:
-            return tokens[: k + 1]
-    return tokens
+            return tuple(run[: k + 1])
+    return tuple(run)
 
 
 def _fail_check(invariant: str, message: str) -> None:

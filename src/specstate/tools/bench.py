@@ -33,6 +33,8 @@ from typing import Final, TypeVar
 import attrs
 import torch
 
+from specstate.tools import bench_grammar
+
 __all__ = ["add_arguments", "run"]
 
 _T = TypeVar("_T", int, float)
@@ -154,6 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
+    bench_grammar.add_arguments(benches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         "compare": _run_compare,
         "engine": _run_engine,
         "overlap": _run_overlap,
+        "grammar": bench_grammar.run,
     }
     return benches[args.bench](args)
 
