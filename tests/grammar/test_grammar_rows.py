@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import llguidance
 import numpy as np
 import pytest
@@ -22,6 +23,13 @@ from specstate.grammar.state import GrammarState
 
 EXECUTOR = llguidance.LLExecutor(1)
 WORDS = (VOCAB + 31) // 32
+
+
+@attrs.frozen
+class Owner:
+    """A request as the view sees it: an incarnation."""
+
+    incarnation: int
 
 
 def state(grammar: Grammar, rid: str = "r") -> GrammarState:
@@ -42,7 +50,8 @@ def rows(
         batch_rows=range(len(states)),
         states=states,
         resume=resume or [None] * len(states),
-        current=[lambda: current] * len(states),
+        owners=[Owner(0)] * len(states),
+        incarnations=[0 if current else 1] * len(states),
         executor=EXECUTOR,
         mask_words=WORDS,
     )
@@ -207,7 +216,7 @@ def test_a_prefill_resumes_at_the_committed_position() -> None:
     grammar_state.push(encode("a")[0])
     grammar_state.push(encode("b")[0])
     grammar_state.num_committed = 1
-    view = rows([grammar_state], resume=[1])
+    view = rows([grammar_state], resume=[1])  # the request was retracted at output 1
     masks = view.sample_masks()
     assert masks is not None and allowed(masks.bitmask[0]) == fresh_allowed(REGEX, encode("a"))
     assert grammar_state.tokens == encode("a") and view.stats().rolled_back_tokens == 1

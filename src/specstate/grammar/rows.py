@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 import numpy as np
@@ -53,6 +53,16 @@ if TYPE_CHECKING:
     import llguidance
 
 __all__ = ["GrammarRows", "RowMasks", "RowOutcome", "apply_token_bitmask"]
+
+
+class _Incarnated(Protocol):
+    """A request, as the view sees it: its incarnation changes when it is retracted."""
+
+    @property
+    def incarnation(self) -> int:
+        """The request's current incarnation."""
+        ...
+
 
 _ALL: Final = -1  # a mask word with every bit set: no constraint
 _BITS: Final = torch.arange(32, dtype=torch.int32)
@@ -129,7 +139,9 @@ class GrammarRows:
         states: the request's `GrammarState` of each grammar row.
         resume: per grammar row, the committed position to roll back to first (a prefill's last
             chunk: the request may have been retracted with a round in flight), or None.
-        current: per grammar row, a predicate: the request is still the incarnation scheduled.
+        owners: per grammar row, its request (anything with an ``incarnation``).
+        incarnations: per grammar row, the request's incarnation when the batch was scheduled
+            (a row whose request moved on since takes no part).
         executor: llguidance's parallel mask executor, or None: one matcher at a time.
         mask_words: ``ceil(vocab_size / 32)``.
         traced: record the clock marks of each grammar step (`spans`).
@@ -141,7 +153,8 @@ class GrammarRows:
         batch_rows: Sequence[int],
         states: Sequence[GrammarState],
         resume: Sequence[int | None],
-        current: Sequence[Any],
+        owners: Sequence[_Incarnated],
+        incarnations: Sequence[int],
         executor: llguidance.LLExecutor | None,
         mask_words: int,
         traced: bool = False,
@@ -149,7 +162,8 @@ class GrammarRows:
         self._rows = tuple(batch_rows)
         self._states = tuple(states)
         self._resume = tuple(resume)
-        self._current = tuple(current)
+        self._owners = owners
+        self._incarnations = incarnations
         self._executor = executor
         self._words = mask_words
         self._traced = traced
@@ -165,7 +179,7 @@ class GrammarRows:
         self._kept: list[tuple[int, ...]] = [() for _ in range(n)]
         self._failure: list[str | None] = [None] * n
         self._masks = self._prefetched = self._rollbacks = self._rolled_back = self._pruned = 0
-        self._rebuilds_before = sum(s.num_rebuilds for s in self._states)
+        self._rebuilds = 0
 
     # ------------------------------------------------------------------ reads
     @property
@@ -199,14 +213,13 @@ class GrammarRows:
 
     def stats(self) -> GrammarStats:
         """This forward's grammar counters."""
-        rebuilds = sum(s.num_rebuilds for s in self._states) - self._rebuilds_before
         return GrammarStats(
             masks=self._masks,
             prefetched=self._prefetched,
             rollbacks=self._rollbacks,
             rolled_back_tokens=self._rolled_back,
             pruned_drafts=self._pruned,
-            rebuilds=rebuilds,
+            rebuilds=self._rebuilds,
         )
 
     # ---------------------------------------------------------- extend rows
@@ -318,15 +331,15 @@ class GrammarRows:
         scheduling, or whose grammar ended, takes no part (its result is skipped at settlement:
         the request ends or re-prefills); a row found at a dead end reports it.
         """
-        for r, state in enumerate(self._states):
-            if not self._current[r]():
+        incarnations = self._incarnations
+        for r, (state, owner) in enumerate(zip(self._states, self._owners, strict=True)):
+            if owner.incarnation != incarnations[r]:
                 continue  # retracted since scheduling: its result is skipped at settlement
             target = self._resume[r]
-            if target is not None:
-                rolled = state.sync_to(target)
-                if rolled:
-                    self._rollbacks += 1
-                    self._rolled_back += rolled
+            if target is not None and target < state.position:
+                state.dead = None  # a dead end found past the kept tokens is not this one's
+                self._rollbacks += 1
+                self._rolled_back += self._undo(state, state.position - target)
             if state.ended:
                 continue  # it finishes at its end token; the matcher is asked for nothing
             self._active[r] = True
@@ -334,6 +347,13 @@ class GrammarRows:
                 self._failure[r] = state.dead  # found when the previous forward looked ahead
             else:
                 self._open[r] = True
+
+    def _undo(self, state: GrammarState, num_tokens: int) -> int:
+        """``state.rollback``, counting a rebuild it needed."""
+        before = state.num_rebuilds
+        undone = state.rollback(num_tokens)
+        self._rebuilds += state.num_rebuilds - before
+        return undone
 
     def _fill_step(self, step: int) -> MaskArray:
         """The masks of ``step`` for the open rows (others: no constraint)."""
@@ -415,7 +435,7 @@ class GrammarRows:
         dead = self._dead_step[r]
         if dead is not None and kept_drafts >= dead:
             # The run reached a position no token can follow: its token there is not real.
-            self._rolled_back += state.rollback(len(pushed) - dead)
+            self._rolled_back += self._undo(state, len(pushed) - dead)
             self._failure[r] = state.mark_dead(state.position)
             self._kept[r] = tuple(pushed[:dead])
             return
@@ -428,7 +448,7 @@ class GrammarRows:
         extra = len(pushed) - kept_drafts
         if extra > 0:
             self._rollbacks += 1
-            self._rolled_back += state.rollback(extra)
+            self._rolled_back += self._undo(state, extra)
         self._keep(r, int(run[kept_drafts]), self._steps[kept_drafts][r], step=kept_drafts)
         self._kept[r] = tuple(pushed[:kept_drafts]) + self._kept[r]
 

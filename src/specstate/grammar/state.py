@@ -305,12 +305,6 @@ class GrammarState:
         self.version += 1
         return num_tokens
 
-    def sync_to(self, num_tokens: int) -> int:
-        """Roll back to ``num_tokens`` (a retracted request's prefill); the tokens undone."""
-        if self.dead is not None and num_tokens < self.position:
-            self.dead = None  # the dead end lay past the kept tokens
-        return self.rollback(self.position - num_tokens)
-
     def rebuild(self, num_tokens: int) -> None:
         """A fresh matcher that consumed the first ``num_tokens`` tokens (a re-parse).
 

@@ -25,7 +25,6 @@ llguidance's error state only at a recorded dead end (the request ends at its ne
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -84,11 +83,6 @@ class GrammarSnapshot:
     num_violations: int
 
 
-def _is_incarnation(req: Req, incarnation: int) -> bool:
-    """Whether ``req`` is still the incarnation a batch was scheduled for."""
-    return req.incarnation == incarnation
-
-
 class GrammarTable:
     """Owner of the grammar state of every request; see the module docstring.
 
@@ -122,6 +116,8 @@ class GrammarTable:
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._states: dict[Req, GrammarState] = {}
+        # The last decode round's rows, keyed by its (persistent) request tuple.
+        self._rows_cache: tuple[Any, ...] | None = None
         self._counts = dict.fromkeys(
             ("masks", "prefetched", "rollbacks", "rolled_back_tokens", "pruned_drafts", "rebuilds"),
             0,
@@ -162,23 +158,23 @@ class GrammarTable:
 
     # ----------------------------------------------------------------- launch
     def attach(self, plan: LaunchPlan) -> None:
-        """Give ``plan``'s batch its `GrammarRows` when a row samples under a grammar."""
+        """Give ``plan``'s batch its `GrammarRows` when a row samples under a grammar.
+
+        A decode round of the same running batch as the previous one (the scheduler keeps it
+        persistent) reuses that round's row lists: a steady round costs no per-row work here.
+        """
         if not self._states:
             return
         batch = plan.batch
         n_prefill = len(plan.last_chunk)
-        rows: list[int] = []
-        states: list[GrammarState] = []
-        resume: list[int | None] = []
-        current: list[Any] = []
-        for i, req in enumerate(batch.reqs):
-            state = self._states.get(req)
-            if state is None or (i < n_prefill and not plan.last_chunk[i]):
-                continue  # no grammar, or a chunk whose sampled token is never kept
-            rows.append(i)
-            states.append(state)
-            resume.append(state.num_committed if i < n_prefill else None)
-            current.append(functools.partial(_is_incarnation, req, batch.incarnations[i]))
+        cached = self._rows_cache
+        if n_prefill == 0 and cached is not None and cached[0] is batch.reqs:
+            rows, states, owners, incarnations = cached[1:]
+            resume: Sequence[int | None] = [None] * len(rows)
+        else:
+            rows, states, owners, incarnations, resume = self._rows_of(plan)
+            if n_prefill == 0:
+                self._rows_cache = (batch.reqs, rows, states, owners, incarnations)
         if not rows:
             return
         assert self._compiler is not None  # a state exists only once a grammar compiled
@@ -186,11 +182,32 @@ class GrammarTable:
             batch_rows=rows,
             states=states,
             resume=resume,
-            current=current,
+            owners=owners,
+            incarnations=incarnations,
             executor=self._get_executor(),
             mask_words=self._compiler.mask_words,
             traced=self._trace is not None,
         )
+
+    def _rows_of(self, plan: LaunchPlan) -> tuple[Any, ...]:
+        """The grammar rows of ``plan``: batch rows, states, requests, incarnations, resumes."""
+        batch = plan.batch
+        n_prefill = len(plan.last_chunk)
+        rows: list[int] = []
+        states: list[GrammarState] = []
+        owners: list[Req] = []
+        incarnations: list[int] = []
+        resume: list[int | None] = []
+        for i, req in enumerate(batch.reqs):
+            state = self._states.get(req)
+            if state is None or (i < n_prefill and not plan.last_chunk[i]):
+                continue  # no grammar, or a chunk whose sampled token is never kept
+            rows.append(i)
+            states.append(state)
+            owners.append(req)
+            incarnations.append(batch.incarnations[i])
+            resume.append(state.num_committed if i < n_prefill else None)
+        return rows, states, owners, incarnations, resume
 
     def _get_executor(self) -> llguidance.LLExecutor | None:
         if self._executor is None and self._mask_threads > 1:
@@ -283,7 +300,8 @@ class GrammarTable:
         """Ended requests leave the table (their matchers are dropped)."""
         if self._states:
             for req in reqs:
-                self._states.pop(req, None)
+                if self._states.pop(req, None) is not None:
+                    self._rows_cache = None  # its rows may name an ended request's state
 
     # ------------------------------------------------------------------ check
     def check(self, engine: Engine) -> None:
