@@ -20,7 +20,15 @@ import attrs
 import pytest
 from controls_oracle import run_bounds
 from engine_driver import DriveLog, run_checked
-from grammar_oracle import EOS, GRAMMARS, VOCAB, ascii_vocabulary, hf_grammar_greedy, matches
+from grammar_oracle import (
+    EOS,
+    GRAMMARS,
+    VOCAB,
+    ascii_vocabulary,
+    hf_grammar_greedy,
+    hf_grammar_scored,
+    matches,
+)
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import Req, RequestLimits, SamplingParams
@@ -176,3 +184,37 @@ def test_retraction_in_the_middle_of_a_grammar(
     with_grammar = {f"g{i}" for i, kind in enumerate(KINDS) if kind is not None}
     assert retracted & with_grammar, (retracted, "a grammar request was meant to be retracted")
     check_outputs(served, expected)
+
+
+@pytest.mark.parametrize("algorithm", ["draft_model", "ngram"])
+def test_grammar_with_a_penalty_and_logprobs_equals_hf(
+    partial_ckpt: SpecCheckpoints, algorithm: str
+) -> None:
+    """The mask comes after the repetition penalty (HF's order), and logprobs are under the
+    masked distribution: tokens and logprobs equal HF's processed scores."""
+    config = EngineConfig(kv_tokens=2048, overlap=True, check_invariants=True)
+    kinds = [k for k in KINDS if k is not None]
+    with Engine(
+        partial_ckpt.worker(algorithm, num_steps=STEPS), limits=limits(), config=config
+    ) as engine:
+        reqs = [
+            engine.submit(
+                f"p{i}",
+                PROMPTS[i],
+                SamplingParams(
+                    max_new_tokens=NEW_TOKENS,
+                    grammar=GRAMMARS[kind][0],
+                    repetition_penalty=1.3,
+                    logprobs=True,
+                ),
+            )
+            for i, kind in enumerate(kinds)
+        ]
+        run_checked(engine)
+    for i, (req, kind) in enumerate(zip(reqs, kinds, strict=True)):
+        tokens, logprobs = hf_grammar_scored(
+            partial_ckpt.hf, PROMPTS[i], NEW_TOKENS, GRAMMARS[kind][0], repetition_penalty=1.3
+        )
+        assert list(req.emitted_ids) == tokens and matches(kind, req.emitted_ids)
+        assert req.logprobs is not None
+        assert list(req.logprobs) == pytest.approx(logprobs, abs=1e-4)

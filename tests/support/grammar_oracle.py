@@ -71,6 +71,20 @@ def hf_grammar_greedy(
     model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int, grammar: Grammar | None
 ) -> list[int]:
     """transformers' greedy tokens under ``grammar`` (EOS ends the output and is included)."""
+    return hf_grammar_scored(model, prompt, max_new_tokens, grammar)[0]
+
+
+def hf_grammar_scored(
+    model: LlamaForCausalLM,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    grammar: Grammar | None,
+    *,
+    repetition_penalty: float = 1.0,
+) -> tuple[list[int], list[float]]:
+    """`hf_grammar_greedy` with HF's repetition penalty (applied before the grammar's mask, as
+    transformers runs its own processors before the ones it is given), and the log-probability
+    of every token under the processed scores."""
     ids = torch.tensor([list(prompt)])
     processors = LogitsProcessorList()
     if grammar is not None:
@@ -84,9 +98,17 @@ def hf_grammar_greedy(
             do_sample=False,
             pad_token_id=0,
             eos_token_id=EOS if grammar is not None else None,
+            repetition_penalty=repetition_penalty,
             logits_processor=processors,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-    return [int(t) for t in out[0, len(prompt) :]]
+    tokens = [int(t) for t in out.sequences[0, len(prompt) :]]
+    logprobs = [
+        float(torch.log_softmax(score[0].float(), dim=-1)[token])
+        for score, token in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
 
 
 # The grammars of the exactness tests: each ends within a few dozen tokens whatever the model,

@@ -71,10 +71,10 @@ _BITS: Final = torch.arange(32, dtype=torch.int32)
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` ``[..., V]`` with -inf wherever ``bitmask`` ``[..., words]`` clears the bit
     (a new tensor; the leading shapes must agree)."""
-    bits = _BITS.to(bitmask.device)
-    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> bits) & 1).flatten(-2)
+    packed = bitmask.to(device=logits.device, dtype=torch.int32)  # unpack where the logits are
+    allowed = ((packed.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).flatten(-2)
     vocab = logits.shape[-1]
-    return logits.masked_fill(allowed[..., :vocab].to(logits.device) == 0, float("-inf"))
+    return logits.masked_fill(allowed[..., :vocab] == 0, float("-inf"))
 
 
 @attrs.frozen

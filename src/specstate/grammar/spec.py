@@ -19,6 +19,8 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from specstate.core.errors import InvalidConfig
+
 __all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarKind", "GrammarVocabulary"]
 
 GrammarKind = Literal["json_schema", "regex", "ebnf", "lark"]
@@ -138,14 +140,18 @@ class GrammarVocabulary:
     token_bytes: tuple[bytes | None, ...] = attrs.field(converter=_token_bytes)
 
     def __attrs_post_init__(self) -> None:
-        """Refuse entries that are neither bytes nor None, and empty byte strings."""
+        """Refuse entries that are neither bytes nor None, and empty byte strings.
+
+        Raises:
+            InvalidConfig: naming the first ids that are wrong.
+        """
         bad = [
             i
             for i, t in enumerate(self.token_bytes)
             if not (t is None or (isinstance(t, bytes) and t))
         ]
         if bad:
-            raise ValueError(
+            raise InvalidConfig(
                 f"GrammarVocabulary: token_bytes entries must be non-empty bytes or None "
                 f"(special); ids {bad[:8]} are not"
             )
