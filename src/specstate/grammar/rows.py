@@ -52,7 +52,7 @@ from specstate.grammar.state import GrammarState, MaskArray
 if TYPE_CHECKING:
     import llguidance
 
-__all__ = ["GrammarRows", "RowMasks", "RowOutcome", "apply_token_bitmask"]
+__all__ = ["GrammarRows", "GrammarStats", "RowMasks", "RowOutcome", "apply_token_bitmask"]
 
 
 class _Incarnated(Protocol):
@@ -178,6 +178,7 @@ class GrammarRows:
         self._steps: list[MaskArray] = []
         self._kept: list[tuple[int, ...]] = [() for _ in range(n)]
         self._failure: list[str | None] = [None] * n
+        self._dead_end = [False] * n  # the failure is a dead end (else a broken contract)
         self._masks = self._prefetched = self._rollbacks = self._rolled_back = self._pruned = 0
         self._rebuilds = 0
 
@@ -186,12 +187,6 @@ class GrammarRows:
     def num_rows(self) -> int:
         """Grammar rows in this forward."""
         return len(self._rows)
-
-    @property
-    def was_used(self) -> bool:
-        """Whether the worker used this view at all (a forward that ignores it breaks the
-        grammar contract: its rows end with `GrammarError`)."""
-        return self._phase != "new"
 
     @property
     def batch_rows(self) -> tuple[int, ...]:
@@ -205,7 +200,7 @@ class GrammarRows:
                 row=self._rows[r],
                 tokens=self._kept[r],
                 failure=self._failure[r],
-                dead_end=self._failure[r] is not None and self._failure[r] == self._states[r].dead,
+                dead_end=self._dead_end[r],
             )
             for r in range(len(self._rows))
             if self._active[r]
@@ -345,6 +340,7 @@ class GrammarRows:
             self._active[r] = True
             if state.dead is not None:
                 self._failure[r] = state.dead  # found when the previous forward looked ahead
+                self._dead_end[r] = True
             else:
                 self._open[r] = True
 
@@ -378,6 +374,7 @@ class GrammarRows:
                 self._dead_step[r] = step
                 if step == 0:
                     self._failure[r] = state.mark_dead(state.position)
+                    self._dead_end[r] = True
         self._steps.append(masks)
         return masks
 
@@ -437,6 +434,7 @@ class GrammarRows:
             # The run reached a position no token can follow: its token there is not real.
             self._rolled_back += self._undo(state, len(pushed) - dead)
             self._failure[r] = state.mark_dead(state.position)
+            self._dead_end[r] = True
             self._kept[r] = tuple(pushed[:dead])
             return
         if kept_drafts > len(pushed):

@@ -30,6 +30,7 @@ stopped is not pushed into it, as llguidance does not count it).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -93,23 +94,30 @@ class _VocabularyWrapper:
 class GrammarCompiler:
     """Compiles grammars for one model's vocabulary (one llguidance tokenizer, built lazily).
 
-    Compiling a grammar the compiler has seen before copies its matcher instead of compiling
-    it again.
+    Compiling one of the ``max_cached`` grammars compiled most recently copies its matcher
+    instead of compiling it again.
 
     Args:
         vocabulary: the bytes of every token id.
         vocab_size: the model's vocabulary size (ids past the vocabulary's end are special).
         eos_token_ids: the model's end-of-sequence ids: a grammar ends by accepting one.
+        max_cached: compiled grammars kept (least recently used dropped first).
     """
 
     def __init__(
-        self, vocabulary: GrammarVocabulary, *, vocab_size: int, eos_token_ids: frozenset[int]
+        self,
+        vocabulary: GrammarVocabulary,
+        *,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        max_cached: int = 256,
     ) -> None:
         self._vocabulary = vocabulary
         self._vocab_size = vocab_size
         self._eos = tuple(sorted(eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: dict[Grammar, tuple[str, llguidance.LLMatcher]] = {}
+        self._compiled: OrderedDict[Grammar, tuple[str, llguidance.LLMatcher]] = OrderedDict()
+        self._max_cached = max_cached
         self._lock = threading.Lock()  # rebuilds run on the forward stream, compiles on the host
 
     @property
@@ -143,6 +151,8 @@ class GrammarCompiler:
         """
         with self._lock:
             known = self._compiled.get(grammar)
+            if known is not None:
+                self._compiled.move_to_end(grammar)
         if known is not None:
             return known[0], known[1].deep_copy()
         llg = _import_llguidance()
@@ -156,6 +166,8 @@ class GrammarCompiler:
             raise ValueError(_first_lines(matcher.get_error()))
         with self._lock:
             self._compiled[grammar] = (text, matcher.deep_copy())
+            while len(self._compiled) > self._max_cached:
+                self._compiled.popitem(last=False)
         return text, matcher
 
     def matcher(self, text: str) -> llguidance.LLMatcher:
