@@ -98,7 +98,7 @@ def test_sampling_params_read_the_request_file_form() -> None:
     assert SamplingParams(grammar={"regex": "a+"}).grammar == Grammar.regex("a+")
     with pytest.raises(InvalidRequest, match="grammar: unknown grammar kind 'x'"):
         SamplingParams(grammar={"x": "a"})
-    assert SamplingParams(grammar="a+").problems(10) == [  # type: ignore[arg-type]
+    assert SamplingParams(grammar="a+").problems(10) == [
         "grammar must be a Grammar or None, got str"
     ]
 
