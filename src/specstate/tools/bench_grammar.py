@@ -11,10 +11,10 @@ of alternated rounds in µs:
 
 * ``plain``: `Engine.step` of the round without grammars;
 * ``grammar``: `Engine.step` of the round with grammars;
-* ``rows``: the part spent inside `GrammarRows` calls on the forward stream (masks, pushes,
-  rollbacks, the next round's first masks), measured by the worker;
-* ``table``: the grammar table's host work of the round (the view at launch, the commit and
-  checks at settlement);
+* ``rows``: the CPU time spent inside `GrammarRows` calls on the forward stream (masks,
+  pushes, rollbacks, the next round's first masks), measured by the worker;
+* ``table``: the CPU time of the grammar table's host work of the round (the view at launch,
+  the commit and checks at settlement);
 * ``per_row``: ``(rows + table) / bs``, specstate's grammar cost per request and round (the
   rest of ``grammar - plain`` is the bench worker's own token choice from the masks, which a
   real engine does on its device).
@@ -59,6 +59,9 @@ SCHEMA: Final = {
 }
 _PROMPT: Final = tuple(range(40, 72))
 _T = TypeVar("_T")
+_cpu_clock = time.thread_time
+"""The grammar parts are timed in CPU time of the thread that runs them: on a shared machine a
+thread that is descheduled mid-call would otherwise be charged for other processes' work."""
 _WARMUP: Final = 8
 
 
@@ -124,14 +127,14 @@ class GrammarBenchWorker:
         grammar = batch.grammar
         spent = 0.0
         if not batch.forward_mode.is_decode():
-            start = time.perf_counter()
+            start = _cpu_clock()
             masks = None if grammar is None else grammar.sample_masks()
-            spent += time.perf_counter() - start
+            spent += _cpu_clock() - start
             tokens = self._choose(masks, rows, 0)
-            start = time.perf_counter()
+            start = _cpu_clock()
             if grammar is not None:
                 grammar.accept_sampled(tokens)
-            spent += time.perf_counter() - start
+            spent += _cpu_clock() - start
             self.grammar_seconds.append(spent)
             if on_publish is not None:
                 on_publish(batch.seq_lens)
@@ -145,19 +148,19 @@ class GrammarBenchWorker:
         k = self._num_steps
         drafts = []
         for step in range(k):
-            start = time.perf_counter()
+            start = _cpu_clock()
             masks = None if grammar is None else grammar.draft_masks()
-            spent += time.perf_counter() - start
+            spent += _cpu_clock() - start
             token = self._choose(masks, rows, step + 1)
-            start = time.perf_counter()
+            start = _cpu_clock()
             if grammar is not None:
                 grammar.push_drafts(token)
-            spent += time.perf_counter() - start
+            spent += _cpu_clock() - start
             drafts.append(token)
         chain = torch.stack(drafts, dim=1)
-        start = time.perf_counter()
+        start = _cpu_clock()
         verify = None if grammar is None else grammar.verify_masks(chain)
-        spent += time.perf_counter() - start
+        spent += _cpu_clock() - start
         hits = self._rng.random((rows, k)) < self._rates
         accept = torch.from_numpy(1 + np.cumprod(hits, axis=1).sum(axis=1).astype(np.int64))
         run = torch.cat([chain, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)
@@ -172,10 +175,10 @@ class GrammarBenchWorker:
         new_seq_lens = batch.seq_lens + accept
         if on_publish is not None:
             on_publish(new_seq_lens)
-        start = time.perf_counter()
+        start = _cpu_clock()
         if grammar is not None:
             grammar.accept(run, accept)
-        spent += time.perf_counter() - start
+        spent += _cpu_clock() - start
         self.grammar_seconds.append(spent)
         bonus_tokens = run.gather(1, (accept - 1)[:, None]).squeeze(1)
         return GenerationBatchResult(
@@ -243,11 +246,11 @@ def _timed(spent: list[float], method: Callable[..., _T]) -> Callable[..., _T]:
     """``method``, adding its wall time to ``spent[0]``."""
 
     def call(*args: Any, **kwargs: Any) -> _T:
-        start = time.perf_counter()
+        start = _cpu_clock()
         try:
             return method(*args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - start
+            spent[0] += _cpu_clock() - start
 
     return call
 
