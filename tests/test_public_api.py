@@ -26,6 +26,7 @@ SUBPACKAGES = {
     "batch",
     "core",
     "engine",
+    "grammar",
     "internals",
     "lint",
     "memory",

@@ -14,6 +14,10 @@ Two layers:
   `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
   (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`, and for a hybrid
   model `RecurrentStateSpec` and `RecurrentLayout`), and every error.
+  streaming (`stream`, `TokenEvent`), structured output (`Grammar`, `GrammarVocabulary`), the
+  worker interface (`WorkerProtocol`, `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and
+  the types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
+  `SamplingInfo`, `GrammarRows`, `RowMasks`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
         DoubleRelease,
         EngineUnavailable,
         ForwardTimeout,
+        GrammarError,
         InvalidConfig,
         InvalidRequest,
         InvalidTransition,
@@ -75,6 +80,8 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.grammar.rows import GrammarRows, RowMasks
+    from specstate.grammar.spec import Grammar, GrammarVocabulary
     from specstate.memory.recurrent_layout import (
         RecurrentGroupSpec,
         RecurrentLayout,
@@ -98,6 +105,7 @@ _EXPORTS: dict[str, str] = {
     "DoubleRelease": "specstate.core.errors",
     "EngineUnavailable": "specstate.core.errors",
     "ForwardTimeout": "specstate.core.errors",
+    "GrammarError": "specstate.core.errors",
     "InvalidConfig": "specstate.core.errors",
     "InvalidRequest": "specstate.core.errors",
     "InvalidTransition": "specstate.core.errors",
@@ -139,6 +147,10 @@ _EXPORTS: dict[str, str] = {
     "RecurrentLayout": "specstate.memory.recurrent_layout",
     "RecurrentStateSpec": "specstate.memory.recurrent_layout",
     "StateTensorSpec": "specstate.memory.recurrent_layout",
+    "GrammarRows": "specstate.grammar.rows",
+    "RowMasks": "specstate.grammar.rows",
+    "Grammar": "specstate.grammar.spec",
+    "GrammarVocabulary": "specstate.grammar.spec",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -167,6 +179,10 @@ __all__ = [
     "ForwardMode",
     "ForwardTimeout",
     "GenerationBatchResult",
+    "Grammar",
+    "GrammarError",
+    "GrammarRows",
+    "GrammarVocabulary",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
@@ -189,6 +205,7 @@ __all__ = [
     "RequestLimits",
     "RequestStream",
     "ReservationExceeded",
+    "RowMasks",
     "SamplingInfo",
     "SamplingParams",
     "SpecStateError",

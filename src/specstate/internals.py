@@ -4,8 +4,8 @@ Most users need only the top-level ``specstate`` module. What is here is stable 
 level: the KV ledger and its typed role views (`KvLedger.views`: one writer per counter), the
 slot pools and the KV allocator with its 2x speculative reservation, retraction, the FutureMap
 relay and its batch helpers, forward isolation, the CPU/CUDA forward streams, the scheduler's
-`ScheduleBatch`, and finish resolution. `OwnershipChecker` and `Role` are the run-time half of
-ownership checking.
+`ScheduleBatch`, finish resolution, and the grammar owner (`GrammarTable`, with each request's
+`GrammarState`). `OwnershipChecker` and `Role` are the run-time half of ownership checking.
 
 The ledger is built only by a composing factory (`specstate.Engine` is one); everyone else
 receives a typed view of it. The project's ruff configuration bans importing `KvLedger`
@@ -27,6 +27,8 @@ from specstate.core.ledger import (
 )
 from specstate.core.ownership import OwnershipChecker, Role, RoleScope
 from specstate.engine.finish import resolve_finish
+from specstate.grammar.state import GrammarCompiler, GrammarState
+from specstate.grammar.table import GrammarSnapshot, GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
 from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
 from specstate.memory.recurrent import RecurrentPoolSnapshot, RecurrentStatePool
@@ -53,6 +55,10 @@ __all__ = [
     "ForwardIsolation",
     "ForwardIsolator",
     "FutureMap",
+    "GrammarCompiler",
+    "GrammarSnapshot",
+    "GrammarState",
+    "GrammarTable",
     "KvAllocator",
     "KvLedger",
     "KvLedgerSnapshot",

@@ -19,6 +19,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import RelayError
+from specstate.grammar.rows import GrammarRows
 from specstate.relay.future_map import RelayPayload, Unresolved
 
 __all__ = ["ForwardBatch"]
@@ -62,6 +63,10 @@ class ForwardBatch:
             to draft this round, in ``[0, num_steps]`` (0: none, a plain decode step); None:
             the worker's own ``num_steps`` (`draft_steps` reads it). A worker that declares
             ``WorkerCapabilities.supports_adaptive_steps`` honours it.
+        grammar: the grammar view of this forward (`GrammarRows`: packed bitmasks per sampled
+            or verified position of the rows whose request has a grammar), or None when no
+            row has one. A worker that declares ``WorkerCapabilities.supports_grammar`` uses
+            it as docs/workers.md describes ("Grammars").
     """
 
     forward_mode: ForwardMode
@@ -77,6 +82,7 @@ class ForwardBatch:
     sampling_info: SamplingInfo
     spec_info: RelayPayload | None
     num_draft_steps: int | None = None
+    grammar: GrammarRows | None = None
 
     @property
     def batch_size(self) -> int:
@@ -113,6 +119,7 @@ class ForwardBatch:
             sampling_info=batch.sampling_info,
             spec_info=batch.spec_info,
             num_draft_steps=batch.num_draft_steps,
+            grammar=batch.grammar,
         )
 
     @staticmethod

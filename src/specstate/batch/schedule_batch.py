@@ -25,6 +25,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
+from specstate.grammar.rows import GrammarRows
 from specstate.relay.future_map import RelayPayload, Unresolved
 
 __all__ = ["ScheduleBatch"]
@@ -108,6 +109,9 @@ class ScheduleBatch:
         future_indices: ``[B]`` FutureMap rows this batch's relay values live in, or None.
         num_draft_steps: draft steps of this DECODE round chosen by the engine's draft policy
             (adaptive draft length), or None: the worker's own ``num_steps``.
+        grammar: the forward's grammar view (`GrammarRows`), set at launch by the grammar
+            table when a row samples under a grammar; None otherwise. Per forward: cleared
+            by ``filter`` and ``merge``.
     """
 
     reqs: tuple[Req, ...]
@@ -125,6 +129,7 @@ class ScheduleBatch:
     spec_info: RelayPayload | None = None
     future_indices: torch.Tensor | None = None
     num_draft_steps: int | None = None
+    grammar: GrammarRows | None = None
     # The request ids, when the caller already has them (a persistent batch); else derived.
     _ids: tuple[str, ...] | None = attrs.field(default=None, alias="ids")
 
@@ -207,3 +212,4 @@ class ScheduleBatch:
         self.prefix_lens = None
         self.extend_lens = None
         self.positions = None
+        self.grammar = None

@@ -21,6 +21,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
     ├── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
     ├── ForwardTimeout          a forward that did not finish within ``forward_timeout_s``
+    ├── GrammarError            a request's grammar reached a dead end (no token can follow),
+    │                           or a forward broke the grammar contract (its request ends)
     ├── UsageError              an engine used against its contract: after close, from a second
     │                           thread
     ├── QueueFull               an `AsyncEngine`'s waiting queue is full (nothing was queued;
@@ -35,6 +37,7 @@ __all__ = [
     "DoubleRelease",
     "EngineUnavailable",
     "ForwardTimeout",
+    "GrammarError",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
@@ -101,6 +104,13 @@ class WorkerResultError(SpecStateError):
 
 class ForwardTimeout(SpecStateError):
     """A forward did not finish in time; its batch fails and its stream is abandoned."""
+
+
+class GrammarError(SpecStateError):
+    """A request's grammar cannot go on (a dead end), or a forward broke the grammar contract.
+
+    The request ends with ``FinishReason.ERROR``; the engine keeps serving.
+    """
 
 
 class UsageError(SpecStateError):

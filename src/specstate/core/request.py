@@ -32,6 +32,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, InvalidTransition, StaleResult
 from specstate.core.ownership import OwnershipChecker, Role
+from specstate.grammar.spec import Grammar, GrammarVocabulary
 
 __all__ = [
     "FinishReason",
@@ -136,6 +137,22 @@ def _stop_sequences(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ..
     return tuple(out)
 
 
+def _grammar(value: object) -> Grammar | None:
+    """A `Grammar`, None, or the request-file form ``{"regex": ...}`` read into a `Grammar`.
+
+    Raises:
+        InvalidRequest: a mapping that is not a grammar (naming what is wrong).
+    """
+    if value is None or isinstance(value, Grammar):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return Grammar.from_json(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"grammar: {exc}") from None
+    return value  # type: ignore[return-value]  # reported by `problems`
+
+
 def _is_int(value: object) -> bool:
     """An integer that is not a bool (True is not a token id or a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -192,6 +209,13 @@ class SamplingParams:
         logprobs: record the log-probability of every emitted token under the target's final
             distribution (after the penalties, and after temperature / top-k / top-p for a
             sampled request); `Req.logprobs` holds them, aligned with `Req.emitted_ids`.
+        grammar: the output must be a string of this `Grammar` (a JSON schema, a regular
+            expression, an EBNF or Lark grammar; or its request-file form
+            ``{"json_schema": ...}``): every token is drawn from the target's distribution
+            masked to what the grammar allows, and the request ends when the grammar accepts
+            an end-of-sequence token (a stop, included in the output). Needs
+            ``ignore_eos=False`` and ``min_new_tokens=0`` (the grammar decides where the
+            output may end).
     """
 
     max_new_tokens: int = 128
@@ -208,6 +232,7 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_stop_sequences)
     seed: int | None = None
     logprobs: bool = False
+    grammar: Grammar | None = attrs.field(default=None, converter=_grammar)
 
     @property
     def is_greedy(self) -> bool:
@@ -259,6 +284,23 @@ class SamplingParams:
         found += _sequence_problems(self.stop_sequences, vocab_size)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             found.append(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        found += self._grammar_problems()
+        return found
+
+    def _grammar_problems(self) -> list[str]:
+        """What is wrong with ``grammar`` and its combination with the other fields."""
+        if self.grammar is None:
+            return []
+        if not isinstance(self.grammar, Grammar):
+            return [f"grammar must be a Grammar or None, got {type(self.grammar).__name__}"]
+        found = self.grammar.problems()
+        if self.ignore_eos is True:
+            found.append("a grammar ends with the end-of-sequence token: ignore_eos must be False")
+        if _is_int(self.min_new_tokens) and self.min_new_tokens > 0:
+            found.append(
+                "a grammar decides where the output may end: min_new_tokens must be 0, got "
+                f"{self.min_new_tokens}"
+            )
         return found
 
 
@@ -290,11 +332,15 @@ class RequestLimits:
         vocab_size: token ids are in ``[0, vocab_size)``.
         max_context_len: prompt plus output may not exceed it.
         eos_token_ids: ids that end a request unless it sets ``ignore_eos``.
+        grammar_vocabulary: the bytes each token id stands for, which a request's
+            ``grammar`` is compiled against; None: requests with a grammar are refused. Its
+            EOS ids must be special tokens (they end a grammar).
     """
 
     vocab_size: int
     max_context_len: int
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_stop_ids)
+    grammar_vocabulary: GrammarVocabulary | None = None
 
     def __attrs_post_init__(self) -> None:
         """Refuse limits no request could meet, or EOS ids the model cannot emit."""
@@ -312,8 +358,34 @@ class RequestLimits:
         )
         if bad:
             problems.append(f"eos_token_ids {bad} are not ids in [0, {self.vocab_size!r})")
+        problems += self._vocabulary_problems()
         if problems:
             raise InvalidConfig("RequestLimits: " + "; ".join(problems))
+
+    def _vocabulary_problems(self) -> list[str]:
+        vocabulary = self.grammar_vocabulary
+        if vocabulary is None:
+            return []
+        if not isinstance(vocabulary, GrammarVocabulary):
+            return [
+                f"grammar_vocabulary must be a GrammarVocabulary, got {type(vocabulary).__name__}"
+            ]
+        found = []
+        if _is_int(self.vocab_size) and vocabulary.size > self.vocab_size:
+            found.append(
+                f"grammar_vocabulary describes {vocabulary.size} tokens, more than vocab_size "
+                f"{self.vocab_size}"
+            )
+        if not self.eos_token_ids:
+            found.append("a grammar_vocabulary needs eos_token_ids: a grammar ends with one")
+        text = sorted(
+            t
+            for t in self.eos_token_ids
+            if _is_int(t) and 0 <= t < vocabulary.size and vocabulary.token_bytes[t] is not None
+        )
+        if text:
+            found.append(f"eos_token_ids {text} stand for text in grammar_vocabulary")
+        return found
 
 
 @attrs.frozen(kw_only=True)

@@ -51,6 +51,9 @@ class EngineConfig:
             switches off when drafts are rarely accepted, and back on after a probe). Needs a
             worker that declares ``supports_adaptive_steps``; ignored for a worker that does
             not speculate. ``Engine(draft_policy=...)`` takes a policy of your own instead.
+        grammar_mask_threads: threads that build grammar masks (llguidance's parallel
+            executor); 1, the default, builds them one request after the other on the forward
+            stream, which is faster on a small or busy machine.
     """
 
     overlap: bool = True
@@ -67,6 +70,7 @@ class EngineConfig:
     finished_history: int = 10_000
     forward_timeout_s: float | None = None
     adaptive_draft: bool = False
+    grammar_mask_threads: int = 1
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
@@ -83,7 +87,12 @@ class EngineConfig:
             for name in flags
             if not isinstance(getattr(self, name), bool)
         ]
-        for name, low in (("page_size", 1), ("max_running", 1), ("max_prefill_tokens", 1)):
+        for name, low in (
+            ("page_size", 1),
+            ("max_running", 1),
+            ("max_prefill_tokens", 1),
+            ("grammar_mask_threads", 1),
+        ):
             value = getattr(self, name)
             if not _is_count(value, low):
                 problems.append(f"{name} must be an integer >= {low}, got {value!r}")

@@ -46,6 +46,7 @@ from specstate.engine.rounds import RoundPipeline
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
 from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
+from specstate.grammar.table import GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
 from specstate.memory.recurrent import recurrent_pool_for
@@ -152,6 +153,12 @@ class Engine:
             eos_token_ids=limits.eos_token_ids,
             checker=self.checker,
         )
+        self.grammar = GrammarTable(
+            limits=limits,
+            outputs=self.outputs,
+            trace=trace,
+            mask_threads=config.grammar_mask_threads,
+        )
         device = torch.device(config.device)
         budget = config.chunked_prefill or config.max_prefill_tokens
         self.scheduler = Scheduler(
@@ -219,6 +226,7 @@ class Engine:
             checker=self.checker,
             draft_policy=draft_policy,
             trace=trace,
+            grammar=self.grammar,
         )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
@@ -250,6 +258,7 @@ class Engine:
             self.limits,
             window=self.allocator.window,
             pool_tokens=pool.num_pages * pool.page_size,
+            grammar=self.grammar,
         )
         self.lifecycle.register(req)
         self.scheduler.enqueue(req)
@@ -302,6 +311,7 @@ class Engine:
         if rec is not None:
             self._record_events(rec, finished, retracted)
         ended = self.lifecycle.remember_ended(finished)
+        self.grammar.forget(ended)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(

@@ -3,7 +3,7 @@
 `check_request` refuses, with `InvalidRequest` naming the request and the numbers, a request
 that the worker cannot serve (a sampling control it does not declare), that cannot fit the
 model's context, or that could never fit the KV pool even alone (prompt, outputs and the
-speculative reserve). A refused request changes nothing.
+speculative reserve), or whose grammar does not compile. A refused request changes nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from specstate.core.errors import InvalidRequest
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.worker import WorkerCapabilities
+from specstate.grammar.table import GrammarTable
 from specstate.memory.sizing import SpecWindow
 
 __all__ = ["check_request"]
@@ -23,11 +24,14 @@ def check_request(
     *,
     window: SpecWindow,
     pool_tokens: int,
+    grammar: GrammarTable | None = None,
 ) -> None:
-    """Refuse ``req`` if this worker, context or pool of ``pool_tokens`` cannot serve it.
+    """Refuse ``req`` if this worker, context or pool of ``pool_tokens`` cannot serve it; last,
+    compile its grammar (``grammar``: the engine's table, which keeps the compiled state).
 
     Raises:
-        InvalidRequest: naming the request and what it asks for.
+        InvalidRequest: naming the request and what it asks for (for a grammar that does not
+            compile, the grammar library's error).
     """
     rid, sampling = req.request_id, req.sampling
     if sampling.temperature > 0 and not caps.supports_sampling:
@@ -54,6 +58,8 @@ def check_request(
             f"request {rid!r}: needs up to {need} KV tokens (prompt {prompt}, max_new_tokens "
             f"{sampling.max_new_tokens}, reserve {window.reserve}) but the pool holds {capacity}"
         )
+    if grammar is not None:
+        grammar.compile(req)
 
 
 def unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:
@@ -73,4 +79,7 @@ def unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> 
         found.append(f"seed={sampling.seed}")
     if sampling.logprobs and not caps.supports_logprobs:
         found.append("logprobs=True")
+    if sampling.grammar is not None and not caps.supports_grammar:
+        tree = f" (a draft tree, topk {caps.topk}: use a chain, topk 1)" if caps.topk > 1 else ""
+        found.append(f"grammar{tree}")
     return found

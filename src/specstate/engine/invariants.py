@@ -166,6 +166,7 @@ def check_engine(engine: Engine) -> None:
     _check_reserve(engine)
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
     _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
+    engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:

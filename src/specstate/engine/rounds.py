@@ -41,6 +41,7 @@ from specstate.engine.result_copy import HostResult
 from specstate.engine.results import ResultProcessor, Settlement
 from specstate.engine.scheduler import LaunchPlan, Scheduler
 from specstate.engine.trace import FORWARD, HOST, TraceRecorder
+from specstate.grammar.table import GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 
 __all__ = ["RoundPipeline"]
@@ -70,6 +71,7 @@ class RoundPipeline:
         checker: OwnershipChecker,
         draft_policy: DraftPolicy | None,
         trace: TraceRecorder | None,
+        grammar: GrammarTable | None = None,
     ) -> None:
         self.launcher = launcher
         self.ledger = ledger
@@ -83,6 +85,7 @@ class RoundPipeline:
         self._checker = checker
         self._draft_policy = draft_policy
         self._trace = trace
+        self._grammar = grammar
         self.in_flight: InFlight | None = None
         self.num_launched = 0
         self.num_retired = 0
@@ -100,6 +103,8 @@ class RoundPipeline:
             rec = self._trace
             if rec is not None:
                 rec.span(HOST, "schedule", self.num_launched, started, rec.now())
+            if self._grammar is not None:  # the batch's grammar view (ForwardBatch.grammar)
+                self._grammar.attach(plan)
             launched = self.launcher.launch(
                 plan, batch_id=self.num_launched, traced=rec is not None
             )
@@ -181,6 +186,8 @@ class RoundPipeline:
         """Observe, settle and check one good result; the requests it ended."""
         plan = flight.plan
         ended = [] if host.invalid is None else self._fail_invalid_rows(plan, host.invalid)
+        if self._grammar is not None:  # grammar dead ends and contract breaks; commit the rest
+            ended += self._grammar.settle(flight, host, self._lifecycle)
         probe = SettlementProbe.take(self, flight) if self._config.check_invariants else None
         if self._draft_policy is not None and plan.batch.num_draft_steps is not None:
             self._observe_round(plan, host)

@@ -5,7 +5,9 @@ Hand a `TraceRecorder` to the engine (``Engine(..., trace=TraceRecorder())``) an
 * **spans** on two tracks: the host (``schedule``, ``wait`` for a batch's result, ``settle``)
   and the forward stream (``resolve`` the relayed inputs, the worker's ``forward``, ``post``:
   check, copy, publish and stash), plus a ``publish`` instant when the worker hands over the
-  next frontier;
+  next frontier; with grammar requests also ``grammar-mask``, ``grammar-advance`` and
+  ``grammar-next-mask`` inside a forward and ``grammar-settle`` on the host
+  (`specstate.grammar`);
 * one **round** per settled batch: its mode, and per row (as columns) the request id, its
   incarnation, whether the row settled (a row of a request that ended meanwhile does not), the
   frontier the forward ran from and the one it published, the accept length and the bonus token

@@ -98,6 +98,9 @@ class WorkerCapabilities:
             state rows per request (`WorkerMemory.recurrent`), commits the state of the
             accepted length at settlement, and a prefix cache does not share prefixes (the
             state is not checkpointed at cache boundaries). Chains only (``topk == 1``).
+        supports_grammar: the worker masks every sampled, drafted and verified position of a
+            row with ``ForwardBatch.grammar`` (`GrammarRows`), so a request may set
+            ``SamplingParams.grammar``; the reference chain workers do, draft trees do not.
     """
 
     algorithm: str
@@ -115,6 +118,7 @@ class WorkerCapabilities:
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
     recurrent: RecurrentStateSpec | None = None
+    supports_grammar: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

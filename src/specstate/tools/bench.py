@@ -39,7 +39,7 @@ from typing import Final, TypeVar
 import attrs
 import torch
 
-from specstate.tools import bench_recurrent
+from specstate.tools import bench_grammar, bench_recurrent
 
 __all__ = ["add_arguments", "run"]
 
@@ -196,6 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     bench_serve.add_parser(benches)
     bench_recurrent.add_parser(benches)
+    bench_grammar.add_arguments(benches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "overlap": _run_overlap,
         "serve": _run_serve,
         "recurrent": bench_recurrent.run,
+        "grammar": bench_grammar.run,
     }
     return benches[args.bench](args)
 

@@ -7,7 +7,8 @@ Input, one JSON object per line::
      "top_k"?: int | null, "seed"?: int | null, "speculative"?: bool,
      "repetition_penalty"?: number, "frequency_penalty"?: number,
      "presence_penalty"?: number, "min_new_tokens"?: int,
-     "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool}
+     "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool,
+     "grammar"?: {"json_schema": {...}} | {"regex": str} | {"ebnf": str} | {"lark": str}}
 
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths"}``, plus ``"text"`` (the output decoded) when the request gave ``"text"``,
@@ -29,7 +30,9 @@ ended, so nothing computed is lost if the run stops.
 the embedded model; the prompt is its BOS id (if the config names one) then the text's bytes.
 ``seed`` is the request's own seed (`SamplingParams.seed`): a seeded sampled request emits the
 same tokens whatever else runs; ``--seed`` seeds the worker's generator, which the unseeded
-sampled requests draw from.
+sampled requests draw from. ``grammar`` constrains the output (`SamplingParams.grammar`): a
+byte-level checkpoint's limits carry its byte vocabulary (`checkpoint_limits`); with another
+checkpoint a grammar request is refused, naming its line.
 
 ``--worker MODULE:FACTORY`` drives a custom worker: ``FACTORY(args)`` receives the parsed
 arguments (an `argparse.Namespace`; ``args.seed`` is ``--seed``, the worker's seed, or None)
@@ -59,6 +62,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
+from specstate.grammar.spec import Grammar, GrammarVocabulary
 
 if TYPE_CHECKING:
     import torch
@@ -137,8 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Request lines: {id, input_ids | text, max_new_tokens?, stop_token_ids?, temperature?, "
         "top_p?, top_k?, seed?, speculative?, repetition_penalty?, frequency_penalty?, "
-        "presence_penalty?, min_new_tokens?, stop_sequences?, logprobs?}. Exit codes: 0 all "
-        "requests ended normally, 1 some ended with an error, 2 bad input, options or "
+        "presence_penalty?, min_new_tokens?, stop_sequences?, logprobs?, grammar?}. Exit codes: "
+        "0 all requests ended normally, 1 some ended with an error, 2 bad input, options or "
         "checkpoint. Threads: with --no-overlap the forward runs on the main thread, so "
         "--threads matters most there."
     )
@@ -252,6 +256,7 @@ _FIELDS = frozenset(
         "min_new_tokens",
         "stop_sequences",
         "logprobs",
+        "grammar",
     }
 )
 _MAX_SEED: Final = 2**63
@@ -327,6 +332,7 @@ def _parse_line(raw: str, where: str) -> _Line:
             f'{where}: "stop_sequences" must be a list of non-empty lists of integers, '
             f"got {sequences!r:.60}"
         )
+    grammar = _grammar(obj, where)
     params = SamplingParams(  # ranges are checked at submit, naming this line
         max_new_tokens=cap,
         stop_token_ids=stops,
@@ -341,8 +347,20 @@ def _parse_line(raw: str, where: str) -> _Line:
         presence_penalty=float(penalties["presence_penalty"]),
         speculative=flags["speculative"],
         logprobs=flags["logprobs"],
+        grammar=grammar,
     )
     return _Line(where=where, request_id=rid, input_ids=ids, text=text, params=params)
+
+
+def _grammar(obj: dict[str, Any], where: str) -> Grammar | None:
+    """The ``grammar`` field: one of ``{"json_schema": ...}``, ``{"regex": ...}``,
+    ``{"ebnf": ...}``, ``{"lark": ...}`` (compiled at submit, naming this line)."""
+    if obj.get("grammar") is None:
+        return None
+    try:
+        return Grammar.from_json(obj["grammar"])
+    except ValueError as exc:
+        raise InvalidRequest(f'{where}: "grammar": {exc}') from None
 
 
 _FLAGS: Final = {"speculative": True, "logprobs": False}
@@ -420,10 +438,22 @@ def checkpoint_limits(model: Path) -> RequestLimits:
     from specstate.reference.checkpoint import read_model_config
 
     config = read_model_config(model)
+    specials = [*config.eos_token_ids]
+    if config.bos_token_id is not None:
+        specials.append(config.bos_token_id)
+    byte_level = NUM_BYTES <= config.vocab_size <= NUM_BYTES + MAX_SPECIAL_IDS and all(
+        t >= NUM_BYTES for t in specials
+    )
     return RequestLimits(
         vocab_size=config.vocab_size,
         max_context_len=config.max_position_embeddings,
         eos_token_ids=frozenset(config.eos_token_ids),
+        # A byte-level model (`byte_codec`) can serve grammars: its ids 0-255 are bytes.
+        grammar_vocabulary=(
+            GrammarVocabulary.byte_level(config.vocab_size)
+            if byte_level and config.eos_token_ids
+            else None
+        ),
     )
 
 

@@ -7,7 +7,8 @@ own Python sources, so ``specstate demo`` runs with no download::
     draft/    1-layer Llama, same vocabulary                 load_paged_llama / transformers
     eagle/    EAGLE head on the target's pre-norm features   model_type "specstate_eagle"
 
-The vocabulary is the 256 byte values, then `BOS_ID` and `EOS_ID`, padded to `VOCAB_SIZE`.
+The vocabulary is the 256 byte values, then `BOS_ID` and `EOS_ID`, padded to `VOCAB_SIZE`;
+`grammar_vocabulary` describes it for grammars (`RequestLimits.grammar_vocabulary`).
 `encode` never emits BOS or EOS; callers prepend `BOS_ID` themselves (every training document
 starts with it). REPORT.md beside this file holds the training numbers.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from specstate.core.errors import InvalidConfig
+from specstate.grammar.spec import GrammarVocabulary
 
 __all__ = [
     "BOS_ID",
@@ -29,6 +31,7 @@ __all__ = [
     "draft_dir",
     "eagle_dir",
     "encode",
+    "grammar_vocabulary",
     "target_dir",
 ]
 
@@ -67,6 +70,11 @@ def draft_dir() -> Path:
 def eagle_dir() -> Path:
     """The EAGLE head checkpoint; it reuses the target's embedding and lm_head."""
     return _checkpoint_dir("eagle")
+
+
+def grammar_vocabulary() -> GrammarVocabulary:
+    """The bytes of every id (the 256 byte values; BOS, EOS and the padding are special)."""
+    return GrammarVocabulary.byte_level(VOCAB_SIZE, num_bytes=_NUM_BYTES)
 
 
 def encode(text: str) -> list[int]:

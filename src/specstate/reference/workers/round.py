@@ -24,6 +24,11 @@ seeded rows coupled to the position they draft); the target verifies each positi
 drafts before it (`specstate.reference.workers.target`). A request with ``speculative=False``
 still rides the verify, with its drafts ignored: it accepts exactly one token.
 
+A chain worker also serves grammars (``ForwardBatch.grammar``, `specstate.grammar.rows`): the
+drafter drafts under the grammar's masks (an n-gram chain is checked and pruned instead), the
+verify applies one mask per position, and after the publish the grammar keeps the accepted
+run and builds the next round's first masks, while the draft-extend is still to run.
+
 Invariant: ``on_publish`` is called exactly once per forward, after the target decided the
 frontier and before any post-verify work; the worker writes only its own caches and history,
 never a ledger counter, a request, or a batch field.
@@ -133,7 +138,9 @@ class ChainRoundWorker(abc.ABC):
         self._capabilities = capabilities
         if capabilities.topk == 1:  # the chain round implements every sampling control
             self._capabilities = attrs.evolve(
-                with_sampling_controls(capabilities), supports_adaptive_steps=True
+                with_sampling_controls(capabilities),
+                supports_adaptive_steps=True,
+                supports_grammar=True,
             )
         self._sampler = TokenSampler(seed)
 
@@ -194,7 +201,8 @@ class ChainRoundWorker(abc.ABC):
         start, roots = decode_roots(batch)
         sampling = batch.sampling_info
         counts = self._target.begin_round(batch.req_pool_indices, start, roots, sampling)
-        with self._sampler.drafting(start, sampling, counts):
+        grammar = batch.grammar
+        with self._sampler.drafting(start, sampling, counts, grammar):
             drafts = self._propose(batch, start, roots)
         checked = self._target.verify_chain(
             batch.req_pool_indices,
@@ -204,10 +212,13 @@ class ChainRoundWorker(abc.ABC):
             sampling=sampling,
             sampler=self._sampler,
             counts=counts,
+            grammar_masks=None if grammar is None else grammar.verify_masks(drafts.tokens),
         )
         verdict, hidden = checked.verdict, checked.hidden_states
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
+        if grammar is not None:  # keep the run, roll back the rest; next round's first masks
+            grammar.accept(verdict.run_tokens, verdict.accept_lens)
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         verified = VerifiedRound(
             batch=batch, start=start, chain=chain, verdict=verdict, target_hidden=hidden

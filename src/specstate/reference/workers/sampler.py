@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from specstate.batch.sampling import SamplingInfo, apply_logit_controls, seeded_uniforms
+from specstate.grammar.rows import GrammarRows, RowMasks
 
 __all__ = [
     "TokenChoice",
@@ -190,6 +191,7 @@ class _Drafting:
 
     start: torch.Tensor
     counts: TokenCounts | None
+    grammar: GrammarRows | None = None
     step: int = 0
 
 
@@ -258,18 +260,24 @@ class TokenSampler:
 
     @contextmanager
     def drafting(
-        self, start: torch.Tensor, sampling: SamplingInfo, counts: TokenCounts | None
+        self,
+        start: torch.Tensor,
+        sampling: SamplingInfo,
+        counts: TokenCounts | None,
+        grammar: GrammarRows | None = None,
     ) -> Iterator[None]:
         """Inside it, `choose` call ``k`` (0-based) drafts position ``start + k + 1``.
 
         Seeded rows draw with that position's uniform; ``counts`` (the state at ``start``) are
-        applied to the drafter's logits and advanced by each drafted token. Without seeds and
-        counts nothing changes (greedy drafting stays bit-identical).
+        applied to the drafter's logits and advanced by each drafted token; ``grammar`` masks
+        each draft step (`GrammarRows.draft_masks`) and is given each draft
+        (`GrammarRows.push_drafts`), so drafts are grammatical. Without seeds, counts and a
+        grammar nothing changes (greedy drafting stays bit-identical).
         """
-        if sampling.seeds is None and counts is None:
+        if sampling.seeds is None and counts is None and grammar is None:
             yield
             return
-        self._drafting = _Drafting(start=start, counts=counts)
+        self._drafting = _Drafting(start=start, counts=counts, grammar=grammar)
         try:
             yield
         finally:
@@ -282,6 +290,7 @@ class TokenSampler:
         *,
         positions: torch.Tensor | None = None,
         counts: TokenCounts | None = None,
+        mask: RowMasks | None = None,
     ) -> TokenChoice:
         """The next token of every row of ``logits`` ``[B, V]`` under ``sampling``.
 
@@ -292,12 +301,18 @@ class TokenSampler:
                 None inside `drafting` takes the drafted position.
             counts: the state the position sees (`TokenCounts`), for the logit controls; None
                 inside `drafting` takes the drafting state.
+            mask: grammar bitmasks of the scored position (applied after the controls); inside
+                `drafting` the grammar's draft masks.
         """
         drafting = self._drafting
         if drafting is not None and positions is None and counts is None:
             positions = drafting.start + drafting.step + 1
             counts = drafting.counts
+            if drafting.grammar is not None:
+                mask = drafting.grammar.draft_masks()
         processed = logits if counts is None else counts.apply(logits, sampling)
+        if mask is not None:
+            processed = mask.apply(processed)
         greedy = processed.argmax(-1)
         if sampling.is_all_greedy:
             tokens, probs = greedy, None
@@ -314,4 +329,6 @@ class TokenSampler:
             drafting.step += 1
             if drafting.counts is not None:
                 drafting.counts = drafting.counts.advance(tokens)
+            if drafting.grammar is not None:
+                drafting.grammar.push_drafts(tokens)
         return TokenChoice(tokens=tokens, probs=probs, logits=processed)

@@ -23,7 +23,10 @@ Sampling controls (docs/engine.md, "Sampling controls"), all per row:
   verified against those tokens (`verify_chain_targets`), so the emitted tokens do not depend
   on the drafts, the batch or the loop, and each follows the target's distribution exactly;
 * ``speculative=False`` rows accept exactly ``y_0`` (a sampled one draws it from ``p_0``);
-* logprobs of the emitted tokens under the final distribution, when a row asks for them.
+* logprobs of the emitted tokens under the final distribution, when a row asks for them;
+* grammars (`specstate.grammar.rows`): the extend's sampled token and every verify position are
+  masked to what the row's grammar allows there (after the logit controls), verify position
+  ``j`` with the grammar after ``d1 .. dj``.
 
 Invariant: the target's KV at positions below a row's frontier holds exactly the target's KV of
 that row's settled tokens; verify writes only ``[S, S + D)``, inside the engine's reservation.
@@ -38,6 +41,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.sampling import SamplingInfo, seeded_uniforms
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
+from specstate.grammar.rows import RowMasks
 from specstate.memory.recurrent_layout import RecurrentStateSpec
 from specstate.reference.hybrid import HybridConfig, PagedHybrid
 from specstate.reference.model import AttentionBatch, PagedLlama
@@ -250,7 +254,11 @@ class TargetRunner:
             )
             self.write_tokens(slots, attention.positions, attention.input_ids)
             counts = self.counts_at(attention.req_pool_indices, last, sampling)
-        choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts)
+        grammar = batch.grammar  # the masks of each row's sampled token, if it has a grammar
+        masks = None if grammar is None else grammar.sample_masks()
+        choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts, mask=masks)
+        if grammar is not None:
+            grammar.accept_sampled(choice.tokens)
         logprobs = None
         if sampling.logprobs:
             processed = out.logits if choice.logits is None else choice.logits
@@ -295,9 +303,11 @@ class TargetRunner:
         sampling: SamplingInfo,
         sampler: TokenSampler,
         counts: TokenCounts | None = None,
+        grammar_masks: RowMasks | None = None,
     ) -> TargetVerify:
         """`verify`, with the run's logprobs; ``counts``: the state at ``S`` if already built
-        (`begin_round`), else it is built here when the batch has logit controls."""
+        (`begin_round`), else it is built here when the batch has logit controls;
+        ``grammar_masks``: the grammar bitmask of every chain position (after the controls)."""
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
         out = self.network(attention)
@@ -314,6 +324,8 @@ class TargetRunner:
                 counts = self.counts_at(req_pool_indices, start, sampling)
         if counts is not None:  # position j sees x0 and d1 .. dj
             logits = counts.chain(drafts.tokens).apply(logits, sampling)
+        if grammar_masks is not None:  # position j: the grammar after d1 .. dj
+            logits = grammar_masks.apply(logits)
         verdict, probs = _verify(drafts, logits, sampling, sampler, start)
         logprobs = None
         if sampling.logprobs:
