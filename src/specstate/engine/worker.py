@@ -42,6 +42,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
+from specstate.memory.prefix_cache import PrefixSharing
 from specstate.memory.sizing import SpecWindow
 
 __all__ = [
@@ -87,6 +88,12 @@ class WorkerCapabilities:
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
             more than ``num_draft_steps + 1``.
+        prefix_sharing: what the state a forward leaves at a KV position depends on, which
+            decides whether the prefix cache may map one request's committed KV into another
+            request's row (docs/memory.md, "Prefix cache"). NONE (the default) shares
+            nothing; TOKEN: every per-position state (target KV, draft KV, features, token
+            histories) lives at the position's token slot and depends on tokens ``[0, p]``;
+            BIGRAM: as TOKEN, but the state at ``p`` may read token ``p + 1`` too.
     """
 
     algorithm: str
@@ -103,6 +110,7 @@ class WorkerCapabilities:
     supports_seeds: bool = False
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
+    prefix_sharing: PrefixSharing = PrefixSharing.NONE
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

@@ -41,6 +41,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.memory.prefix_cache import PrefixSharing
 from specstate.reference.model import PagedLlama
 from specstate.reference.workers.layout import (
     decode_result,
@@ -106,6 +107,10 @@ class ChainRoundWorker(abc.ABC):
         self, target: TargetRunner, capabilities: WorkerCapabilities, *, seed: int | None = None
     ) -> None:
         self._target = target
+        if capabilities.prefix_sharing is PrefixSharing.NONE:
+            # Every state a reference forward leaves at a position (KV, draft KV, features,
+            # token history) sits at its token slot and depends on tokens [0, p] only.
+            capabilities = attrs.evolve(capabilities, prefix_sharing=PrefixSharing.TOKEN)
         self._capabilities = capabilities
         if capabilities.topk == 1:  # the chain round implements every sampling control
             self._capabilities = attrs.evolve(
