@@ -10,7 +10,7 @@ Two layers:
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
   streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
-  `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
+  `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`) and the types a worker sees
   (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.memory.prefix_cache import PrefixCacheSnapshot, PrefixSharing
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
@@ -121,6 +122,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
+    "PrefixCacheSnapshot": "specstate.memory.prefix_cache",
+    "PrefixSharing": "specstate.memory.prefix_cache",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -153,6 +156,8 @@ __all__ = [
     "OnPublish",
     "OwnershipError",
     "PenaltyAccumulator",
+    "PrefixCacheSnapshot",
+    "PrefixSharing",
     "RelayError",
     "RelayPayload",
     "Req",

@@ -115,14 +115,12 @@ def serve(
     worker: WorkerProtocol,
     workload: Workload,
     *,
+    options: dict[str, object],
     kv_tokens: int = 4096,
-    max_running: int = 32,
-    **options: object,
 ) -> Served:
     """Serve the waves one after the other (each to idle), every check on after every step."""
     config = EngineConfig(
         kv_tokens=kv_tokens,
-        max_running=max_running,
         check_invariants=True,
         check_ownership=True,
         debug_relay=True,
@@ -182,8 +180,13 @@ def test_lossless_with_the_prefix_cache(
     mixed: bool,
 ) -> None:
     """HF-exact with the cache on; hits happened; without mixed chunks, the same acceptance."""
-    options = dict(overlap=overlap, page_size=page_size, chunked_prefill=chunked, mixed_chunk=mixed)
-    on = serve(spec_worker(ckpt, algorithm, topk), workload, **options)
+    options: dict[str, object] = {
+        "overlap": overlap,
+        "page_size": page_size,
+        "chunked_prefill": chunked,
+        "mixed_chunk": mixed,
+    }
+    on = serve(spec_worker(ckpt, algorithm, topk), workload, options=options)
     assert [list(r.emitted_ids) for r in on.reqs] == _wants(workload)
     hits = [r.cached_tokens for r, w in zip(on.reqs, on.waves, strict=True) if w == 1]
     assert min(hits) >= page_size and on.hit_tokens == sum(r.cached_tokens for r in on.reqs)
@@ -193,7 +196,9 @@ def test_lossless_with_the_prefix_cache(
         assert any(r.num_outputs > len(r.emitted_ids) for r in on.reqs)  # a stop inside a run
     if mixed:
         return  # mixed tails are not verify rounds: the rounds differ with the prefill length
-    off = serve(spec_worker(ckpt, algorithm, topk), workload, prefix_cache=False, **options)
+    off = serve(
+        spec_worker(ckpt, algorithm, topk), workload, options={**options, "prefix_cache": False}
+    )
     assert off.hit_tokens == 0
     assert [r.accept_lengths for r in on.reqs] == [r.accept_lengths for r in off.reqs]
 
@@ -230,10 +235,12 @@ def test_kv_pressure_evicts_the_cache_then_retracts_and_stays_lossless(
         spec_worker(ckpt, algorithm, topk),
         workload,
         kv_tokens=160 if page_size == 1 else 192,
-        overlap=overlap,
-        page_size=page_size,
-        chunked_prefill=chunked,
-        mixed_chunk=mixed,
+        options={
+            "overlap": overlap,
+            "page_size": page_size,
+            "chunked_prefill": chunked,
+            "mixed_chunk": mixed,
+        },
     )
     assert [list(r.emitted_ids) for r in served.reqs] == _wants(workload)
     assert served.hit_tokens > 0, "no prefix was shared"

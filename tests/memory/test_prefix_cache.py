@@ -74,6 +74,18 @@ def test_a_locked_path_is_never_evicted_and_unreferenced_leaves_go_lru_first() -
     assert cache.problems() == []
 
 
+def test_a_held_leaf_stays_even_when_used_longer_ago_than_an_unheld_one() -> None:
+    """LRU order never reaches a held leaf: a newer unheld leaf is evicted instead."""
+    cache = _token_cache()
+    cache.insert(cache.keys([1, 2]), _pages(1, 2))
+    cache.insert(cache.keys([3, 4]), _pages(3, 4))
+    cache.lock(cache.match(cache.keys([1, 2])))
+    cache.match(cache.keys([3, 4]))  # used after the held one, but not held
+    assert cache.evict(1).tolist() == [4]
+    assert cache.evict(5).tolist() == [3]
+    assert cache.match(cache.keys([1, 2])).pages.tolist() == [1, 2]
+
+
 def test_an_unlock_without_a_lock_is_refused() -> None:
     """Unlocking a path nobody holds raises `LedgerViolation`."""
     cache = _token_cache()
@@ -148,6 +160,11 @@ class CacheMachine(RuleBasedStateMachine):
             for page in want:
                 self.holds[page] = self.holds.get(page, 0) + 1
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=0, max_size=10))
+    def touch(self, tokens: list[int]) -> None:
+        """Match without holding (an admission that did not fit): only the LRU order moves."""
+        self.cache.match(self.cache.keys(tokens))
+
     @precondition(lambda self: self.locked)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
@@ -180,4 +197,4 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestCacheMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
