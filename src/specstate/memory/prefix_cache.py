@@ -80,11 +80,19 @@ def prefix_keys(tokens: Sequence[int] | IntArray, sharing: PrefixSharing) -> Int
 
     BIGRAM keys pack both ids in one int64 (``t_p << 32 | t_(p+1)``), one fewer than tokens.
     """
-    t = np.asarray(tokens, dtype=np.int64)
+    t = as_token_array(tokens)
     if sharing is PrefixSharing.BIGRAM:
         keys: IntArray = (t[:-1] << 32) | t[1:]
         return keys
     return t
+
+
+def as_token_array(tokens: Sequence[int] | IntArray) -> IntArray:
+    """``tokens`` as an int64 array (no copy for one already)."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64, copy=False)
+    # fromiter: the fastest way in from a list or tuple of Python ints
+    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))
 
 
 class _Node:
@@ -111,12 +119,15 @@ class PrefixMatch:
         num_tokens: matched KV positions (a multiple of the page size).
         pages: ``[num_tokens / P]`` the pages holding them, in position order.
         num_unlocked_pages: matched pages no row holds now (evictable until locked).
+        tokens: the tokens the match was made for, as an int64 array, when the caller keeps
+            them (a row's release builds its keys from them); else None.
     """
 
     num_tokens: int
     pages: IntArray = attrs.field(eq=False)
     num_unlocked_pages: int
     node: object = attrs.field(eq=False, repr=False)  # the tree node it ends at (opaque)
+    tokens: IntArray | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 
 from specstate.core.errors import LedgerViolation
@@ -37,7 +38,12 @@ from specstate.memory.pools import (
     free_rows,
     map_prefix,
 )
-from specstate.memory.prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixMatch
+from specstate.memory.prefix_cache import (
+    PrefixCache,
+    PrefixCacheSnapshot,
+    PrefixMatch,
+    as_token_array,
+)
 
 __all__ = ["PrefixRows", "insertable_len"]
 
@@ -76,25 +82,31 @@ class PrefixRows:
         self._token_pool = token_pool
         self._validate = validate
         self._held: dict[int, PrefixMatch] = {}
+        self._fill: dict[int, IntArray] = {}  # each row's tokens at admission, as an array
         self._admissions = 0
         self._queried = 0
         self._hits = 0
 
     # ------------------------------------------------------------- admission
     def match(self, tokens: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``tokens`` that leaves at least one token to prefill."""
+        """The longest cached prefix of ``tokens`` that leaves at least one token to prefill.
+
+        The match keeps ``tokens`` as an array (`PrefixMatch.tokens`): a row that maps it
+        builds its release's keys from it, converting only the outputs it settled since.
+        """
         p = self.cache.page_size
-        limit = (len(tokens) - 1) // p * p
-        if limit <= 0:
-            return self.cache.match(self.cache.keys(tokens[:0]))
-        keys = self.cache.keys(tokens[: limit + self.cache.sharing.lookahead])
-        return self.cache.match(keys[:limit])
+        fill = as_token_array(tokens)
+        limit = max((len(fill) - 1) // p * p, 0)
+        keys = self.cache.keys(fill[: limit + self.cache.sharing.lookahead])
+        return attrs.evolve(self.cache.match(keys[:limit]), tokens=fill)
 
     def map(self, slot: int, match: PrefixMatch, num_query_tokens: int) -> int:
         """Hold ``match`` for ``slot``'s fresh row and map its pages; the positions mapped."""
         self._admissions += 1
         self._queried += num_query_tokens
         self._hits += match.num_tokens
+        if match.tokens is not None:
+            self._fill[slot] = match.tokens
         if match.num_tokens == 0:
             return 0
         self.cache.lock(match)
@@ -139,8 +151,9 @@ class PrefixRows:
                     f"[cache-committed] request {req.request_id}: insert of {k} positions "
                     f"passes its committed length {int(committed[i])}"
                 )
+            fill = self._fill.pop(slot, None)
             if k > lo:
-                tokens = (*req.prompt_ids, *req.output_ids)[: k + lookahead]
+                tokens = self._tokens(req, fill, k + lookahead)
                 existing = self.cache.insert(self.cache.keys(tokens)[:k], table[slot, :k:p] // p)
                 if self._validate and existing < lo:
                     raise LedgerViolation(
@@ -161,6 +174,17 @@ class PrefixRows:
                 validate=self._validate,
             )
         return start, kept
+
+    @staticmethod
+    def _tokens(req: Req, fill: IntArray | None, n: int) -> IntArray:
+        """The first ``n`` tokens of ``req`` (prompt, then outputs) as an array."""
+        if fill is not None and len(fill) >= n:
+            return fill[:n]
+        if fill is None:
+            return as_token_array((*req.prompt_ids, *req.output_ids)[:n])
+        # NOTE: outputs only grow while a request holds its row: the fill is their prefix.
+        since = req.output_ids[len(fill) - len(req.prompt_ids) : n - len(req.prompt_ids)]
+        return np.concatenate([fill, as_token_array(since)])
 
     # ----------------------------------------------------------------- reads
     def snapshot(self) -> PrefixCacheSnapshot:
