@@ -293,6 +293,8 @@ class Scheduler:
         prefills is never counted as room, so an admitted prefill can always complete.
         """
         window, target = self._allocator.window, req.seqlen
+        if room < 1 + window.reserve + window.page_size:
+            return None  # not even a whole-prompt hit would fit: do not look it up
         fill = (*req.prompt_ids, *req.output_ids)
         match = self._allocator.match_prefix(fill)
         cached = 0 if match is None else match.num_tokens

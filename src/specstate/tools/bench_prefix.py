@@ -189,7 +189,7 @@ def config(rounds: int, warmup: int, seed: int) -> dict[str, int | float]:
 
 # ------------------------------------------------------------------- hit rates
 HIT_ALGORITHMS = ("none", "ngram", "draft_model", "eagle")
-HIT_MEMORY = {"ample": (16384, 8), "tight": (1280, 4)}  # (KV tokens, max running)
+HIT_MEMORY = {"ample": (16384, 8), "tight": (2048, 4)}  # (KV tokens, max running)
 HIT_TURNS = 4
 HIT_NEW_TOKENS = 48
 
