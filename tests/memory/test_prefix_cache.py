@@ -197,4 +197,4 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
