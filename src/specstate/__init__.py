@@ -18,6 +18,9 @@ Two layers:
   worker interface (`WorkerProtocol`, `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and
   the types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
   `SamplingInfo`, `GrammarRows`, `RowMasks`), and every error.
+  streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
+  `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`) and the types a worker sees
+  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -82,6 +85,7 @@ if TYPE_CHECKING:
     )
     from specstate.grammar.rows import GrammarRows, RowMasks
     from specstate.grammar.spec import Grammar, GrammarVocabulary
+    from specstate.memory.prefix_cache import PrefixCacheSnapshot, PrefixSharing
     from specstate.memory.recurrent_layout import (
         RecurrentGroupSpec,
         RecurrentLayout,
@@ -151,6 +155,8 @@ _EXPORTS: dict[str, str] = {
     "RowMasks": "specstate.grammar.rows",
     "Grammar": "specstate.grammar.spec",
     "GrammarVocabulary": "specstate.grammar.spec",
+    "PrefixCacheSnapshot": "specstate.memory.prefix_cache",
+    "PrefixSharing": "specstate.memory.prefix_cache",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -193,6 +199,8 @@ __all__ = [
     "OnPublish",
     "OwnershipError",
     "PenaltyAccumulator",
+    "PrefixCacheSnapshot",
+    "PrefixSharing",
     "QueueFull",
     "RecurrentGroupSpec",
     "RecurrentLayout",

@@ -2,7 +2,8 @@
 
 Most users need only the top-level ``specstate`` module. What is here is stable but lower
 level: the KV ledger and its typed role views (`KvLedger.views`: one writer per counter), the
-slot pools and the KV allocator with its 2x speculative reservation, retraction, the FutureMap
+slot pools and the KV allocator with its 2x speculative reservation, the prefix cache (a radix
+tree of committed KV pages) and the rows' holds on it, retraction, the FutureMap
 relay and its batch helpers, forward isolation, the CPU/CUDA forward streams, the scheduler's
 `ScheduleBatch`, finish resolution, and the grammar owner (`GrammarTable`, with each request's
 `GrammarState`). `OwnershipChecker` and `Role` are the run-time half of ownership checking.
@@ -31,6 +32,8 @@ from specstate.grammar.state import GrammarCompiler, GrammarState
 from specstate.grammar.table import GrammarSnapshot, GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
 from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
+from specstate.memory.prefix_cache import PrefixCache, PrefixMatch
+from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentPoolSnapshot, RecurrentStatePool
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
 from specstate.memory.sizing import DecodeAllocLens, page_aligned_decode_alloc_lens
@@ -67,6 +70,9 @@ __all__ = [
     "LedgerViews",
     "MixedTails",
     "OwnershipChecker",
+    "PrefixCache",
+    "PrefixMatch",
+    "PrefixRows",
     "RecurrentPoolSnapshot",
     "RecurrentStatePool",
     "ReleasedKv",

@@ -44,11 +44,17 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         # The allocator: the only opener/closer of ledger slots and grower of allocated.
         ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
         ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
+        # ... and of a row whose first positions map a cached prefix (admission).
+        ("memory/allocation.py", "KvAllocator.map_prefix", "call grow_allocated"): 1,
         ("memory/allocation.py", "KvAllocator.release_many", "call close_slots"): 1,
         # The scheduler's prepare-for-extend: committed = the end of the launched chunk; it
         # opens a request's output row at admission.
         ("engine/scheduler.py", "Scheduler._extend_plan", "call commit_extend"): 1,
         ("engine/scheduler.py", "Scheduler._admit", "call open_row"): 1,
+        # A prefix-cache hit at admission: the cached prefix is committed KV (an extend that
+        # already ran) and the cache's (cache_protected_len); the scheduler is the one writer.
+        ("engine/scheduler.py", "Scheduler._share_prefix", "call commit_extend"): 1,
+        ("engine/scheduler.py", "Scheduler._share_prefix", "call set_protected"): 1,
         # The result processor: the only committer after prefill, and the only output writer.
         ("engine/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
         ("engine/results.py", "ResultProcessor._append", "call append_runs"): 1,

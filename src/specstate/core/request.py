@@ -458,6 +458,7 @@ class Req:
 
     __slots__ = (
         "_accept_lengths",
+        "_cached_tokens",
         "_checker",
         "_finish",
         "_incarnation",
@@ -490,6 +491,7 @@ class Req:
         self._status = ReqStatus.WAITING
         self._incarnation = 0
         self._finish: FinishState | None = None
+        self._cached_tokens = 0
 
     @classmethod
     def new(
@@ -570,6 +572,12 @@ class Req:
         return list(self._logprobs)
 
     @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV the prefix cache supplied at the request's latest admission (a
+        retracted request is matched again when re-admitted); 0 before admission."""
+        return self._cached_tokens
+
+    @property
     def finish(self) -> FinishState | None:
         """How the request ended, or None while it is live."""
         return self._finish
@@ -640,6 +648,15 @@ class Req:
             self._incarnation += 1
         self._status = target
         self._finish = finish
+
+    def record_admission(self, *, cached_tokens: int) -> None:
+        """Record how many of its tokens the prefix cache supplied (scheduler, at admission).
+
+        Raises:
+            OwnershipError: the calling thread does not act as the scheduler.
+        """
+        self._checker.require((Role.SCHEDULER,), counter="cached_tokens", request=self.request_id)
+        self._cached_tokens = cached_tokens
 
     def attach_outputs(self, source: OutputSource, slot: int) -> None:
         """Keep the settled outputs in ``source``'s ``slot`` from now on (admission).

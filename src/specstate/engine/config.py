@@ -15,6 +15,7 @@ import torch
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
 from specstate.engine.results import AcceptMetrics
+from specstate.memory.prefix_cache import PrefixCacheSnapshot
 
 __all__ = ["EngineConfig", "EngineSnapshot", "StepReport"]
 
@@ -54,6 +55,11 @@ class EngineConfig:
         grammar_mask_threads: threads that build grammar masks (llguidance's parallel
             executor); 1, the default, builds them one request after the other on the forward
             stream, which is faster on a small or busy machine.
+        prefix_cache: share committed KV between requests through the prefix cache (a radix
+            tree; docs/memory.md, "Prefix cache"): a request whose tokens start like an
+            earlier one's maps that KV and prefills only the rest. Used only with a worker
+            that declares ``WorkerCapabilities.prefix_sharing`` (TOKEN or BIGRAM); with any
+            other worker, or False, nothing is shared.
     """
 
     overlap: bool = True
@@ -71,6 +77,7 @@ class EngineConfig:
     forward_timeout_s: float | None = None
     adaptive_draft: bool = False
     grammar_mask_threads: int = 1
+    prefix_cache: bool = True
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
@@ -81,6 +88,7 @@ class EngineConfig:
             "check_ownership",
             "debug_relay",
             "adaptive_draft",
+            "prefix_cache",
         )
         problems = [
             f"{name} must be a bool, got {getattr(self, name)!r}"
@@ -162,13 +170,17 @@ class EngineSnapshot:
         num_running: requests decoding.
         num_in_flight: batches launched and not settled yet (0 or 1 under overlap).
         num_open_slots: request slots holding a live or deferred request.
-        num_free_pages: KV pages free in the token pool.
+        num_free_pages: KV pages no request holds: free in the token pool, or kept by the
+            prefix cache for reuse and evicted on demand.
         num_pages: KV pages in the token pool.
         deferred_releases: requests that ended while a batch was in flight; their KV is
             released when that batch retires.
         quarantined: requests whose KV is held until an abandoned forward stream drains
             (after a `ForwardTimeout`).
         metrics: acceptance statistics so far.
+        prefix_cache: the prefix cache's size and hit statistics, or None when the engine
+            shares no KV (``EngineConfig.prefix_cache`` off, or a worker that does not
+            declare ``prefix_sharing``).
     """
 
     num_waiting: int
@@ -181,3 +193,4 @@ class EngineSnapshot:
     deferred_releases: tuple[str, ...]
     quarantined: tuple[str, ...]
     metrics: AcceptMetrics
+    prefix_cache: PrefixCacheSnapshot | None = None

@@ -49,6 +49,8 @@ from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.grammar.table import GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
+from specstate.memory.prefix_cache import PrefixCache, PrefixSharing
+from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import recurrent_pool_for
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepReport"]
@@ -136,14 +138,23 @@ class Engine:
             max_requests, row_width, checker=self.checker, validate=config.check_invariants
         )
         views = self.ledger.views()
+        req_pool = ReqToTokenPool(max_requests, row_width, device=config.device)
+        token_pool = TokenSlotAllocator(num_pages, config.page_size)
+        prefix = None
+        # A recurrent state is not checkpointed at cache boundaries: hybrid workers share nothing.
+        shares = caps.prefix_sharing is not PrefixSharing.NONE and caps.recurrent is None
+        if config.prefix_cache and shares:
+            cache = PrefixCache(page_size=config.page_size, sharing=caps.prefix_sharing)
+            prefix = PrefixRows(cache, req_pool, token_pool, validate=config.check_invariants)
         self.allocator = KvAllocator(
             ledger=views.allocator,
-            req_pool=ReqToTokenPool(max_requests, row_width, device=config.device),
-            token_pool=TokenSlotAllocator(num_pages, config.page_size),
+            req_pool=req_pool,
+            token_pool=token_pool,
             validate=config.check_invariants,
             window=window,
             checker=self.checker,
             recurrent=self.recurrent,
+            prefix=prefix,
         )
         self.deferred = DeferredReleases(self.allocator)
         self.outputs = OutputTable(
@@ -309,7 +320,7 @@ class Engine:
         if self.config.check_invariants:
             check_engine(self)
         if rec is not None:
-            self._record_events(rec, finished, retracted)
+            self._record_events(rec, self.scheduler.admitted, finished, retracted)
         ended = self.lifecycle.remember_ended(finished)
         self.grammar.forget(ended)
         mode = None if plan is None else plan.batch.forward_mode.value
@@ -362,9 +373,21 @@ class Engine:
             )
 
     def _record_events(
-        self, rec: TraceRecorder, finished: tuple[str, ...], retracted: tuple[str, ...]
+        self,
+        rec: TraceRecorder,
+        admitted: Sequence[Req],
+        finished: tuple[str, ...],
+        retracted: tuple[str, ...],
     ) -> None:
         batch = self.rounds.num_launched
+        for req in admitted:
+            rec.event(
+                "admit",
+                req.request_id,
+                batch,
+                fill_tokens=req.seqlen,
+                cached_tokens=req.cached_tokens,
+            )
         for rid in retracted:
             rec.event("retract", rid, batch)
         for rid in finished:
@@ -381,18 +404,19 @@ class Engine:
     # ---------------------------------------------------------------- snapshot
     def snapshot(self) -> EngineSnapshot:
         """A frozen summary of the engine's state."""
-        pool = self.allocator.token_pool
+        pool, prefix = self.allocator.token_pool, self.allocator.prefix
         return EngineSnapshot(
             num_waiting=len(self.scheduler.waiting),
             num_prefilling=len(self.scheduler.prefilling),
             num_running=self.scheduler.num_running,
             num_in_flight=int(self.rounds.in_flight is not None),
             num_open_slots=len(self.ledger.batch_snapshot().entries),
-            num_free_pages=pool.available_pages(),
+            num_free_pages=self.allocator.available_tokens() // pool.page_size,
             num_pages=pool.num_pages - 1,
             deferred_releases=tuple(self.deferred.pending()),
             quarantined=tuple(self.deferred.held()),
             metrics=self.results.metrics(),
+            prefix_cache=None if prefix is None else prefix.snapshot(),
         )
 
     @property

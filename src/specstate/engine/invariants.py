@@ -6,8 +6,14 @@ a name (`InvariantViolation.invariant`):
 
 * ``ledger-order``: ``0 <= protected <= committed <= allocated <= row width`` for every open
   slot;
-* ``pool-balance``: free pages plus pages of open rows are all pages, no page twice, no owned
-  page free;
+* ``pool-balance``: free pages, pages of open rows and pages of the prefix cache are all pages,
+  no page twice, no owned or cached page free;
+* ``page-owners`` (prefix cache): every page is in exactly one of {free, owned by one request
+  row, cached}; a cached page's reference count equals the number of rows that map it (at
+  positions below their ``cache_protected_len``), and what a row maps there is exactly the
+  cached path it holds; the tree's own structure holds (`PrefixCache.problems`);
+* ``cache-committed`` (prefix cache, checked at every insert): a release inserts only positions
+  below its request's ``kv_committed_len`` (a `LedgerViolation` naming the invariant);
 * ``slot-owners``: every open slot belongs to exactly one request that is prefilling, running,
   or waiting for a deferred release (or quarantined behind an abandoned forward); a waiting
   request holds no slot;
@@ -18,7 +24,8 @@ a name (`InvariantViolation.invariant`):
 * ``reserve``: a running request in the decode batch in flight has ``allocated >= committed +
   L`` (L the speculative window): the verify in flight writes from the frontier, at most
   ``committed`` now, for L positions (the 2·L reserve, minus the round settled meanwhile);
-* ``idle-empty``: at idle, nothing is open and every page is free (unless KV is quarantined);
+* ``idle-empty``: at idle, nothing is open and every page is free or cached and unreferenced
+  (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
   every open output row belongs to such a request.
 * ``recurrent-slots`` (a worker with recurrent state): the open state records are exactly the
@@ -167,14 +174,55 @@ def check_engine(engine: Engine) -> None:
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
     _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
     engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
+    _check_page_owners(engine)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
-        if entries or pool.available_pages() != pool.num_pages - 1:
+        free = engine.allocator.available_tokens() // pool.page_size
+        if entries or free != pool.num_pages - 1:
             _fail(
                 "idle-empty",
-                f"idle engine holds {len(entries)} slots and "
-                f"{pool.num_pages - 1 - pool.available_pages()} pages",
+                f"idle engine holds {len(entries)} slots and {pool.num_pages - 1 - free} pages",
             )
+
+
+def _check_page_owners(engine: Engine) -> None:
+    """``page-owners``: cached pages are held exactly by the rows that map them."""
+    prefix = engine.allocator.prefix
+    if prefix is None:
+        return
+    problems = prefix.cache.problems()
+    if problems:
+        _fail("page-owners", "prefix cache: " + "; ".join(problems))
+    pages, refs = prefix.cache.pages_and_refs()
+    p = engine.allocator.token_pool.page_size
+    table = engine.allocator.req_to_token_host
+    mapped: list[npt.NDArray[np.int64]] = []
+    for e in engine.ledger.batch_snapshot().entries:
+        row = table[e.slot, : e.cache_protected_len : p] // p
+        held = prefix.held_pages(e.slot)
+        if not np.array_equal(row, held):
+            _fail(
+                "page-owners",
+                f"request {e.request_id}: maps pages {row.tolist()} below protected "
+                f"{e.cache_protected_len}, holds cached pages {held.tolist()}",
+            )
+        mapped.append(row)
+    if len(prefix.held_slots()) != sum(1 for m in mapped if m.size):
+        _fail("page-owners", f"rows holding a cached prefix: {sorted(prefix.held_slots())}")
+    rows = np.concatenate(mapped) if mapped else np.zeros(0, dtype=np.int64)
+    ref_by_page = np.zeros(engine.allocator.token_pool.num_pages, dtype=np.int64)
+    np.add.at(ref_by_page, rows, 1)
+    stray = rows[~np.isin(rows, pages)]
+    if stray.size:
+        _fail("page-owners", f"rows map pages {stray[:8].tolist()} below protected, not cached")
+    wrong = ref_by_page[pages] != refs
+    if wrong.any():
+        _fail(
+            "page-owners",
+            f"cached pages {pages[wrong][:8].tolist()} hold references "
+            f"{refs[wrong][:8].tolist()} but are mapped by "
+            f"{ref_by_page[pages][wrong][:8].tolist()} rows",
+        )
 
 
 def _check_reserve(engine: Engine) -> None:

@@ -19,8 +19,15 @@ the sum of every request's ``Req.accept_lengths``, the verifies their count.
 * ``specstate_spec_verifies_by_accept_length_total{length}``: the accept-length histogram.
 
 Gauges: ``specstate_requests{state}`` (waiting, prefilling, running), ``specstate_kv_pages``
-and ``specstate_kv_free_pages``, ``specstate_batches_in_flight``,
+and ``specstate_kv_free_pages`` (free, or cached and evictable), ``specstate_batches_in_flight``,
 ``specstate_quarantined_requests``, ``specstate_deferred_releases``.
+
+With a prefix cache (``EngineSnapshot.prefix_cache``): the gauges
+``specstate_prefix_cache_pages`` and ``specstate_prefix_cache_evictable_pages``, and the counters
+``specstate_prefix_cache_queried_tokens_total`` (tokens admitted requests had to prefill),
+``specstate_prefix_cache_hit_tokens_total`` (of those, supplied by the cache: their ratio is the
+hit rate), ``specstate_prefix_cache_inserted_pages_total`` and
+``specstate_prefix_cache_evicted_pages_total``.
 
 A scrape from another thread reads a moment of the engine without locking it (it never writes);
 the numbers of one scrape can straddle one step.
@@ -110,6 +117,32 @@ class SpecstateCollector:
             gauge = GaugeMetricFamily(f"{p}_{name}", doc)
             gauge.add_metric([], value)
             yield gauge
+        cache = snap.prefix_cache
+        if cache is not None:
+            for name, doc, value in (
+                ("pages", "KV pages the prefix cache holds.", cache.num_cached_pages),
+                (
+                    "evictable_pages",
+                    "Prefix-cache pages no request maps (evicted on demand).",
+                    cache.num_evictable_pages,
+                ),
+            ):
+                gauge = GaugeMetricFamily(f"{p}_prefix_cache_{name}", doc)
+                gauge.add_metric([], value)
+                yield gauge
+            for name, doc, value in (
+                (
+                    "queried_tokens",
+                    "Tokens admitted requests had to prefill.",
+                    cache.num_queried_tokens,
+                ),
+                ("hit_tokens", "Of those, tokens the prefix cache supplied.", cache.num_hit_tokens),
+                ("inserted_pages", "Pages handed to the prefix cache.", cache.num_inserted_pages),
+                ("evicted_pages", "Pages the prefix cache gave back.", cache.num_evicted_pages),
+            ):
+                family = CounterMetricFamily(f"{p}_prefix_cache_{name}", doc)
+                family.add_metric([], value)
+                yield family
 
 
 def register_metrics(

@@ -33,6 +33,7 @@ from specstate.engine.decode_rows import DecodeColumns, DecodeRows
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
 
@@ -101,6 +102,7 @@ class _Progress:
 
     target: int  # tokens to prefill: prompt + every settled output (re-admission)
     done: int = 0
+    cached: int = 0  # of those, the prefix the cache supplied (its first chunk starts there)
 
 
 class Scheduler:
@@ -139,6 +141,7 @@ class Scheduler:
         # (Req hashes by identity) so that ending or retracting one request is O(1).
         self._running: dict[Req, None] = {}
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
+        self.admitted: list[Req] = []  # admitted by the last `schedule` call (trace events)
         self._progress: dict[int, _Progress] = {}
         self._rows = DecodeRows(self._build_rows)  # the persistent decode rows
 
@@ -182,6 +185,7 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
         """The next batch (prefill first), and the retraction done to make room, if any."""
+        self.admitted = []
         with self._checker.acting(Role.SCHEDULER):
             plan = self._schedule_prefill()
             if plan is not None:
@@ -201,16 +205,14 @@ class Scheduler:
         room = self._admission_room() if self.waiting else 0
         while self.waiting and budget > 0 and self._num_admitted() < self._config.max_running:
             req = self.waiting[0]
-            target = req.seqlen
-            if not self._config.chunked_prefill and target > budget and rows:
+            admitted = self._admit(req, room, budget, alone=not rows)
+            if admitted is None:
                 break
-            n = target if not self._config.chunked_prefill else min(target, budget)
-            left = self._admit(req, target, room)
-            if left is None:
-                break
-            room = left
+            room, start = admitted
             self.waiting.popleft()
-            rows.append((req, 0, n))
+            left = req.seqlen - start  # the cached prefix is not prefilled
+            n = left if not self._config.chunked_prefill else min(left, budget)
+            rows.append((req, start, start + n))
             budget -= n
         return self._extend_plan(rows) if rows else None
 
@@ -218,33 +220,55 @@ class Scheduler:
         return len(self._running) + len(self.prefilling)
 
     def _admission_room(self) -> int:
-        """Free tokens not already promised to running decodes or unfinished prefills."""
+        """Available tokens (free, or cached and evictable) not already promised to running
+        decodes or unfinished prefills."""
         pending = sum(
             self._progress[id(r)].target - self._progress[id(r)].done for r in self.prefilling
         )
-        available = self._allocator.token_pool.available_tokens()
+        available = self._allocator.available_tokens()
         return available - self._decode_need() - pending
 
-    def _admit(self, req: Req, target: int, room: int) -> int | None:
+    def _admit(self, req: Req, room: int, budget: int, *, alone: bool) -> tuple[int, int] | None:
         """Give ``req`` a slot if ``room`` holds its whole prefill and first reservation.
 
-        Returns the room left, or None when ``req`` was not admitted. Memory promised to the
-        running requests' next decode and to unfinished prefills is never counted as room, so
-        an admitted prefill can always complete.
+        The longest cached prefix of its tokens is mapped into its row (prefix cache): only the
+        rest is prefilled, and cached pages it starts to hold stop counting as room. Returns
+        the room left and the position its prefill starts at, or None when ``req`` was not
+        admitted. Memory promised to the running requests' next decode and to unfinished
+        prefills is never counted as room, so an admitted prefill can always complete.
         """
-        window = self._allocator.window
-        cost = target + window.reserve + window.page_size
+        window, target = self._allocator.window, req.seqlen
+        if room < 1 + window.reserve + window.page_size:
+            return None  # not even a whole-prompt hit would fit: do not look it up
+        fill = (*req.prompt_ids, *req.output_ids)
+        match = self._allocator.match_prefix(fill)
+        cached = 0 if match is None else match.num_tokens
+        if not self._config.chunked_prefill and target - cached > budget and not alone:
+            return None
+        held = 0 if match is None else match.num_unlocked_pages * window.page_size
+        cost = target - cached + window.reserve + window.page_size + held
         if room < cost:
             return None
         try:
             slot = self._allocator.admit(req)
         except KvPoolExhausted:
             return None
+        self._share_prefix(req, slot, match, len(fill))
         self._outputs.open_row(slot, req)
         req.transition(ReqStatus.PREFILL)
-        self._progress[id(req)] = _Progress(target=target)
+        self._progress[id(req)] = _Progress(target=target, done=cached, cached=cached)
         self.prefilling.append(req)
-        return room - cost
+        self.admitted.append(req)
+        return room - cost, cached
+
+    def _share_prefix(self, req: Req, slot: int, match: PrefixMatch | None, fill: int) -> None:
+        """Map ``match`` into the new row: its KV is committed and the cache's (protected)."""
+        cached = self._allocator.map_prefix(req, match, fill)
+        req.record_admission(cached_tokens=cached)
+        if cached:
+            at = torch.tensor([slot], dtype=torch.int64)
+            self._ledger.commit_extend(at, torch.tensor([cached], dtype=torch.int64))
+            self._ledger.set_protected(slot, cached)
 
     def _decode_need(self) -> int:
         """What the running requests' next decode reservation takes (the persistent rows)."""
@@ -286,7 +310,7 @@ class Scheduler:
         if tails:
             locs = table[row_index, positions]
             return self._mixed_plan(rows, last_chunk, ids, locs, positions, tails)
-        continuing = [i for i, s in enumerate(starts) if s > 0]
+        continuing = [i for i, (r, s, _) in enumerate(rows) if s > self._progress[id(r)].cached]
         batch = ScheduleBatch(
             reqs=tuple(reqs),
             incarnations=tuple(r.incarnation for r in reqs),
@@ -350,7 +374,7 @@ class Scheduler:
             positions=positions.to(self._device),
         )
         n = len(rows)
-        continuing = [i for i, (_, start, _) in enumerate(rows) if start > 0]
+        continuing = [i for i, (r, s, _) in enumerate(rows) if s > self._progress[id(r)].cached]
         dev_slots = slots.to(self._device)
         batch = ScheduleBatch(
             reqs=tuple(reqs),

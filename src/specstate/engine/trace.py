@@ -13,8 +13,9 @@ Hand a `TraceRecorder` to the engine (``Engine(..., trace=TraceRecorder())``) an
   frontier the forward ran from and the one it published, the accept length and the bonus token
   (the last accepted), and after settlement ``kv_committed_len``, ``kv_allocated_len``,
   ``cache_protected_len`` and the number of outputs; the running batch size and free pages;
-* **events**: submission (with the prompt length and ``max_new_tokens``), finish (with its
-  reason), retraction and abort.
+* **events**: submission (with the prompt length and ``max_new_tokens``), admission (with the
+  tokens to prefill, prompt plus earlier outputs, and how many of them the prefix cache
+  supplied), finish (with its reason), retraction and abort.
 
 Recording adds no per-request Python to a round: a round is a handful of array copies. The
 recorder keeps everything in memory; `TraceRecorder.write_jsonl` writes the documented JSONL
@@ -33,8 +34,8 @@ JSONL, one object per line, in order::
     {"type": "round", "batch", "mode", "verify", "ts_us", "running", "free_pages",
      "rows": {"id", "incarnation", "settled", "frontier_in", "frontier_out", "accept", "bonus",
               "committed", "allocated", "protected", "outputs"}}
-    {"type": "event", "event": "submit" | "finish" | "retract" | "abort", "id", "batch",
-     "reason", "prompt_len"?, "max_new_tokens"?}
+    {"type": "event", "event": "submit" | "admit" | "finish" | "retract" | "abort", "id",
+     "batch", "reason", "prompt_len"?, "max_new_tokens"?, "fill_tokens"?, "cached_tokens"?}
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class TraceRecorder:
         self, event: str, request_id: str, batch: int, reason: str = "", **fields: int
     ) -> None:
         """Record a request event: ``submit`` (with ``prompt_len`` and ``max_new_tokens``),
-        ``finish`` (with its reason), ``retract`` or ``abort``."""
+        ``admit`` (with ``fill_tokens`` and ``cached_tokens``), ``finish`` (with its reason),
+        ``retract`` or ``abort``."""
         self.events.append(
             {
                 "type": "event",

@@ -47,6 +47,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
+from specstate.memory.prefix_cache import PrefixSharing
 from specstate.memory.recurrent_layout import RecurrentLayout, RecurrentStateSpec
 from specstate.memory.sizing import SpecWindow
 
@@ -101,6 +102,12 @@ class WorkerCapabilities:
         supports_grammar: the worker masks every sampled, drafted and verified position of a
             row with ``ForwardBatch.grammar`` (`GrammarRows`), so a request may set
             ``SamplingParams.grammar``; the reference chain workers do, draft trees do not.
+        prefix_sharing: what the state a forward leaves at a KV position depends on, which
+            decides whether the prefix cache may map one request's committed KV into another
+            request's row (docs/memory.md, "Prefix cache"). NONE (the default) shares
+            nothing; TOKEN: every per-position state (target KV, draft KV, features, token
+            histories) lives at the position's token slot and depends on tokens ``[0, p]``;
+            BIGRAM: as TOKEN, but the state at ``p`` may read token ``p + 1`` too.
     """
 
     algorithm: str
@@ -119,6 +126,7 @@ class WorkerCapabilities:
     supports_adaptive_steps: bool = False
     recurrent: RecurrentStateSpec | None = None
     supports_grammar: bool = False
+    prefix_sharing: PrefixSharing = PrefixSharing.NONE
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

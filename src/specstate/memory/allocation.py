@@ -21,6 +21,10 @@ Release (finish, abort, retraction) frees exactly the request's own pages,
 slot. Under overlap the batch launched after a finish may still read those pages, so the engine
 hands the request to `DeferredReleases` and drains it when that batch retires.
 
+With a prefix cache (`PrefixRows`): admission maps the longest cached prefix into the new row
+(`map_prefix`), a release first hands the committed prefix it may cache to the tree (only then
+frees the rest), and a reservation that does not fit evicts unreferenced cached pages first.
+
 Invariant: after every call, for every open slot, ``kv_allocated_len`` equals the number of
 positions mapped in its ``req_to_token`` row, and the pages mapped by open rows plus the free
 pages are all pages (``check_balance``).
@@ -37,7 +41,7 @@ import attrs
 import numpy as np
 import torch
 
-from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation
+from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted, LedgerViolation
 from specstate.core.ledger import AllocatorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
@@ -51,11 +55,12 @@ from specstate.memory.pools import (
     has_duplicates,
     host_index,
 )
+from specstate.memory.prefix_cache import PrefixMatch
+from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool
 from specstate.memory.sizing import (
     DecodeAllocLens,
     SpecWindow,
-    decode_tokens_needed,
     spec_decode_tokens_needed,
 )
 
@@ -134,6 +139,7 @@ class KvAllocator:
             off, a round's reservation is a fixed number of host array operations.
         recurrent: the recurrent-state records of a hybrid worker, opened and closed with the
             request slots (None: the worker keeps no recurrent state).
+        prefix: the prefix cache's rows, or None to share nothing between requests.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class KvAllocator:
         checker: OwnershipChecker,
         validate: bool = True,
         recurrent: RecurrentStatePool | None = None,
+        prefix: PrefixRows | None = None,
     ) -> None:
         if window.page_size != token_pool.page_size:
             raise InvalidConfig(
@@ -163,6 +170,7 @@ class KvAllocator:
         self._checker = checker
         self._validate = validate
         self._recurrent = recurrent
+        self.prefix = prefix
         # Per request slot: its holder and the pool generation it was admitted at (the handle).
         self._holders: dict[int, Req] = {}
         self._admitted_generation = np.zeros(req_pool.max_requests + 1, dtype=np.int64)
@@ -217,8 +225,19 @@ class KvAllocator:
         return torch.div(table[slots[rows], pos], p, rounding_mode="floor")
 
     def check_balance(self) -> None:
-        """Debug: free pages plus pages of open rows are all pages, with no duplicate."""
-        self._token_pool.check_balance(self.owned_pages())
+        """Debug: free pages, pages of open rows and cached pages are all pages, none twice."""
+        owned = self.owned_pages()
+        if self.prefix is not None:
+            cached, _ = self.prefix.cache.pages_and_refs()
+            owned = torch.cat([owned, torch.from_numpy(cached)])
+        self._token_pool.check_balance(owned)
+
+    def available_tokens(self) -> int:
+        """Token slots a reservation can get: free pages plus evictable cached pages."""
+        pages = self._token_pool.available_pages()
+        if self.prefix is not None:
+            pages += self.prefix.evictable_pages()
+        return pages * self._token_pool.page_size
 
     # -------------------------------------------------------------- admission
     def admit(self, req: Req) -> int:
@@ -237,6 +256,28 @@ class KvAllocator:
         self._admitted_generation[handle.slot] = handle.generation
         self._slot_by_req[req] = handle.slot
         return handle.slot
+
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """The longest cached prefix of ``tokens`` a new row could map (None: no cache)."""
+        return None if self.prefix is None else self.prefix.match(tokens)
+
+    def map_prefix(self, req: Req, match: PrefixMatch | None, num_query_tokens: int) -> int:
+        """Map ``match`` into ``req``'s fresh row and hold it; ``allocated`` = its length.
+
+        Returns the positions mapped (0 without a cache or a match). ``num_query_tokens``
+        (prompt plus earlier outputs) feeds the hit-rate statistics.
+        """
+        self._checker.require(_CALLERS, counter="kv_allocated_len (prefix)", request=req.request_id)
+        if self.prefix is None or match is None:
+            return 0
+        slot = self.slot_of(req)
+        if int(self._ledger.allocated(torch.tensor([slot]))[0]):
+            raise LedgerViolation(f"request {req.request_id}: a prefix maps only into a fresh row")
+        n = self.prefix.map(slot, match, num_query_tokens)
+        if n:
+            with self._checker.acting(Role.ALLOCATOR):
+                self._ledger.grow_allocated(np.array([slot]), np.array([n]))
+        return n
 
     # ------------------------------------------------------------- allocation
     def alloc_for_extend(self, slots: torch.Tensor, extend_ends: torch.Tensor) -> None:
@@ -271,10 +312,13 @@ class KvAllocator:
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
     def decode_tokens_needed(self, slots: torch.Tensor) -> int:
-        """Free tokens the next decode prepare of ``slots`` will take, page for page."""
+        """Free tokens the next `reserve_for_spec_decode` of ``slots`` takes, page for page.
+
+        The engine reserves every decode round that way, with or without speculation (a
+        worker that does not speculate has L = 1, R = 2): right after a prefill that is two
+        tokens, not the one a bare +1 step (`alloc_for_decode`) would take.
+        """
         allocated = self._ledger.allocated(slots)
-        if not self.window.speculative:
-            return decode_tokens_needed(allocated, self.window.page_size)
         return spec_decode_tokens_needed(
             allocated,
             self._ledger.committed(slots),
@@ -307,9 +351,26 @@ class KvAllocator:
                 f"request {self._name(int(s[i]))}: {counter} to {int(n[i])} tokens "
                 f"passes the row width {width}"
             )
-        grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
+        try:
+            grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
+        except KvPoolExhausted:
+            if not self._evict_for(c, n):
+                raise
+            grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.grow_allocated(s, n)
+
+    def _evict_for(self, cur: IntArray, nxt: IntArray) -> bool:
+        """Evict cached pages so that growing ``[cur, nxt)`` fits; False if it cannot."""
+        if self.prefix is None:
+            return False
+        p = self._token_pool.page_size
+        need = int(np.maximum(-(-nxt // p) - -(-cur // p), 0).sum())
+        short = need - self._token_pool.available_pages()
+        if short <= 0 or short > self.prefix.evictable_pages():
+            return False
+        self.prefix.evict(short)
+        return True
 
     # ---------------------------------------------------------------- release
     def release(self, req: Req) -> ReleasedKv:
@@ -346,8 +407,11 @@ class KvAllocator:
         index_t = torch.from_numpy(index)
         protected = self._ledger.protected(index_t).numpy()
         committed, allocated = self._ledger.host_lengths(index)
+        start, kept = protected, None
+        if self.prefix is not None:  # cache what the rows may share first (module docstring)
+            start, kept = self.prefix.release(reqs, index, protected, committed)
         free_rows(
-            self._req_pool, self._token_pool, index, protected, allocated, validate=self._validate
+            self._req_pool, self._token_pool, index, start, allocated, validate=self._validate
         )
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.close_slots(index_t)
@@ -362,7 +426,8 @@ class KvAllocator:
             cache_protected_len=protected,
             kv_committed_len=committed,
             kv_allocated_len=allocated,
-            num_freed_pages=self._pages_per_row(protected, allocated),
+            num_freed_pages=self._pages_per_row(protected, allocated)
+            - (0 if kept is None else kept),
         )
 
     def _refuse_release(self, reqs: Sequence[Req], slots: list[int]) -> None:

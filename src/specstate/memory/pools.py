@@ -1,7 +1,7 @@
 """The two KV pools: request rows of ``req_to_token`` and the paged token-slot allocator.
 
 `ReqToTokenPool` owns request slots and their rows; `TokenSlotAllocator` owns the free KV pages.
-`grow_rows` / `free_rows`, the only writers of ``req_to_token``, bridge the two for whole batches;
+`grow_rows` / `free_rows` / `map_prefix`, the only writers of ``req_to_token``, bridge the two;
 the allocation layer (owner of ``kv_allocated_len`` and friends) calls them. Token slot id =
 ``page * P + offset``; position ``pos`` of a row sits at offset ``pos % P`` of one of its pages::
 
@@ -40,6 +40,7 @@ __all__ = [
     "free_rows",
     "grow_rows",
     "has_duplicates",
+    "map_prefix",
 ]
 
 _I64 = torch.int64
@@ -551,3 +552,25 @@ def free_rows(
     pages = req_pool._table_host[flat] // p
     allocator.free_pages(pages, validate=validate)
     return int(pages.size)
+
+
+def map_prefix(
+    req_pool: ReqToTokenPool, allocator: TokenSlotAllocator, slot: int, pages: IntArray
+) -> int:
+    """Map positions ``[0, P * len(pages))`` of a fresh row to ``pages`` (a cached prefix).
+
+    The pages are not taken from ``allocator`` (the prefix cache holds them); the row must be
+    in use and map nothing yet. Returns the number of positions mapped. One indexed store.
+
+    Invariant:
+        Only positions ``[0, P * len(pages))`` of ``slot``'s row are written.
+    """
+    p = allocator.page_size
+    n = int(pages.size) * p
+    if n == 0:
+        return 0
+    req_pool._check_rows(np.array([slot]), np.zeros(1, dtype=np.int64), np.array([n]))
+    values = (pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
+    _store(req_pool, slot * req_pool.row_width + np.arange(n, dtype=np.int64), values)
+    req_pool._last_page[slot] = int(pages[-1])
+    return n

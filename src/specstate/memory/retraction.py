@@ -2,11 +2,13 @@
 
 Before each decode prepare the scheduler asks whether the pool can hold the next reservation of
 every running request (`KvAllocator.decode_tokens_needed`, page for page what the reservation
-will take). If not, requests are retracted in `retraction_order` — fewest output tokens first,
-ties to the longer prompt — until the rest fit. At least one request keeps running; if even the
-last one cannot fit, it is aborted. A retracted request has its KV released (counters zeroed),
-its incarnation bumped (so a late result for it is refused) and is re-queued by the scheduler;
-its output so far is kept and re-prefilled on re-admission.
+will take), counting the prefix cache's unreferenced pages as available: the reservation evicts
+them before anyone is retracted. If even that is not enough, requests are retracted in
+`retraction_order` — fewest output tokens first, ties to the longer prompt — until the rest
+fit. At least one request keeps running; if even the last one cannot fit, it is aborted. A
+retracted request has its KV released (counters zeroed), its incarnation bumped (so a late
+result for it is refused) and is re-queued by the scheduler; its output so far is kept and
+re-prefilled on re-admission.
 
 Speculation has no special branch here: it lives only in the memory estimate.
 """
@@ -43,7 +45,7 @@ class RetractionOutcome:
 def _fits(allocator: KvAllocator, reqs: Sequence[Req], slots: torch.Tensor | None = None) -> bool:
     if slots is None:
         slots = torch.tensor([allocator.slot_of(r) for r in reqs], dtype=torch.int64)
-    return allocator.decode_tokens_needed(slots) <= allocator.token_pool.available_tokens()
+    return allocator.decode_tokens_needed(slots) <= allocator.available_tokens()
 
 
 def retract_for_decode(

@@ -14,6 +14,10 @@ Subcommands:
   driven directly (`specstate.tools.bench_serve`).
 * ``bench recurrent``: the host cost of committing a hybrid worker's recurrent states per round
   (`specstate.tools.bench_recurrent`).
+* ``bench prefix``: the prefix cache's match + insert + evict per scheduler round on a
+  shared-prefix workload (`specstate.tools.bench_prefix`), beside a peer's report (``--peer``);
+  ``--hits`` instead serves a multi-turn workload on the embedded model with every algorithm
+  and reports hit rates and first-round acceptance on cached prefixes.
 
 Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
 A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
@@ -197,6 +201,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_serve.add_parser(benches)
     bench_recurrent.add_parser(benches)
     bench_grammar.add_arguments(benches)
+    _add_prefix_arguments(benches)
+
+
+def _add_prefix_arguments(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    prefix = benches.add_parser("prefix", help="prefix cache work per round; hit rates (--hits)")
+    _list_option(prefix, "--page-sizes", _positive_ints, (1, 16))
+    _list_option(prefix, "--concurrency", _positive_ints, (16, 64, 256))
+    prefix.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per run")
+    prefix.add_argument("--warmup", type=_count(0), default=100, help="untimed rounds per run")
+    prefix.add_argument("--repeats", type=_count(1), default=3, help="fresh runs per size")
+    prefix.add_argument("--seed", type=_count(0), default=0)
+    prefix.add_argument("--peer", type=Path, metavar="PEER.json", help="the peer's report")
+    prefix.add_argument("--hits", action="store_true", help="hit rates of a multi-turn workload")
+    prefix.add_argument("--json", action="store_true", help="print JSON, not a table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         "serve": _run_serve,
         "recurrent": bench_recurrent.run,
         "grammar": bench_grammar.run,
+        "prefix": _run_prefix,
     }
     return benches[args.bench](args)
 
@@ -662,5 +681,50 @@ def _run_overlap(args: argparse.Namespace) -> int:
         print(
             f"{r.device_us:>9.1f} {r.host_us:>9.1f} {r.normal_us:>9.1f} {r.overlap_us:>9.1f} "
             f"{r.efficiency:>10.2f} {r.gain:>5.2f}x {r.ideal_gain:>5.2f}x"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------- prefix
+def _run_prefix(args: argparse.Namespace) -> int:
+    from specstate.tools import bench_prefix
+
+    if args.hits:
+        report = bench_prefix.hit_rates(page_sizes=args.page_sizes, progress=_progress)
+        if args.json:
+            print(json.dumps({**_header("prefix-hits"), "results": report}, indent=2))
+        else:
+            bench_prefix.print_hit_rates(report)
+        return 0
+    peer: dict[tuple[int, int], float] = {}
+    if args.peer is not None:
+        try:
+            loaded = json.loads(args.peer.read_text(encoding="utf-8"))
+            peer = {
+                (r["page_size"], r["concurrency"]): r["us_per_round"] for r in loaded["results"]
+            }
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return _fail("prefix", f"{args.peer}: not a prefix report ({exc})")
+    results = bench_prefix.prefix_benchmark(
+        page_sizes=args.page_sizes,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        progress=_progress,
+    )
+    if args.json:
+        config = bench_prefix.config(args.rounds, args.warmup, args.seed)
+        print(json.dumps({**_header("prefix"), "config": config, "results": results}, indent=2))
+        return 0
+    print("prefix cache work per round (match + insert + evict), median µs")
+    print(f"{'P':>3} {'conc':>5} {'specstate':>10} {'peer':>10} {'ratio':>6}")
+    for r in results:
+        theirs = peer.get((r["page_size"], r["concurrency"]))
+        ratio = _ratio(r["us_per_round"], theirs) if theirs is not None else None
+        print(
+            f"{r['page_size']:>3} {r['concurrency']:>5} {r['us_per_round']:>10.1f} "
+            f"{'-' if theirs is None else f'{theirs:.1f}':>10} {_times(ratio):>6}"
         )
     return 0

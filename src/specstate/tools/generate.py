@@ -11,14 +11,16 @@ Input, one JSON object per line::
      "grammar"?: {"json_schema": {...}} | {"regex": str} | {"ebnf": str} | {"lark": str}}
 
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
-"accept_lengths"}``, plus ``"text"`` (the output decoded) when the request gave ``"text"``,
-``"logprobs"`` (one float per output token) when it asked for them, and ``"error"`` (the
-reason) for a request that ended with an error; the exit code is then 1.
+"accept_lengths", "cached_tokens"}`` (``cached_tokens``: prompt tokens the prefix cache
+supplied; ``--no-prefix-cache`` turns the cache off), plus ``"text"`` (the output decoded)
+when the request gave ``"text"``, ``"logprobs"`` (one float per output token) when it asked
+for them, and ``"error"`` (the reason) for a request that ended with an error; the exit code is
+then 1.
 ``--trace FILE`` records the run (spans, rounds, events: the JSONL of `specstate.engine.trace`,
 read back by ``specstate trace FILE``) and ``--perfetto FILE`` writes its timeline as Chrome /
 Perfetto trace events. On a terminal a progress bar runs on stderr; at the end a summary
-(requests, tokens, tok/s, mean accept length) goes to stderr, and with ``--summary-json FILE``
-to a file as JSON.
+(requests, tokens, tok/s, mean accept length, prefix-cache hit rate) goes to stderr, and with
+``--summary-json FILE`` to a file as JSON.
 
 Input is read strictly: a line with an unknown field or a wrong type or range (a string of
 digits for ``input_ids``, a float, a bool, a null ``id``, a negative temperature) fails before
@@ -185,6 +187,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on the main thread; see --threads)",
     )
     parser.add_argument("--kv-tokens", type=int, default=16384, help="KV token slots")
+    parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share committed KV between requests with common prefixes (--no-prefix-cache: off)",
+    )
     parser.add_argument("--max-running", type=int, default=32, help="most requests at once")
     parser.add_argument(
         "--chunked-prefill", type=int, default=None, help="prefill tokens per forward"
@@ -659,6 +667,7 @@ class _Writer:
                 "output_ids": list(r.emitted_ids),
                 "finish_reason": None if r.finish is None else r.finish.reason.value,
                 "accept_lengths": list(r.accept_lengths),
+                "cached_tokens": r.cached_tokens,
             }
             if codec is not None:
                 row["text"] = codec.decode(r.emitted_ids)
@@ -761,6 +770,8 @@ class RunSummary:
     draft_acceptance: float | None
     overlap: bool
     threads: int
+    prefix_cache_hit_rate: float | None = None
+    prefix_cache_hit_tokens: int = 0
 
     @classmethod
     def of(cls, engine: Engine, reqs: Sequence[Req], *, load_s: float, wall_s: float) -> RunSummary:
@@ -768,7 +779,8 @@ class RunSummary:
         import torch
 
         reasons = Counter(r.finish.reason.value for r in reqs if r.finish is not None)
-        metrics = engine.snapshot().metrics
+        snap = engine.snapshot()
+        metrics, cache = snap.metrics, snap.prefix_cache
         caps = engine.worker.capabilities
         generated = sum(len(r.emitted_ids) for r in reqs)
         proposed = metrics.num_proposed_drafts
@@ -790,10 +802,12 @@ class RunSummary:
             draft_acceptance=round(metrics.num_correct_drafts / proposed, 4) if proposed else None,
             overlap=engine.config.overlap,
             threads=torch.get_num_threads(),
+            prefix_cache_hit_rate=None if cache is None else round(cache.hit_rate, 4),
+            prefix_cache_hit_tokens=0 if cache is None else cache.num_hit_tokens,
         )
 
     def lines(self) -> list[str]:
-        """The summary for people, three lines."""
+        """The summary for people, three lines (four with a prefix cache)."""
         aborted = f", {self.aborted} aborted" if self.aborted else ""
         reasons = ", ".join(f"{k} {v}" for k, v in self.finish_reasons.items()) or "none"
         if self.num_steps:
@@ -816,6 +830,15 @@ class RunSummary:
             f"{self.load_s:.2f} s; {self.threads} torch thread(s), "
             f"{'overlap' if self.overlap else 'normal'} loop)",
             accept,
+            *self._cache_lines(),
+        ]
+
+    def _cache_lines(self) -> list[str]:
+        if self.prefix_cache_hit_rate is None:
+            return []
+        return [
+            f"prefix cache: hit rate {100 * self.prefix_cache_hit_rate:.1f}% "
+            f"({self.prefix_cache_hit_tokens} prefill tokens came from the cache)"
         ]
 
 
@@ -840,6 +863,7 @@ def run(args: argparse.Namespace) -> int:
             check_ownership=args.check_invariants,
             forward_timeout_s=args.forward_timeout,
             adaptive_draft=args.adaptive,
+            prefix_cache=args.prefix_cache,
         )
         factory = None if args.worker is None else load_factory(args.worker)
         codec = None

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
 import numpy as np
 import torch
 
@@ -43,6 +44,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.memory.prefix_cache import PrefixSharing
 from specstate.relay.future_map import RelayPayload
 from specstate.relay.streams import Stream
 
@@ -113,9 +115,13 @@ class TimedWaitWorker:
 
     @property
     def capabilities(self) -> WorkerCapabilities:
-        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap."""
-        return WorkerCapabilities.chain(
-            "timed_wait", num_steps=self._num_steps, keeps_draft_kv=True
+        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap.
+
+        It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`).
+        """
+        return attrs.evolve(
+            WorkerCapabilities.chain("timed_wait", num_steps=self._num_steps, keeps_draft_kv=True),
+            prefix_sharing=PrefixSharing.TOKEN,
         )
 
     def attach(self, memory: WorkerMemory) -> None:

@@ -4,6 +4,8 @@ FILE is the JSONL a `specstate.engine.trace.TraceRecorder` wrote (``specstate de
 ``specstate generate --trace``). Without options it prints a summary:
 
 * requests and how they ended; rounds by mode;
+* the prefix cache's hit rate: of the tokens admitted requests had to prefill (prompt plus
+  earlier outputs), the share whose KV the cache supplied (from the ``admit`` events);
 * the acceptance histogram and mean accept length over every settled verify row (the same
   rows, so the same numbers, as the engine's ``AcceptMetrics``), and per draft position the
   rate at which it was accepted (position k: rows whose accept length is at least k + 1);
@@ -141,10 +143,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     both = _intersection(host, forward)
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(forward)]
     ids = {i for r in rounds for i in r["rows"]["id"]}
+    admits = [e for e in events if e["event"] == "admit"]
+    queried = sum(e.get("fill_tokens", 0) for e in admits)
+    hits = sum(e.get("cached_tokens", 0) for e in admits)
     return {
         "requests": len(ids),
         "ended": dict(Counter(e["reason"] for e in events if e["event"] in ("finish", "abort"))),
         "retractions": sum(1 for e in events if e["event"] == "retract"),
+        "prefix_cache": {
+            "admissions": len(admits),
+            "queried_tokens": queried,
+            "hit_tokens": hits,
+            "hit_rate": hits / queried if queried else 0.0,
+        },
         "rounds": dict(Counter(r["mode"] for r in rounds)),
         "num_verifies": verifies,
         "num_accepted_tokens": accepted,
@@ -161,6 +172,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 def _print_summary(s: dict[str, Any]) -> None:
     print(f"requests: {s['requests']}  ended: {s['ended']}  retractions: {s['retractions']}")
     print(f"rounds: {s['rounds']}")
+    cache = s["prefix_cache"]
+    print(
+        f"prefix cache: hit rate {cache['hit_rate']:.1%} ({cache['hit_tokens']} of "
+        f"{cache['queried_tokens']} prefill tokens, {cache['admissions']} admissions)"
+    )
     print(
         f"verifies: {s['num_verifies']}  accepted tokens: {s['num_accepted_tokens']}  "
         f"mean accept length: {s['mean_accept_length']:.4f}"
@@ -193,7 +209,8 @@ def _print_request(records: list[dict[str, Any]], request_id: str) -> int:
                 )
             lines.append((r["batch"], 1, text))
         elif r["type"] == "event" and r["id"] == request_id:
-            extra = "".join(f" {k} {r[k]}" for k in ("prompt_len", "max_new_tokens") if k in r)
+            keys = ("prompt_len", "max_new_tokens", "fill_tokens", "cached_tokens")
+            extra = "".join(f" {k} {r[k]}" for k in keys if k in r)
             order = 0 if r["event"] == "submit" else 2
             lines.append((r["batch"], order, f"{r['batch']:5d}  {r['event']} {r['reason']}{extra}"))
     if not any(order == 1 for _, order, _ in lines):

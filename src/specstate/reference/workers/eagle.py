@@ -2,18 +2,22 @@
 
 The head (`specstate.reference.eagle_head`) predicts the token after position ``p`` from
 ``t_p`` and the target feature ``f_(p-1)``. The one feature a forward cannot compute itself is
-the one just before its first token, so every forward relays it to the next through
-``next_draft_input.hidden_states`` (read back as ``batch.spec_info.hidden_states``)::
+the one just before its first token. A decode round gets it relayed from the previous forward
+(``next_draft_input.hidden_states``, read back as ``batch.spec_info.hidden_states``); an extend
+reads it from the worker's feature store, which keeps the target feature of every committed
+position at that position's KV slot (like the KV itself), so a prefix the prefix cache shares
+brings its features along and a cached boundary needs no recompute::
 
-    EXTEND chunk [P0, P1)   target extend -> H[P0..P1-1]; publish; head extend over the chunk
-                            with features [relayed f_(P0-1) or 0 at P0 = 0, H[P0], .., H[P1-2]]
+    EXTEND chunk [P0, P1)   target extend -> H[P0..P1-1], stored at the chunk's slots; publish;
+                            head extend over the chunk with features [stored f_(P0-1) or 0 at
+                            P0 = 0, H[P0], .., H[P1-2]]
                             relay: bonus = target token at P1, hidden = H[P1-1]
     DECODE at S             head K chain steps from x0@S with f_(S-1) (relayed), then its own h
                             -> d1..dK (argmax, or drawn from the head's filtered q_i when the
                             row samples); target verify -> H[S..S+K], accept a = m + 1;
                             publish S + a
                             head draft-extend [x0, d1..dK] @ S..S+K with the TRUE features
-                            [f_(S-1), H[S], .., H[S+K-1]]
+                            [f_(S-1), H[S], .., H[S+K-1]]; H[S..S+K] stored at their slots
                             relay: bonus = y_m, hidden = H[S+m] (the feature of the new bonus)
 
 With ``topk > 1`` a DECODE round drafts a tree instead (`specstate.reference.workers.tree`):
@@ -21,12 +25,15 @@ the head expands the top-k children of the k best nodes per level (a node's feat
 head's ``h`` of its parent, the root's the relayed ``f_(S-1)``), the target verifies the
 ``num_draft_tokens`` best nodes under a tree mask, the accepted path's target KV is moved to
 ``S .. S+a-1``, and the head re-extends the path ``[x0, p_1 .. p_K]`` at ``S .. S+K`` with the
-TRUE features ``[f_(S-1), H(p_0) .. H(p_(K-1))]``; relay: bonus = y at the path's end ``m``,
-hidden = ``H(m)``. Sampled rows verify the tree by recursive rejection sampling.
+TRUE features ``[f_(S-1), H(p_0) .. H(p_(K-1))]`` (stored at the path's slots); relay: bonus =
+y at the path's end ``m``, hidden = ``H(m)``. Sampled rows verify the tree by recursive
+rejection sampling.
 
 Invariant: after every forward, the head's KV below each row's frontier was computed from the
-row's settled tokens and the target's true features, and the relayed hidden state is the target
-feature at ``frontier - 1``.
+row's settled tokens and the target's true features; the feature store holds, at the slot of
+every position below the frontier, the target feature of that position; the relayed hidden
+state is the target feature at ``frontier - 1``. Each is a function of the tokens up to its
+position, so the worker shares prefixes by token (`PrefixSharing.TOKEN`).
 """
 
 from __future__ import annotations
@@ -105,6 +112,7 @@ class EagleWorker(TreeRoundWorker):
         super().__init__(runner, capabilities, seed=seed)
         self._eagle_dir = eagle
         self._head: EagleHead | None = None
+        self._features: torch.Tensor | None = None  # [num_token_slots, hidden], by KV slot
 
     @property
     def head(self) -> EagleHead:
@@ -117,6 +125,36 @@ class EagleWorker(TreeRoundWorker):
         self._head = load_eagle_head(
             self._eagle_dir, self._target.model, num_token_slots=memory.num_token_slots
         )
+        config = self._target.config
+        self._features = torch.zeros(
+            memory.num_token_slots,
+            config.hidden_size,
+            dtype=config.dtype,
+            device=self._target.device_for(memory),
+        )
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The feature store: the target feature of each committed position, by KV slot."""
+        if self._features is None:
+            raise InvalidConfig("worker is not attached: call attach(memory) first")
+        return self._features
+
+    def _store_features(self, locs: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep ``hidden[i]`` at KV slot ``locs[i]`` (where this forward wrote KV)."""
+        store = self.features  # worker-owned: written in place, only at this forward's slots
+        store.index_copy_(0, locs.reshape(-1).long().to(store.device), hidden.to(store.dtype))
+
+    def _boundary_features(self, attention: AttentionBatch) -> torch.Tensor:
+        """``[B, hidden]`` stored ``f_(P0-1)`` of each extend row (zeros where ``P0 == 0``)."""
+        prefix = attention.prefix_lens.long()
+        table = attention.req_to_token
+        locs = table[
+            attention.req_pool_indices.long().to(table.device),
+            (prefix - 1).clamp_min(0).to(table.device),
+        ]
+        stored = self.features[locs.to(self.features.device)]
+        return torch.where((prefix > 0)[:, None].to(stored.device), stored, 0.0)
 
     def _relayed_features(self, batch: ForwardBatch, needed: torch.Tensor) -> torch.Tensor:
         """``[B, hidden]`` relayed ``f_(S-1)`` where ``needed``, zeros elsewhere.
@@ -148,9 +186,10 @@ class EagleWorker(TreeRoundWorker):
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention, hidden = out.attention, out.hidden_states
         first_rows = torch.cumsum(attention.extend_lens, 0) - attention.extend_lens
-        incoming = self._relayed_features(batch, attention.prefix_lens > 0)
+        incoming = self._boundary_features(attention)
+        self._store_features(attention.out_cache_loc, hidden)
         # f_(p-1) of every token: the previous token's target feature inside the chunk, the
-        # relayed one (or zeros at position 0) for the chunk's first token.
+        # stored one (or zeros at position 0) for the chunk's first token.
         features = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
         features = features.index_copy(0, first_rows, incoming.to(hidden.dtype))
         self.head(attention, features, logit_rows=first_rows[:0])
@@ -176,6 +215,7 @@ class EagleWorker(TreeRoundWorker):
             batch.req_pool_indices, self._target.req_to_token, verified.start, verified.chain
         )
         self.head(chain, true_features.reshape(-1, hidden.shape[2]), logit_rows=verified.start[:0])
+        self._store_features(chain.out_cache_loc, hidden.reshape(-1, hidden.shape[2]))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         next_hidden = hidden[rows, verified.verdict.last_accepted]
         return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens, hidden_states=next_hidden)
@@ -198,6 +238,13 @@ class EagleWorker(TreeRoundWorker):
         features = verified.path_features(first)
         attention = verified.path_attention(self._target.req_to_token)
         self.head(attention, features.reshape(-1, features.shape[2]), logit_rows=verified.start[:0])
+        # The path's features at S .. S+a-1 (past the accepted length they are never read):
+        # node p_j's is the input of position S+j+1, the last accepted node's is the relayed one.
+        locs = attention.out_cache_loc.view(features.shape[0], -1)
+        self._store_features(locs[:, :-1], features[:, 1:].reshape(-1, features.shape[2]))
+        rows = torch.arange(locs.shape[0], device=locs.device)
+        last = locs[rows, (verified.verdict.accept_lens.long() - 1).to(locs.device)]
+        self._store_features(last, verified.last_hidden)
         return RelayPayload(
             bonus_tokens=verified.verdict.bonus_tokens, hidden_states=verified.last_hidden
         )

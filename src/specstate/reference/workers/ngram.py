@@ -1,24 +1,21 @@
 """Algorithm ``ngram``: draft by looking the trailing n-gram up in the request's own tokens.
 
-No draft model and no draft KV. The worker owns a slot-indexed token history shaped like the
-engine's ``req_to_token`` table (``[max_requests + 1, row_width]``); position ``p`` of a request
-holds its token at ``p``. Writes are idempotent, so a replayed or overlapped write is harmless::
+No draft model and no draft KV. The worker owns a `TokenHistory`: one token per KV slot, read
+through ``req_to_token`` (so a prefix the prefix cache shares brings its tokens along). Writes
+are idempotent, so a replayed or overlapped write is harmless::
 
-    EXTEND          history[slot, prefix .. prefix+n) = the chunk's tokens
-    DECODE start    history[slot, S] = x0 (the bonus)
-    lookup          trailing n-gram h[S-n+1 .. S] (n = max_ngram .. 1); the most recent earlier
-                    occurrence starting at i; drafts continue it: h[i+n], h[i+n+1], ... repeating
-                    with period S+1-(i+n) when they run past S (so "abcab" drafts "c a b ...")
-                    no occurrence: the bonus repeated (or, with draft_without_match=False and
-                    no row matching, no drafts at all this round)
-    after verify    history[slot, S+1 .. S+m] = d1..dm (the accepted drafts)
+    EXTEND          the chunk's tokens at its out_cache_loc
+    DECODE start    x0 (the bonus) at position S
+    lookup          `TokenHistory.propose`: the trailing n-gram, its latest earlier occurrence,
+                    the tokens that followed it (the bonus repeated when there is none; with
+                    draft_without_match=False and no row matching, no drafts this round)
+    after verify    d1..dm (the accepted drafts) at S+1 .. S+m
 
 The drafts are deterministic, so a sampled row verifies them with a one-hot ``q``: ``d_i`` is
 accepted with probability ``p(d_i)``, and a rejection resamples from ``p`` without ``d_i``.
 
-Invariant: positions below a row's frontier hold the row's settled tokens, except those a prefix
-cache supplied without an extend (never written here). A stale position only weakens drafts:
-the verify emits the target's own tokens whatever the drafts are.
+Invariant: every position below a row's frontier holds the row's settled token (written by the
+row's own forwards, or by the request whose committed prefix the cache shares).
 """
 
 from __future__ import annotations
@@ -28,78 +25,14 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["NgramWorker", "TokenHistory"]
-
-
-class TokenHistory:
-    """Owner of the n-gram worker's token rows (see the module docstring).
-
-    Args:
-        num_rows: request slots, padding row 0 included.
-        row_width: positions per row (the engine's ``req_to_token`` width).
-        device: where the rows live.
-    """
-
-    def __init__(self, num_rows: int, row_width: int, *, device: torch.device) -> None:
-        self._tokens = torch.zeros(num_rows, row_width, dtype=torch.int64, device=device)
-
-    def write(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Stores ``tokens[i]`` at ``(slots[i], positions[i])`` (any matching shapes)."""
-        self._tokens.index_put_((slots.long(), positions.long()), tokens.long())
-
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of the rows of ``slots`` ``[B, row_width]``."""
-        return self._tokens.index_select(0, slots.long())
-
-    def propose(
-        self, slots: torch.Tensor, start: torch.Tensor, *, num_tokens: int, max_ngram: int
-    ) -> torch.Tensor:
-        """Drafts ``[B, num_tokens]`` following the trailing n-gram that ends at ``start``."""
-        return self.propose_matched(slots, start, num_tokens=num_tokens, max_ngram=max_ngram)[0]
-
-    def propose_matched(
-        self, slots: torch.Tensor, start: torch.Tensor, *, num_tokens: int, max_ngram: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`propose`, and ``[B]`` True where a trailing n-gram occurred earlier (no fallback)."""
-        rows = self.read(slots)
-        length = start.long() + 1  # tokens known per row, the bonus at `start` included
-        best = torch.full_like(length, -1)
-        chosen_n = torch.zeros_like(length)
-        for n in range(max_ngram, 0, -1):
-            found = self._latest_occurrence(rows, length, n)
-            take = (best < 0) & (found >= 0)
-            best = torch.where(take, found, best)
-            chosen_n = torch.where(take, n, chosen_n)
-        first = best + chosen_n  # the token after the occurrence
-        period = (length - first).clamp_min(1)
-        steps = torch.arange(num_tokens, device=rows.device)[None, :]
-        index = (first[:, None] + steps % period[:, None]).clamp(0, rows.shape[1] - 1)
-        drafts = rows.gather(1, index)
-        bonus = rows.gather(1, start.long()[:, None]).expand_as(drafts)
-        return torch.where((best >= 0)[:, None], drafts, bonus), best >= 0
-
-    @staticmethod
-    def _latest_occurrence(rows: torch.Tensor, length: torch.Tensor, n: int) -> torch.Tensor:
-        """Start of the latest n-gram equal to each row's last ``n`` tokens, ending before them.
-
-        Returns ``-1`` where there is none (or the row is shorter than ``n + 1``).
-        """
-        width = rows.shape[1]
-        if width < n + 1:
-            return torch.full_like(length, -1)
-        offsets = torch.arange(n, device=rows.device)[None, :]
-        suffix = rows.gather(1, (length[:, None] - n + offsets).clamp_min(0))
-        windows = rows.unfold(1, n, 1)  # [B, width - n + 1, n]
-        equal = (windows == suffix[:, None, :]).all(-1)
-        starts = torch.arange(windows.shape[1], device=rows.device)[None, :]
-        earlier = starts <= (length - n - 1)[:, None]  # the occurrence ends before the suffix
-        return torch.where(equal & earlier, starts, -1).max(dim=1).values
+__all__ = ["NgramWorker", "TokenHistory"]  # TokenHistory: re-exported from its module
 
 
 class NgramWorker(ChainRoundWorker):
@@ -151,14 +84,14 @@ class NgramWorker(ChainRoundWorker):
         return self._history
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
-        num_rows, row_width = memory.req_to_token.shape
         device = self._target.device_for(memory)
-        self._history = TokenHistory(num_rows, row_width, device=device)
+        self._history = TokenHistory.by_token_slot(
+            memory.num_token_slots, memory.req_to_token, device=device
+        )
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention = out.attention
-        slots = torch.repeat_interleave(attention.req_pool_indices, attention.extend_lens)
-        self.history.write(slots, attention.positions, attention.input_ids)
+        self.history.write_at(attention.out_cache_loc, attention.input_ids)
         return RelayPayload(bonus_tokens=out.next_tokens)
 
     def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:

@@ -46,6 +46,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.memory.prefix_cache import PrefixSharing
 from specstate.reference.model import PagedLlama
 from specstate.reference.workers.layout import (
     decode_result,
@@ -135,6 +136,11 @@ class ChainRoundWorker(abc.ABC):
     ) -> None:
         self._target = target
         capabilities = _with_recurrent_state(capabilities, target)
+        if capabilities.prefix_sharing is PrefixSharing.NONE and capabilities.recurrent is None:
+            # Every state a reference forward leaves at a position (KV, draft KV, features,
+            # token history) sits at its token slot and depends on tokens [0, p] only. A
+            # recurrent state is not kept at cache boundaries: hybrid targets share nothing.
+            capabilities = attrs.evolve(capabilities, prefix_sharing=PrefixSharing.TOKEN)
         self._capabilities = capabilities
         if capabilities.topk == 1:  # the chain round implements every sampling control
             self._capabilities = attrs.evolve(

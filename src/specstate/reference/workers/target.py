@@ -13,12 +13,12 @@ filtered distribution for the others::
 
 Sampling controls (docs/engine.md, "Sampling controls"), all per row:
 
-* logit controls (penalties, ``min_new_tokens``): the runner keeps a token history shaped like
-  ``req_to_token`` (position ``p`` of a request at ``[slot, p]``, written idempotently by every
-  forward of a batch that has controls: the extend's tokens, the chain ``[x0, d1..dK]``), and
-  processes the logits of each scored position with the counts of the tokens before it —
-  verify row ``j`` sees ``d1 .. dj`` (`TokenCounts.chain`). A row with controls is in every
-  batch that writes it, so its history is complete below its frontier;
+* logit controls (penalties, ``min_new_tokens``): the runner keeps a `TokenHistory` (one token
+  per KV slot, written idempotently by every forward: the extend's tokens, the chain ``[x0,
+  d1..dK]``), and processes the logits of each scored position with the counts of the tokens
+  before it — verify row ``j`` sees ``d1 .. dj`` (`TokenCounts.chain`). Every forward writes
+  it, so a row's history is complete below its frontier, also for a prefix the prefix cache
+  shares (written by the request that computed it, whatever its controls);
 * seeds: a seeded sampled row's token at position ``p`` is ``F_p^-1(u(seed, p))``; its chain is
   verified against those tokens (`verify_chain_targets`), so the emitted tokens do not depend
   on the drafts, the batch or the loop, and each follows the target's distribution exactly;
@@ -45,6 +45,7 @@ from specstate.grammar.rows import RowMasks
 from specstate.memory.recurrent_layout import RecurrentStateSpec
 from specstate.reference.hybrid import HybridConfig, PagedHybrid
 from specstate.reference.model import AttentionBatch, PagedLlama
+from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
 from specstate.reference.workers.sampler import (
     TokenCounts,
@@ -145,7 +146,7 @@ class TargetRunner:
         self.config: SourceConfig = read_source_config(source, dtype=dtype)
         self._model: SourceModel | None = None
         self._memory: WorkerMemory | None = None
-        self._history: torch.Tensor | None = None
+        self._history: TokenHistory | None = None
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target with ``memory.num_token_slots`` KV slots and bind ``memory``.
@@ -163,8 +164,8 @@ class TargetRunner:
             recurrent=memory.recurrent,
         )
         self._memory = memory
-        self._history = torch.zeros(
-            tuple(memory.req_to_token.shape), dtype=torch.int64, device=self.device_for(memory)
+        self._history = TokenHistory.by_token_slot(
+            memory.num_token_slots, memory.req_to_token, device=self.device_for(memory)
         )
 
     def device_for(self, memory: WorkerMemory) -> torch.device:
@@ -211,30 +212,31 @@ class TargetRunner:
         self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
     ) -> None:
         """Stores ``tokens[i]`` at position ``positions[i]`` of slot ``slots[i]`` (history)."""
+        self.history.write(slots, positions, tokens)
+
+    @property
+    def history(self) -> TokenHistory:
+        """The tokens by KV slot (after attach)."""
         if self._history is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
-        history = self._history  # worker-owned: written in place, idempotently
-        history.index_put_(
-            (slots.long().to(history.device), positions.long().to(history.device)),
-            tokens.long().to(history.device),
-        )
+        return self._history
 
     def counts_at(
         self, slots: torch.Tensor, last: torch.Tensor, sampling: SamplingInfo
     ) -> TokenCounts | None:
         """The token state scoring position ``last + 1`` of each row; None without controls."""
-        if not sampling.has_logit_controls or self._history is None:
+        if not sampling.has_logit_controls:
             return None
-        rows = self._history.index_select(0, slots.long().to(self._history.device))
+        rows = self.history.read(slots)
         return TokenCounts.from_history(rows, last, sampling.prompt_lens, self.config.vocab_size)
 
     def begin_round(
         self, slots: torch.Tensor, start: torch.Tensor, roots: torch.Tensor, sampling: SamplingInfo
     ) -> TokenCounts | None:
         """Record the bonus ``x0`` at ``S`` and return the state at ``S`` (None: no controls)."""
+        self.write_tokens(slots, start, roots)
         if not sampling.has_logit_controls:
             return None
-        self.write_tokens(slots, start, roots)
         return self.counts_at(slots, start, sampling)
 
     def extend(self, batch: ForwardBatch, sampler: TokenSampler) -> TargetExtend:
@@ -245,15 +247,8 @@ class TargetRunner:
         invalid = _mask_non_finite(out.logits)
         sampling = batch.sampling_info
         last = attention.positions.index_select(0, last_rows)
-        counts = None
-        if sampling.has_logit_controls:
-            slots = torch.repeat_interleave(
-                attention.req_pool_indices,
-                attention.extend_lens,
-                output_size=attention.input_ids.numel(),
-            )
-            self.write_tokens(slots, attention.positions, attention.input_ids)
-            counts = self.counts_at(attention.req_pool_indices, last, sampling)
+        self.history.write_at(attention.out_cache_loc, attention.input_ids)
+        counts = self.counts_at(attention.req_pool_indices, last, sampling)
         grammar = batch.grammar  # the masks of each row's sampled token, if it has a grammar
         masks = None if grammar is None else grammar.sample_masks()
         choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts, mask=masks)
@@ -314,14 +309,9 @@ class TargetRunner:
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
-        if sampling.has_logit_controls:
-            self.write_tokens(
-                attention.req_pool_indices.repeat_interleave(width),
-                attention.positions,
-                attention.input_ids,
-            )
-            if counts is None:
-                counts = self.counts_at(req_pool_indices, start, sampling)
+        self.history.write_at(attention.out_cache_loc, attention.input_ids)
+        if sampling.has_logit_controls and counts is None:
+            counts = self.counts_at(req_pool_indices, start, sampling)
         if counts is not None:  # position j sees x0 and d1 .. dj
             logits = counts.chain(drafts.tokens).apply(logits, sampling)
         if grammar_masks is not None:  # position j: the grammar after d1 .. dj

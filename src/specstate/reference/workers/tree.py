@@ -858,8 +858,9 @@ class TreeRoundWorker(ChainRoundWorker):
         verdict, probs = verify_tree_with_probs(
             tree, logits, shape.path_width, sampling, self._sampler, start=start
         )
-        if counts is not None:  # the history below the new frontier: the path's tokens
-            self._record_path(batch.req_pool_indices, start, verdict.path_tokens(tree))
+        # The history below the new frontier: the path's tokens (every round, so a prefix
+        # the prefix cache shares later carries them).
+        self._record_path(batch.req_pool_indices, start, verdict.path_tokens(tree))
         logprobs = None
         if sampling.logprobs:  # run token j is scored by its parent, the path node at depth j
             index = verdict.path[:, :, None].expand(-1, -1, logits.shape[-1])
