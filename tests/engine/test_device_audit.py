@@ -103,6 +103,13 @@ def test_no_op_mixes_host_and_device_tensors(
         assert list(req.emitted_ids) == greedy(ckpt.hf, prompt, NEW_TOKENS), req.request_id
 
 
+def _launch_ran(engine: Engine) -> None:
+    """Wait until the batch in flight ran on the forward stream (its launch recorded its ops)."""
+    flight = engine.in_flight
+    assert flight is not None and flight.done is not None
+    flight.done.synchronize()
+
+
 @pytest.mark.parametrize("algorithm", ["none", "eagle"])
 def test_a_steady_overlap_decode_round_syncs_only_its_result_copy(
     ckpt: SpecCheckpoints, algorithm: str
@@ -123,10 +130,12 @@ def test_a_steady_overlap_decode_round_syncs_only_its_result_copy(
             if running and flight is not None and flight.plan.is_decode:
                 break
         engine.step()  # one more: the round settled next is a decode round too
+        _launch_ran(engine)  # its launch's copy is recorded before the count starts
         audit.clear()
         for _ in range(rounds):
             report = engine.step()
             assert report.launched_mode == "decode" and not report.finished
+        _launch_ran(engine)  # the last launch's copy is recorded before the count ends
         counts = Counter((f.kind, f.phase) for f in audit.findings)
         engine.close()
     assert audit.of("sync", "launch") == [] and audit.of("sync", "host") == [], counts
