@@ -55,6 +55,7 @@ from specstate.core.request import (
     RequestLimits,
     SamplingParams,
 )
+from specstate.engine.device_check import device_problems
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.invariants import (
     InvariantViolation,
@@ -169,10 +170,7 @@ class EngineConfig:
             problems.append(
                 f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
             )
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError, ValueError):
-            problems.append(f"device {self.device!r} is not a torch device")
+        problems.extend(device_problems(self.device))
         if problems:
             raise InvalidConfig("EngineConfig: " + "; ".join(problems))
 

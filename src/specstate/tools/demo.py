@@ -8,6 +8,7 @@ decoding, and that every invariant held and no KV slot leaked. Three runs of the
 2. speculative, normal loop;
 3. speculative, overlap loop (the configuration being shown).
 
+``--device`` puts the engine and the models on a device (``cuda``; CPU by default).
 ``--threads N`` sets torch's intra-op threads (default 1: the model is tiny, and the host
 thread and the forward stream's thread then get a core each). The baseline and the first
 speculative run use the normal loop, where the forward runs on the main thread in torch's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,9 +29,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from specstate.core.errors import InvalidConfig
 from specstate.core.request import RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
+    from specstate.engine.engine import EngineConfig
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
@@ -90,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (torch.set_num_threads); the normal-loop runs do the "
         "forward on the main thread, where more threads than free cores is much slower",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engine's tensors and the models live: cpu, cuda, cuda:1, ... (a "
+        "device this machine lacks is refused at once)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-step progress")
     parser.add_argument(
         "--trace", type=Path, metavar="FILE", help="record the spec+overlap run (JSONL)"
@@ -119,6 +129,21 @@ def _worker(algorithm: str, num_steps: int) -> WorkerProtocol:
     return default_registry().create(algorithm, **options)
 
 
+def _config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
+    """The engine configuration of one run; `InvalidConfig` for a device this machine lacks."""
+    from specstate.engine.engine import EngineConfig
+
+    return EngineConfig(
+        overlap=overlap,
+        page_size=args.page_size,
+        kv_tokens=32768,
+        chunked_prefill=64,
+        check_invariants=True,
+        check_ownership=True,
+        device=args.device,
+    )
+
+
 def _serve(
     label: str,
     worker: WorkerProtocol,
@@ -129,20 +154,13 @@ def _serve(
     progress: Callable[[str], None] | None,
     trace: TraceRecorder | None = None,
 ) -> _RunResult:
-    from specstate.engine.engine import Engine, EngineConfig
+    from specstate.engine.engine import Engine
     from specstate.reference import embedded
 
     limits = RequestLimits(
         vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
     )
-    config = EngineConfig(
-        overlap=overlap,
-        page_size=args.page_size,
-        kv_tokens=32768,
-        chunked_prefill=64,
-        check_invariants=True,
-        check_ownership=True,
-    )
+    config = _config(args, overlap=overlap)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     with Engine(worker, limits=limits, config=config, trace=trace) as engine:
         reqs = [engine.submit(f"{label}-{i}", p, params) for i, p in enumerate(prompts)]
@@ -178,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
     from specstate.engine.trace import TraceRecorder
     from specstate.reference import embedded
 
+    try:
+        _config(args, overlap=True)  # a device this machine lacks fails before any model loads
+    except InvalidConfig as exc:
+        print(f"specstate demo: {exc}", file=sys.stderr)
+        return 2
     prompts = [
         [embedded.BOS_ID, *embedded.encode(PROMPTS[i % len(PROMPTS)])] for i in range(args.requests)
     ]
@@ -187,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"specstate demo: {len(prompts)} code prompts x {args.max_new_tokens} new tokens on the "
         f"embedded byte-level Llama, {args.algorithm} (K={args.num_steps}), page size "
-        f"{args.page_size}, {args.threads} torch thread(s), invariant checks after every step"
+        f"{args.page_size}, {args.threads} torch thread(s), on {args.device}, invariant checks "
+        "after every step"
     )
     base = _serve("baseline", _worker("none", 0), prompts, args, overlap=False, progress=progress)
     tracing = args.trace is not None or args.perfetto is not None

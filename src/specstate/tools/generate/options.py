@@ -104,6 +104,12 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         help="choose each round's draft steps from recent acceptance (speculation switches "
         "off when drafts are rarely accepted, and back on after a probe)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engine's tensors and the reference worker's model and KV live: cpu, "
+        "cuda, cuda:1, ... (a device this machine lacks is refused before anything loads)",
+    )
     parser.add_argument("--page-size", type=int, default=1, help="KV page size")
     parser.add_argument(
         "--overlap",
@@ -173,4 +179,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         check_ownership=args.check_invariants,
         forward_timeout_s=args.forward_timeout,
         adaptive_draft=args.adaptive,
+        device=args.device,
     )

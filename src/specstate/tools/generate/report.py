@@ -139,6 +139,7 @@ class RunSummary:
     draft_acceptance: float | None
     overlap: bool
     threads: int
+    device: str
 
     @classmethod
     def of(cls, engine: Engine, reqs: Sequence[Req], *, load_s: float, wall_s: float) -> RunSummary:
@@ -168,6 +169,7 @@ class RunSummary:
             draft_acceptance=round(metrics.num_correct_drafts / proposed, 4) if proposed else None,
             overlap=engine.config.overlap,
             threads=torch.get_num_threads(),
+            device=engine.config.device,
         )
 
     def lines(self) -> list[str]:
@@ -192,6 +194,6 @@ class RunSummary:
             f"{self.generated_tokens} tokens in {self.wall_s:.2f} s = "
             f"{self.tokens_per_second:.1f} tok/s (prompts {self.prompt_tokens} tokens; load "
             f"{self.load_s:.2f} s; {self.threads} torch thread(s), "
-            f"{'overlap' if self.overlap else 'normal'} loop)",
+            f"{'overlap' if self.overlap else 'normal'} loop on {self.device})",
             accept,
         ]
