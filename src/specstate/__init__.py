@@ -11,7 +11,9 @@ Two layers:
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
   streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
   `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), KV memory
+  planning (`kv_tokens_for_budget`, `kv_bytes_for_tokens`, `kv_layouts`, `KvLayout`,
+  `requests_that_fit`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -71,6 +73,13 @@ if TYPE_CHECKING:
         WorkerMemory,
         WorkerProtocol,
     )
+    from specstate.memory.planning import (
+        KvLayout,
+        kv_bytes_for_tokens,
+        kv_layouts,
+        kv_tokens_for_budget,
+        requests_that_fit,
+    )
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
     from specstate.relay.isolation import IsolationError
@@ -121,6 +130,11 @@ _EXPORTS: dict[str, str] = {
     "WorkerCapabilities": "specstate.engine.worker",
     "WorkerMemory": "specstate.engine.worker",
     "WorkerProtocol": "specstate.engine.worker",
+    "KvLayout": "specstate.memory.planning",
+    "kv_bytes_for_tokens": "specstate.memory.planning",
+    "kv_layouts": "specstate.memory.planning",
+    "kv_tokens_for_budget": "specstate.memory.planning",
+    "requests_that_fit": "specstate.memory.planning",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -148,6 +162,7 @@ __all__ = [
     "InvalidTransition",
     "InvariantViolation",
     "IsolationError",
+    "KvLayout",
     "KvPoolExhausted",
     "LedgerViolation",
     "OnPublish",
@@ -175,6 +190,10 @@ __all__ = [
     "WorkerResultError",
     "__version__",
     "check_engine",
+    "kv_bytes_for_tokens",
+    "kv_layouts",
+    "kv_tokens_for_budget",
+    "requests_that_fit",
     "stream",
 ]
 

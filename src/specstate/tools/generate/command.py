@@ -21,6 +21,7 @@ import attrs
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import FinishReason, Req
 from specstate.tools.generate.codec import ByteCodec, byte_codec
+from specstate.tools.generate.kv_memory import resolve_kv_tokens
 from specstate.tools.generate.options import engine_config
 from specstate.tools.generate.report import Progress, ResultWriter, RunSummary, write_trace
 from specstate.tools.generate.request_lines import RequestLine, read_requests
@@ -60,7 +61,10 @@ def _serve(args: argparse.Namespace) -> list[Req]:
     if args.model is None and args.worker is None:
         raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
     requests = read_requests(args.input)
+    sized = resolve_kv_tokens(args)  # --kv-memory / --kv-fraction: from the config.json
     config = engine_config(args)  # before loading the model: a bad flag fails at once
+    if sized is not None and not args.quiet:
+        print(f"specstate generate: {sized}", file=sys.stderr)
     factory = None if args.worker is None else load_factory(args.worker)
     codec = _codec(args, requests)
     if args.threads is not None:

@@ -12,10 +12,20 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from specstate.memory.planning import parse_bytes
+
 if TYPE_CHECKING:
     from specstate.engine.engine import EngineConfig
 
-__all__ = ["ALGORITHMS", "DTYPES", "THREADS_NOTE", "add_arguments", "engine_config", "positive"]
+__all__ = [
+    "ALGORITHMS",
+    "DTYPES",
+    "THREADS_NOTE",
+    "add_arguments",
+    "engine_config",
+    "fraction",
+    "positive",
+]
 
 ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram")
 DTYPES: Final = ("float32", "bfloat16", "float16")
@@ -33,6 +43,14 @@ def positive(text: str) -> int:
     """An integer >= 1 (argparse turns the ValueError into a usage error, exit 2)."""
     value = int(text)
     if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (argparse turns the ValueError into a usage error, exit 2)."""
+    value = float(text)
+    if not 0 < value <= 1:
         raise ValueError(text)
     return value
 
@@ -118,7 +136,22 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         help="schedule the next batch while the forward runs (--no-overlap: the forward runs "
         "on the main thread; see --threads)",
     )
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV token slots")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--kv-tokens", type=int, default=None, help="KV token slots (default: 16384)")
+    pool.add_argument(
+        "--kv-memory",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="size the KV pool to fit SIZE bytes of KV cache (2GiB, 512MiB, 1.5GB): the "
+        "most token slots whose caches (target and drafter, in --dtype) fit",
+    )
+    pool.add_argument(
+        "--kv-fraction",
+        type=fraction,
+        metavar="F",
+        help="size the KV pool to fit this fraction (0 < F <= 1) of the memory free on "
+        "--device: CUDA's free memory on a GPU, the OS's MemAvailable on the CPU",
+    )
     parser.add_argument("--max-running", type=int, default=32, help="most requests at once")
     parser.add_argument(
         "--chunked-prefill", type=int, default=None, help="prefill tokens per forward"

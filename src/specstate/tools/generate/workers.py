@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import RequestLimits
+from specstate.tools.generate.kv_memory import check_kv_fits
 from specstate.tools.generate.options import DTYPES
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from specstate.engine.engine import Engine, EngineConfig
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
-    from specstate.reference.model import ModelConfig
 
 __all__ = [
     "WorkerFactory",
@@ -63,16 +63,17 @@ def checkpoint_limits(model: Path) -> RequestLimits:
 def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimits]:
     """The default factory: the reference worker named by ``--algorithm`` on ``--model``.
 
-    It reads ``model``, ``draft``, ``algorithm``, ``num_steps``, ``dtype``, ``kv_tokens`` and
-    ``seed`` of ``args``.
+    It reads ``model``, ``draft``, ``algorithm``, ``num_steps``, ``topk``,
+    ``num_draft_tokens``, ``dtype``, ``kv_tokens``, ``page_size``, ``device`` and ``seed`` of
+    ``args`` (the reference worker's models go where the engine's memory is, ``device``).
     """
     from specstate.reference.checkpoint import read_model_config
     from specstate.reference.workers import default_registry
 
     if args.model is None:
         raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
-    config = read_model_config(args.model)
-    _check_kv_memory(args, config)
+    read_model_config(args.model)  # a checkpoint the reference model cannot load fails first
+    check_kv_fits(args)
     limits = checkpoint_limits(args.model)
     if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
         raise InvalidRequest(f"--draft is used by draft_model and eagle, not {args.algorithm}")
@@ -175,36 +176,6 @@ def _call_factory(
         f"(capabilities, attach, forward_batch_generation) and a RequestLimits; it returned "
         f"{shape}"
     )
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory the OS says are available (``MemAvailable``), if it says."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _check_kv_memory(args: argparse.Namespace, config: ModelConfig) -> None:
-    """Refuse a ``--kv-tokens`` whose KV cache cannot fit in memory, before allocating it."""
-    dtype = torch_dtype(args.dtype) or config.dtype
-    per_token = (
-        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    ) * dtype.itemsize
-    if args.algorithm in ("draft_model", "eagle"):
-        per_token *= 2  # the drafter keeps its own KV (an upper bound for a 1-layer head)
-    need = args.kv_tokens * per_token
-    available = _available_memory()
-    if available is not None and need > available:
-        raise InvalidConfig(
-            f"--kv-tokens {args.kv_tokens}: the KV cache needs {need / 2**30:.1f} GiB "
-            f"({per_token} bytes a token) but {available / 2**30:.1f} GiB of memory is "
-            "available; lower --kv-tokens"
-        )
 
 
 def load_engine(
