@@ -400,7 +400,8 @@ class Engine:
         if sampling.temperature > 0 and not caps.supports_sampling:
             raise InvalidRequest(
                 f"request {request_id!r}: temperature {sampling.temperature} asks for sampling, "
-                f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
+                f"but worker {caps.algorithm!r} is greedy-only (its capabilities do not declare "
+                "supports_sampling)"
             )
         unsupported = _unsupported_controls(sampling, caps)
         if unsupported:

@@ -113,9 +113,17 @@ class TimedWaitWorker:
 
     @property
     def capabilities(self) -> WorkerCapabilities:
-        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap."""
-        return WorkerCapabilities.chain(
-            "timed_wait", num_steps=self._num_steps, keeps_draft_kv=True
+        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap.
+
+        It declares ``supports_sampling``: its tokens are a constant whatever a request asks,
+        and taking sampled requests lets a benchmark measure the host path of a sampled batch.
+        """
+        return WorkerCapabilities(
+            algorithm="timed_wait",
+            num_steps=self._num_steps,
+            num_draft_tokens=self._num_steps + 1,
+            keeps_draft_kv=True,
+            supports_sampling=True,
         )
 
     def attach(self, memory: WorkerMemory) -> None:
