@@ -1,6 +1,6 @@
 """``specstate generate``: run a JSONL of requests through the engine on an HF Llama checkpoint.
 
-Input, one JSON object per line::
+Input, one JSON object per line:
 
     {"id": str, "input_ids": [int, ...] | "text": str, "max_new_tokens"?: int,
      "stop_token_ids"?: [int, ...], "temperature"?: number, "top_p"?: number,
