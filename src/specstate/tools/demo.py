@@ -34,6 +34,7 @@ from specstate.core.request import RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
     from specstate.engine.engine import EngineConfig
+    from specstate.engine.results import AcceptMetrics
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
@@ -129,6 +130,11 @@ def _worker(algorithm: str, num_steps: int) -> WorkerProtocol:
     return default_registry().create(algorithm, **options)
 
 
+def _accept(metrics: AcceptMetrics) -> str:
+    """Tokens per verify so far; ``-`` before the first verify (prefill only), not 0.00."""
+    return f"{metrics.mean_accept_length:.2f}" if metrics.num_verifies else "-"
+
+
 def _config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
     """The engine configuration of one run; `InvalidConfig` for a device this machine lacks."""
     from specstate.engine.engine import EngineConfig
@@ -174,7 +180,7 @@ def _serve(
                 snap = engine.snapshot()
                 progress(
                     f"  [{label}] step {steps:4d} | running {snap.num_running:2d} | "
-                    f"tokens {done:5d} | accept {snap.metrics.mean_accept_length:.2f}"
+                    f"tokens {done:5d} | accept {_accept(snap.metrics)}"
                 )
         seconds = time.perf_counter() - start
         snap = engine.snapshot()
@@ -262,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     say(f"lossless (all runs emit identical tokens): {'yes' if lossless else 'NO'}")
     say(f"invariants held after every step; KV fully released: {'yes' if clean else 'NO'}")
     say("")
-    say("sample completion:")
+    say(
+        "sample completion by the embedded model (a 2.4M-parameter byte-level Llama trained on "
+        "the standard library's sources for testing: code-shaped, not meant to be correct):"
+    )
     say(embedded.decode(prompts[0][1:]) + embedded.decode(both.outputs[0]))
     return 0 if lossless and clean else 1

@@ -9,6 +9,7 @@ from typing import Final
 import attrs
 
 from specstate.core.errors import InvalidRequest
+from specstate.tools.generate.hf_config import read_vocabulary
 
 __all__ = ["MAX_SPECIAL_IDS", "NUM_BYTES", "ByteCodec", "byte_codec"]
 
@@ -38,13 +39,12 @@ def byte_codec(model: Path | None) -> ByteCodec:
 
     A checkpoint is byte-level when its ``config.json`` has a ``vocab_size`` of 256 to 256 +
     `MAX_SPECIAL_IDS` and every BOS / EOS id it names is >= 256: ids 0-255 are then the byte
-    values (the embedded model: 260 ids, BOS 256, EOS 257).
+    values (the embedded model: 260 ids, BOS 256, EOS 257). Any architecture's config is read:
+    a tokenizer's vocabulary (GPT-2's 50257 ids, say) is refused with the reason.
     """
     if model is None:
         raise InvalidRequest('"text" needs --model DIR, a byte-level checkpoint to encode it')
-    from specstate.reference.checkpoint import read_model_config
-
-    config = read_model_config(model)
+    config = read_vocabulary(model)  # any architecture: a --worker may run a non-Llama model
     specials = [*config.eos_token_ids]
     if config.bos_token_id is not None:
         specials.append(config.bos_token_id)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import RequestLimits
+from specstate.tools.generate.hf_config import read_vocabulary
 from specstate.tools.generate.kv_memory import check_kv_fits
 from specstate.tools.generate.options import DTYPES
 
@@ -49,13 +50,15 @@ def torch_dtype(name: str) -> torch.dtype | None:
 
 
 def checkpoint_limits(model: Path) -> RequestLimits:
-    """The `RequestLimits` of an HF Llama checkpoint: its vocabulary, context and EOS ids."""
-    from specstate.reference.checkpoint import read_model_config
+    """The `RequestLimits` of a Hugging Face checkpoint: its vocabulary, context and EOS ids.
 
-    config = read_model_config(model)
+    Read from ``config.json`` for any architecture (``max_position_embeddings``, or GPT-2's
+    ``n_positions``), so a ``--worker`` factory can use it for the model it runs.
+    """
+    config = read_vocabulary(model)
     return RequestLimits(
         vocab_size=config.vocab_size,
-        max_context_len=config.max_position_embeddings,
+        max_context_len=config.max_context_len,
         eos_token_ids=frozenset(config.eos_token_ids),
     )
 
@@ -72,7 +75,15 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
 
     if args.model is None:
         raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
-    read_model_config(args.model)  # a checkpoint the reference model cannot load fails first
+    try:  # a checkpoint the reference model cannot load fails first
+        read_model_config(args.model)
+    except InvalidConfig as exc:
+        if "model_type" not in str(exc):
+            raise
+        raise InvalidConfig(
+            f"{exc}. The reference workers run Llama checkpoints; drive another architecture "
+            "with --worker MODULE:FACTORY (a factory of your adapter)"
+        ) from None
     check_kv_fits(args)
     limits = checkpoint_limits(args.model)
     if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
