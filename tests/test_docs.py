@@ -2,11 +2,14 @@
 
 Each block runs on its own, in a fresh namespace and an empty working directory (so no block
 leans on a file lying around), with nothing but the installed package. Links inside the docs
-point at files that exist.
+point at files that exist. The API reference renders every helper the guides tell adapter
+authors to use, and no public signature shows a private default.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import re
 from pathlib import Path
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)#:]+)(?:#[^)]*)?\)")
 
@@ -53,6 +56,77 @@ def test_every_page_is_in_the_site_navigation() -> None:
     """mkdocs.yml lists every docs page (a page left out is built but unreachable)."""
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", nav, re.M))
-    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert pages - listed == set()
     assert listed - pages == set()
+
+
+ADAPTER_HELPERS = {
+    "TokenHistory",
+    "TokenSampler",
+    "TokenCounts",
+    "filtered_probs",
+    "verify_greedy_chain",
+    "verify_sampled_chain",
+    "verify_chain_targets",
+    "apply_logit_controls",
+    "seeded_uniforms",
+    "default_registry",
+    "checkpoint_limits",
+    "build_worker",
+    "register_metrics",
+    "TimedWaitWorker",
+    "TraceRecorder",
+    "check_worker",
+    "assert_worker_conforms",
+    "DeviceAudit",
+    "kv_tokens_for_budget",
+}
+"""Helpers docs/workers.md, example-adapter.md, cli.md, observability.md and gpu.md name."""
+DIRECTIVE = re.compile(r"^::: ([\w.]+)\n((?:    .*\n)*)", re.M)
+
+
+def _rendered_names() -> set[str]:
+    """The names the API pages' ``:::`` directives render: a module's ``__all__`` (or the
+    ``members`` it lists), or the one object named."""
+    names: set[str] = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        for path, options in DIRECTIVE.findall(page.read_text(encoding="utf-8")):
+            members = re.search(r"members: \[(.*?)\]", options)
+            try:
+                module = importlib.import_module(path)
+            except ModuleNotFoundError:
+                names.add(path.rsplit(".", 1)[1])
+                continue
+            if members is not None:
+                names |= {m.strip() for m in members.group(1).split(",")}
+            else:
+                names |= set(getattr(module, "__all__", ()))
+    return names
+
+
+def test_the_api_reference_renders_the_helpers_the_guides_name() -> None:
+    """Every helper the guides send adapter authors to has an entry in the API reference."""
+    assert ADAPTER_HELPERS - _rendered_names() == set()
+    for name in ADAPTER_HELPERS:
+        assert any(name in page.read_text(encoding="utf-8") for page in PAGES), name
+
+
+def test_no_public_signature_shows_a_private_default() -> None:
+    """A default like ``prompts=_PROMPTS`` is unreadable in the reference: public functions
+    and methods default to literals, public constants or None."""
+    found = []
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if node.name.startswith("_") and node.name != "__init__":
+                continue
+            defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d)]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {sub.id}"
+                for default in defaults
+                for sub in ast.walk(default)
+                if isinstance(sub, ast.Name) and sub.id.startswith("_")
+            ]
+    assert found == []

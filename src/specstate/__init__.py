@@ -10,17 +10,12 @@ Two layers:
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
   streaming (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
-  `RequestStream`), the worker interface (`WorkerProtocol`,
-  `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`, and for a hybrid
-  model `RecurrentStateSpec` and `RecurrentLayout`), and every error.
-  streaming (`stream`, `TokenEvent`), structured output (`Grammar`, `GrammarVocabulary`), the
-  worker interface (`WorkerProtocol`, `WorkerCapabilities`, `WorkerMemory`, `OnPublish`) and
-  the types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
-  `SamplingInfo`, `GrammarRows`, `RowMasks`), and every error.
-  streaming (`stream`, `TokenEvent`), the worker interface (`WorkerProtocol`,
-  `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`) and the types a worker sees
-  (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`, `SamplingInfo`), and every error.
+  `RequestStream`), structured output (`Grammar`, `GrammarVocabulary`), the worker interface
+  (`WorkerProtocol`, `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`), the
+  types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
+  `SamplingInfo`, `GrammarRows`, `RowMasks`, and for a hybrid model `RecurrentStateSpec` and
+  `RecurrentLayout`), KV memory planning (`kv_tokens_for_budget`, `kv_bytes_for_tokens`,
+  `kv_layouts`, `KvLayout`, `requests_that_fit`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -85,6 +80,13 @@ if TYPE_CHECKING:
     )
     from specstate.grammar.rows import GrammarRows, RowMasks
     from specstate.grammar.spec import Grammar, GrammarVocabulary
+    from specstate.memory.planning import (
+        KvLayout,
+        kv_bytes_for_tokens,
+        kv_layouts,
+        kv_tokens_for_budget,
+        requests_that_fit,
+    )
     from specstate.memory.prefix_cache import PrefixCacheSnapshot, PrefixSharing
     from specstate.memory.recurrent_layout import (
         RecurrentGroupSpec,
@@ -157,6 +159,11 @@ _EXPORTS: dict[str, str] = {
     "GrammarVocabulary": "specstate.grammar.spec",
     "PrefixCacheSnapshot": "specstate.memory.prefix_cache",
     "PrefixSharing": "specstate.memory.prefix_cache",
+    "KvLayout": "specstate.memory.planning",
+    "kv_bytes_for_tokens": "specstate.memory.planning",
+    "kv_layouts": "specstate.memory.planning",
+    "kv_tokens_for_budget": "specstate.memory.planning",
+    "requests_that_fit": "specstate.memory.planning",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
     "IsolationError": "specstate.relay.isolation",
@@ -194,6 +201,7 @@ __all__ = [
     "InvalidTransition",
     "InvariantViolation",
     "IsolationError",
+    "KvLayout",
     "KvPoolExhausted",
     "LedgerViolation",
     "OnPublish",
@@ -230,6 +238,10 @@ __all__ = [
     "WorkerResultError",
     "__version__",
     "check_engine",
+    "kv_bytes_for_tokens",
+    "kv_layouts",
+    "kv_tokens_for_budget",
+    "requests_that_fit",
     "stream",
 ]
 

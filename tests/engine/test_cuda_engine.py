@@ -27,7 +27,10 @@ from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import OnPublish
 from specstate.tools.timed_worker import TimedWaitWorker
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 NEW_TOKENS = 12
 

@@ -140,6 +140,26 @@ def test_generate_reports_a_bad_config_instead_of_looping(tmp_path: Path) -> Non
     assert "chunked_prefill must be None or an integer >= 1, got -1" in proc.stderr
 
 
+def test_a_worker_that_does_not_declare_sampling_is_greedy_only() -> None:
+    """supports_sampling is False unless declared (a forgotten flag cannot silently decode
+    sampled requests greedily); the refusal names the flag."""
+    assert WorkerCapabilities(algorithm="mine").supports_sampling is False
+
+    class _Undeclared(TimedWaitWorker):
+        @property
+        def capabilities(self) -> WorkerCapabilities:
+            return WorkerCapabilities.chain("mine", num_steps=3, keeps_draft_kv=True)
+
+    engine = Engine(
+        _Undeclared(device_seconds=0.0),
+        limits=RequestLimits(vocab_size=32, max_context_len=64),
+        config=EngineConfig(overlap=False, kv_tokens=256),
+    )
+    with pytest.raises(InvalidRequest, match="'mine' is greedy-only .*declare supports_sampling"):
+        engine.submit("s", [1, 2], SamplingParams(temperature=0.7))
+    engine.close()
+
+
 def test_a_greedy_only_worker_refuses_sampled_requests_at_submit() -> None:
     """supports_sampling=False: temperature > 0 is refused at submit, not at the forward."""
 

@@ -181,13 +181,21 @@ def test_the_trace_command_reads_a_recorded_file(
     _check_trace_events(events)
 
 
-def test_plot_draws_the_timeline_and_the_histogram(ckpt: SpecCheckpoints, tmp_path: Path) -> None:
-    """--plot writes a PNG (matplotlib is a test dependency)."""
+def test_plot_draws_the_timeline_and_the_histogram(
+    ckpt: SpecCheckpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot writes a PNG (matplotlib is a test dependency) and --perfetto its JSON; each
+    says on stderr which file it wrote."""
     _, trace, _ = _traced_run(ckpt, True)
-    path, png = tmp_path / "t.jsonl", tmp_path / "t.png"
+    path, png, timeline = tmp_path / "t.jsonl", tmp_path / "t.png", tmp_path / "t.json"
     trace.write_jsonl(path)
-    assert main(["trace", str(path), "--plot", str(png)]) == 0
+    capsys.readouterr()
+    assert main(["trace", str(path), "--plot", str(png), "--perfetto", str(timeline)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "traceEvents" in json.loads(timeline.read_text())
+    err = capsys.readouterr().err
+    assert f"specstate trace: wrote {png}\n" in err
+    assert f"specstate trace: wrote {timeline} (open it at ui.perfetto.dev)" in err
 
 
 def test_trace_check_replays_the_invariants_offline(

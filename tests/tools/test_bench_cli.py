@@ -268,3 +268,31 @@ def test_timed_wait_worker_rejects_bad_settings(
     """The shipped worker refuses a negative wait, no draft step, or an accept outside [1, D]."""
     with pytest.raises(InvalidConfig, match=match):
         TimedWaitWorker(device_seconds=seconds, num_steps=steps, accept=accept)
+
+
+@pytest.mark.parametrize("bench", ["host", "compare", "engine", "overlap"])
+def test_every_bench_option_shows_its_default(
+    bench: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--help of each bench shows the default of every option that has one, and a help line
+    for every option."""
+    import argparse
+
+    from specstate.tools.cli import _parser
+
+    parser = _parser("bench")
+    with pytest.raises(SystemExit):
+        main(["bench", bench, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    benches = next(
+        a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for action in benches.choices[bench]._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{bench} {action.dest} has no help"
+        if action.option_strings and action.default not in (None, False):
+            assert "(default: " in " ".join(action.help.split()) or (
+                f"(default: {action.default})" in shown
+            ), f"{bench} {action.option_strings[0]}: its default is not shown"

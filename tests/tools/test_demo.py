@@ -64,3 +64,17 @@ def test_demo_threads_reach_torch(capsys: pytest.CaptureFixture[str]) -> None:
     finally:
         torch.set_num_threads(before)
     assert "page size 16, 2 torch thread(s)," in capsys.readouterr().out
+
+
+def test_progress_waits_for_a_verify_and_the_sample_is_labelled(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No 'accept 0.00' while only prefills ran (it says '-' then), and the sample completion
+    says it comes from the tiny embedded model."""
+    argv = ["demo", "--algorithm", "ngram", "--requests", "8", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    progress = [line for line in out.splitlines() if "] step" in line]
+    assert progress and not any("accept 0.00" in line for line in progress)
+    assert any(line.endswith("accept -") for line in progress)
+    assert "sample completion by the embedded model (a 2.4M-parameter byte-level Llama" in out

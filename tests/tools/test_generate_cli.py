@@ -270,11 +270,48 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(
 
 
 def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    """--help of a command shows each option's default."""
+    """--help of a command shows each option's default, and says what --check-invariants does."""
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "KV token slots (default: 16384)" in out and "(default: float32)" in out
+    assert "--check-invariants check every engine invariant and counter owner after" in out
+
+
+def _gpt2_checkpoint(directory: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=500, n_embd=16, n_layer=1, n_head=2, n_positions=96)
+    config.bos_token_id = config.eos_token_id = 499
+    GPT2LMHeadModel(config).save_pretrained(directory)
+
+
+def test_a_non_llama_model_is_explained(
+    factories: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPT-2 --model: with --worker, checkpoint_limits reads it and a text line is refused
+    for its vocabulary (not its model_type); without --worker, the reference worker says it
+    runs Llama and points at --worker."""
+    from specstate.tools.generate import checkpoint_limits
+
+    _gpt2_checkpoint(tmp_path / "gpt2")
+    limits = checkpoint_limits(tmp_path / "gpt2")
+    assert (limits.vocab_size, limits.max_context_len, limits.eos_token_ids) == (
+        500,
+        96,
+        frozenset({499}),
+    )
+    capsys.readouterr()
+    requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "text": "hello"})
+    argv = ["generate", "--model", "gpt2", "--input", str(requests), "--output", "o.jsonl"]
+    assert main([*argv, "--worker", f"{factories}:make"]) == 2
+    err = capsys.readouterr().err
+    assert 'in.jsonl:1: "text" needs a byte-level model' in err and "vocab_size 500" in err
+    assert "model_type" not in err and len(err.strip().splitlines()) == 1
+    _write_lines(requests, {"id": "a", "input_ids": [1, 2]})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'gpt2'" in err and "drive another architecture with --worker MODULE:FACTORY" in err
 
 
 def _write_lines(path: Path, *rows: dict[str, object]) -> Path:

@@ -185,13 +185,18 @@ def test_output_ids_is_a_site_only_on_a_request() -> None:
     assert all("output_ids" in s.kind for s in sites)
 
 
-def test_allow_scopes_and_clean_code(tmp_path: Path) -> None:
-    """An allowed scope silences its sites; clean code exits 0; a missing path exits 2."""
+def test_allow_scopes_and_clean_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An allowed scope silences its sites; clean code exits 0 with one line saying how many
+    files were clean; a missing path exits 2."""
     (tmp_path / "adapter.py").write_text(ADAPTER)
+    (tmp_path / "other.py").write_text("x = 1\n")
     assert cli_main(["lint", str(tmp_path), "--allow", "MyWorker.*"]) == 0
+    assert capsys.readouterr().out == "2 files clean\n"
     (tmp_path / "adapter.py").write_text("def f(req):\n    return req.kv_committed_len\n")
     assert cli_main(["lint", str(tmp_path / "adapter.py")]) == 0
+    assert capsys.readouterr().out == "1 file clean\n"
     assert cli_main(["lint", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().out == ""
 
 
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:

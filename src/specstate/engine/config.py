@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import attrs
-import torch
 
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
+from specstate.engine.device_check import device_problems
 from specstate.engine.results import AcceptMetrics
 from specstate.memory.prefix_cache import PrefixCacheSnapshot
 
@@ -127,10 +127,7 @@ class EngineConfig:
             problems.append(
                 f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
             )
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError, ValueError):
-            problems.append(f"device {self.device!r} is not a torch device")
+        problems.extend(device_problems(self.device))
         if problems:
             raise InvalidConfig("EngineConfig: " + "; ".join(problems))
 

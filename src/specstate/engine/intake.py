@@ -37,7 +37,8 @@ def check_request(
     if sampling.temperature > 0 and not caps.supports_sampling:
         raise InvalidRequest(
             f"request {rid!r}: temperature {sampling.temperature} asks for sampling, "
-            f"but worker {caps.algorithm!r} is greedy-only (temperature 0)"
+            f"but worker {caps.algorithm!r} is greedy-only (its capabilities do not declare "
+            "supports_sampling)"
         )
     unsupported = unsupported_controls(sampling, caps)
     if unsupported:

@@ -68,9 +68,10 @@ OnPublish = Callable[[torch.Tensor], None]
 class WorkerCapabilities:
     """What a worker's algorithm needs from the scheduler; the memory sizing derives from it.
 
-    The ``supports_*`` flags of the sampling controls (docs/engine.md, "Sampling controls") are
-    False unless declared, and `Engine.submit` refuses a request that needs one the worker lacks
-    (stop sequences need nothing from a worker: the engine matches them).
+    ``supports_sampling`` and the ``supports_*`` flags of the sampling controls (docs/engine.md,
+    "Sampling controls") are False unless declared, and `Engine.submit` refuses a request that
+    needs one the worker lacks (stop sequences need nothing from a worker: the engine matches
+    them).
 
     Attributes:
         algorithm: registry name (``none``, ``draft_model``, ``eagle``, ``ngram``, ...).
@@ -80,8 +81,10 @@ class WorkerCapabilities:
         keeps_draft_kv: whether drafting writes KV into the request's reserved slots.
         supports_overlap: whether the worker may run under the overlap loop.
         supports_mixed_chunk: whether running requests may ride in a prefill batch.
-        supports_sampling: whether the worker samples (temperature > 0); a greedy-only
-            worker sets False, and the engine refuses a sampled request at `Engine.submit`.
+        supports_sampling: whether the worker samples (temperature > 0). False unless
+            declared, like every ``supports_*`` flag of a sampling capability: the engine then
+            refuses a sampled request at `Engine.submit` (a worker that forgot it would
+            otherwise decode sampled requests greedily without a word).
         supports_per_request_speculation: a row with ``SamplingParams(speculative=False)``
             accepts exactly one token per verify (its drafts ignored). Needed only by a
             speculative worker; the engine fails a batch whose such row accepted more.
@@ -117,7 +120,7 @@ class WorkerCapabilities:
     keeps_draft_kv: bool = False
     supports_overlap: bool = True
     supports_mixed_chunk: bool = True
-    supports_sampling: bool = True
+    supports_sampling: bool = False
     supports_per_request_speculation: bool = False
     supports_penalties: bool = False
     supports_min_new_tokens: bool = False

@@ -7,7 +7,6 @@ the overlap loop, page size 1 and 16, whole and chunked prefill, mixed chunks; o
 configuration runs under KV pressure (retraction) and aborts a request mid-flight. It returns a
 `ConformanceReport` whose findings each name the broken rule:
 
-==================  ===============================================================
 ``result``          a result that breaks the forward contract (dtypes, shapes, accept
                     lengths outside ``[1, max_accept]``, tokens outside the vocabulary,
                     a published frontier that is not ``seq_lens + accept_lens``)
@@ -24,6 +23,22 @@ configuration runs under KV pressure (retraction) and aborts a request mid-fligh
                     the committed state is not the checkpoint of the accepted run
                     (`specstate.testing.recurrent_conformance`)
 ==================  ===============================================================
+=======
+| rule | what broke |
+|---|---|
+| ``result`` | a result breaks the forward contract: dtypes, shapes, accept lengths, vocabulary |
+| ``relay`` | a forward read relayed state nobody wrote (no stash or publish), or published twice |
+| ``ownership`` | the worker wrote a counter it does not own |
+| ``isolation`` | the worker wrote a scheduler-owned tensor in place |
+| ``error`` | the worker raised anything else |
+| ``tokens`` | greedy tokens differ from the oracle's, or between configurations |
+| ``unfinished`` | a request did not end by length or stop |
+| ``recurrent`` | a worker's recurrent state is not the state after the accepted run |
+
+A ``result`` finding covers accept lengths outside ``[1, max_accept]``, tokens outside the
+vocabulary and a published frontier that is not ``seq_lens + accept_lens``; ``tokens`` compares
+with ``oracle(prompt, n)`` when one is given, and the same requests must emit the same tokens in
+every loop, page size and chunking.
 
 ``assert_worker_conforms`` raises `AssertionError` listing the findings (for pytest).
 """
@@ -42,7 +57,13 @@ from specstate.engine.worker import WorkerProtocol
 from specstate.relay.isolation import IsolationError
 from specstate.testing.recurrent_conformance import check_recurrent_state
 
-__all__ = ["ConformanceReport", "Finding", "assert_worker_conforms", "check_worker"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "ConformanceReport",
+    "Finding",
+    "assert_worker_conforms",
+    "check_worker",
+]
 
 _RULES = (
     (WorkerResultError, "result"),
@@ -86,12 +107,13 @@ class ConformanceReport:
         return "\n".join(str(f) for f in self.findings)
 
 
-_PROMPTS: tuple[tuple[int, ...], ...] = (
+DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
     (3, 14, 15, 92, 65, 35, 89),
     (79, 32),
     (38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93),
     (5, 5, 5, 5),
 )
+"""`check_worker`'s workload when none is given: four prompts of 2 to 15 ids, each below 94."""
 
 
 def _rule_of(detail: str) -> str:
@@ -110,7 +132,7 @@ def check_worker(
     factory: Callable[[], WorkerProtocol],
     *,
     vocab_size: int,
-    prompts: Sequence[Sequence[int]] = _PROMPTS,
+    prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     max_new_tokens: int = 12,
     oracle: Callable[[Sequence[int], int], Sequence[int]] | None = None,
 ) -> ConformanceReport:

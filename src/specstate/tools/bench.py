@@ -100,9 +100,12 @@ def _list_option(
     flag: str,
     parse: Callable[[str], Sequence[float]],
     default: Sequence[float],
+    what: str,
 ) -> None:
     shown = ",".join(f"{v:g}" for v in default)
-    parser.add_argument(flag, type=parse, default=default, metavar="LIST", help=f"default {shown}")
+    parser.add_argument(
+        flag, type=parse, default=default, metavar="LIST", help=f"{what} (default: {shown})"
+    )
 
 
 def _accept_rates(text: str) -> tuple[float, ...]:
@@ -133,7 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    host = benches.add_parser("host", help="Engine.step per decode round (peer format)")
+    shown = parser.formatter_class  # every bench's --help shows its defaults, as the command's
+    host = benches.add_parser(
+        "host", help="Engine.step per decode round (peer format)", formatter_class=shown
+    )
     workload = host.add_mutually_exclusive_group()
     workload.add_argument(
         "--churn",
@@ -146,8 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument(
         "--steady", dest="workload", action="store_const", const="steady", help="nobody finishes"
     )
-    _list_option(host, "--page-sizes", _positive_ints, (1, 16))
-    _list_option(host, "--batch-sizes", _positive_ints, _BATCH_SIZES)
+    _list_option(host, "--page-sizes", _positive_ints, (1, 16), "KV page sizes")
+    _list_option(host, "--batch-sizes", _positive_ints, _BATCH_SIZES, "batch sizes")
     host.add_argument("--iters", type=_count(1), default=300, help="timed rounds per run (300)")
     host.add_argument("--warmup", type=_count(0), default=20, help="untimed rounds per run (20)")
     host.add_argument("--repeats", type=_count(1), default=5, help="fresh runs per size (5)")
@@ -171,22 +177,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     host.add_argument("--json", action="store_true", help="print the JSON report, not a table")
     host.add_argument("--output", type=Path, metavar="FILE", help="also write the JSON report")
-    compare = benches.add_parser("compare", help="two host reports side by side")
-    compare.add_argument("ours", type=Path, metavar="OURS.json")
-    compare.add_argument("peer", type=Path, metavar="PEER.json")
+    compare = benches.add_parser(
+        "compare", help="two host reports side by side", formatter_class=shown
+    )
+    compare.add_argument("ours", type=Path, metavar="OURS.json", help="bench host --json report")
+    compare.add_argument("peer", type=Path, metavar="PEER.json", help="the peer's report")
     compare.add_argument("--json", action="store_true", help="print JSON, not a table")
-    engine = benches.add_parser("engine", help="Engine.step time per steady decode round")
-    _list_option(engine, "--batch-sizes", _positive_ints, _BATCH_SIZES)
+    engine = benches.add_parser(
+        "engine", help="Engine.step time per steady decode round", formatter_class=shown
+    )
+    _list_option(engine, "--batch-sizes", _positive_ints, _BATCH_SIZES, "batch sizes")
     engine.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per size")
-    engine.add_argument("--page-size", type=_count(1), default=16)
-    engine.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--page-size", type=_count(1), default=16, help="KV page size")
+    engine.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the overlap loop (--no-overlap: the normal loop)",
+    )
     _accept_option(engine)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
-    overlap = benches.add_parser("overlap", help="overlap efficiency against a timed device")
-    _list_option(overlap, "--device-ms", _milliseconds, (1.0, 2.0, 5.0, 10.0))
-    overlap.add_argument("--batch-size", type=_count(1), default=64)
+    overlap = benches.add_parser(
+        "overlap", help="overlap efficiency against a timed device", formatter_class=shown
+    )
+    _list_option(
+        overlap,
+        "--device-ms",
+        _milliseconds,
+        (1.0, 2.0, 5.0, 10.0),
+        "device milliseconds a forward",
+    )
+    overlap.add_argument("--batch-size", type=_count(1), default=64, help="requests decoding")
     overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
-    overlap.add_argument("--page-size", type=_count(1), default=16)
+    overlap.add_argument("--page-size", type=_count(1), default=16, help="KV page size")
     overlap.add_argument(
         "--device-model",
         choices=("async", "blocking"),
@@ -202,12 +225,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_recurrent.add_parser(benches)
     bench_grammar.add_arguments(benches)
     _add_prefix_arguments(benches)
+    for sub in benches.choices.values():  # the benches of other modules show defaults too
+        sub.formatter_class = shown
 
 
 def _add_prefix_arguments(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prefix = benches.add_parser("prefix", help="prefix cache work per round; hit rates (--hits)")
-    _list_option(prefix, "--page-sizes", _positive_ints, (1, 16))
-    _list_option(prefix, "--concurrency", _positive_ints, (16, 64, 256))
+    _list_option(prefix, "--page-sizes", _positive_ints, (1, 16), "KV page sizes")
+    _list_option(prefix, "--concurrency", _positive_ints, (16, 64, 256), "concurrent requests")
     prefix.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per run")
     prefix.add_argument("--warmup", type=_count(0), default=100, help="untimed rounds per run")
     prefix.add_argument("--repeats", type=_count(1), default=3, help="fresh runs per size")

@@ -54,7 +54,8 @@ class _ShowDefaults(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         shown = action.default not in (None, False, argparse.SUPPRESS)
-        if shown and action.option_strings and "%(default)" not in text:
+        said = "%(default)" in text or "(default" in text  # the help already says it
+        if shown and action.option_strings and not said:
             text += " (default: %(default)s)"
         return text
 

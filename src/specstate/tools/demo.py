@@ -10,6 +10,7 @@ asks for more (so the second turn shares long prefixes with the first). Three ru
 2. speculative, normal loop;
 3. speculative, overlap loop (the configuration being shown).
 
+``--device`` puts the engine and the models on a device (``cuda``; CPU by default).
 ``--threads N`` sets torch's intra-op threads (default 1: the model is tiny, and the host
 thread and the forward stream's thread then get a core each). The baseline and the first
 speculative run use the normal loop, where the forward runs on the main thread in torch's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,9 +31,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req, RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
+    from specstate.engine.engine import EngineConfig
+    from specstate.engine.results import AcceptMetrics
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
@@ -98,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (torch.set_num_threads); the normal-loop runs do the "
         "forward on the main thread, where more threads than free cores is much slower",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the engine's tensors and the models live: cpu, cuda, cuda:1, ... (a "
+        "device this machine lacks is refused at once)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-step progress")
     parser.add_argument(
         "--trace", type=Path, metavar="FILE", help="record the spec+overlap run (JSONL)"
@@ -127,6 +138,26 @@ def _worker(algorithm: str, num_steps: int) -> WorkerProtocol:
     return default_registry().create(algorithm, **options)
 
 
+def _accept(metrics: AcceptMetrics) -> str:
+    """Tokens per verify so far; ``-`` before the first verify (prefill only), not 0.00."""
+    return f"{metrics.mean_accept_length:.2f}" if metrics.num_verifies else "-"
+
+
+def _config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
+    """The engine configuration of one run; `InvalidConfig` for a device this machine lacks."""
+    from specstate.engine.engine import EngineConfig
+
+    return EngineConfig(
+        overlap=overlap,
+        page_size=args.page_size,
+        kv_tokens=32768,
+        chunked_prefill=64,
+        check_invariants=True,
+        check_ownership=True,
+        device=args.device,
+    )
+
+
 def _serve(
     label: str,
     worker: WorkerProtocol,
@@ -137,20 +168,13 @@ def _serve(
     progress: Callable[[str], None] | None,
     trace: TraceRecorder | None = None,
 ) -> _RunResult:
-    from specstate.engine.engine import Engine, EngineConfig
+    from specstate.engine.engine import Engine
     from specstate.reference import embedded
 
     limits = RequestLimits(
         vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
     )
-    config = EngineConfig(
-        overlap=overlap,
-        page_size=args.page_size,
-        kv_tokens=32768,
-        chunked_prefill=64,
-        check_invariants=True,
-        check_ownership=True,
-    )
+    config = _config(args, overlap=overlap)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     follow = embedded.encode(FOLLOW_UP)
     with Engine(worker, limits=limits, config=config, trace=trace) as engine:
@@ -172,7 +196,7 @@ def _serve(
                     snap = engine.snapshot()
                     progress(
                         f"  [{label}] step {steps:4d} | running {snap.num_running:2d} | "
-                        f"tokens {done:5d} | accept {snap.metrics.mean_accept_length:.2f}"
+                        f"tokens {done:5d} | accept {_accept(snap.metrics)}"
                     )
         seconds = time.perf_counter() - start
         snap = engine.snapshot()
@@ -197,6 +221,11 @@ def run(args: argparse.Namespace) -> int:
     from specstate.engine.trace import TraceRecorder
     from specstate.reference import embedded
 
+    try:
+        _config(args, overlap=True)  # a device this machine lacks fails before any model loads
+    except InvalidConfig as exc:
+        print(f"specstate demo: {exc}", file=sys.stderr)
+        return 2
     prompts = [
         [embedded.BOS_ID, *embedded.encode(PROMPTS[i % len(PROMPTS)])] for i in range(args.requests)
     ]
@@ -207,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         f"specstate demo: {len(prompts)} code prompts and their follow-ups x "
         f"{args.max_new_tokens} new tokens on the "
         f"embedded byte-level Llama, {args.algorithm} (K={args.num_steps}), page size "
-        f"{args.page_size}, {args.threads} torch thread(s), invariant checks after every step"
+        f"{args.page_size}, {args.threads} torch thread(s), on {args.device}, invariant checks "
+        "after every step"
     )
     base = _serve("baseline", _worker("none", 0), prompts, args, overlap=False, progress=progress)
     tracing = args.trace is not None or args.perfetto is not None
@@ -263,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
     say(f"lossless (all runs emit identical tokens): {'yes' if lossless else 'NO'}")
     say(f"invariants held after every step; KV fully released: {'yes' if clean else 'NO'}")
     say("")
-    say("sample completion:")
+    say(
+        "sample completion by the embedded model (a 2.4M-parameter byte-level Llama trained on "
+        "the standard library's sources for testing: code-shaped, not meant to be correct):"
+    )
     say(embedded.decode(prompts[0][1:]) + embedded.decode(both.outputs[0]))
     return 0 if lossless and clean else 1

@@ -454,7 +454,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print violations; 0 when none, 1 when any, 2 when a path is missing or unparsable.
+    """Print violations (or ``N files clean``); 0 when none, 1 when any, 2 when a path is
+    missing or unparsable.
 
     A file that cannot be parsed is reported and skipped; the others are still scanned.
     """
@@ -472,6 +473,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(found)} ownership violation(s)", file=sys.stderr)
     if errors:
         return 2
+    if not found:
+        count = sum(1 for _ in _python_files(args.paths))
+        print(f"{count} file{'' if count == 1 else 's'} clean")
     return 1 if found else 0
 
 

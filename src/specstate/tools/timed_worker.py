@@ -36,7 +36,6 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-import attrs
 import numpy as np
 import torch
 
@@ -117,10 +116,16 @@ class TimedWaitWorker:
     def capabilities(self) -> WorkerCapabilities:
         """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap.
 
+        It declares ``supports_sampling``: its tokens are a constant whatever a request asks,
+        and taking sampled requests lets a benchmark measure the host path of a sampled batch.
         It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`).
         """
-        return attrs.evolve(
-            WorkerCapabilities.chain("timed_wait", num_steps=self._num_steps, keeps_draft_kv=True),
+        return WorkerCapabilities(
+            algorithm="timed_wait",
+            num_steps=self._num_steps,
+            num_draft_tokens=self._num_steps + 1,
+            keeps_draft_kv=True,
+            supports_sampling=True,
             prefix_sharing=PrefixSharing.TOKEN,
         )
 

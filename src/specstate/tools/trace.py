@@ -322,6 +322,9 @@ def run(args: argparse.Namespace) -> int:
     if args.perfetto is not None:
         events = chrome_events(records, name=str(args.file.name))
         args.perfetto.write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
+        print(
+            f"specstate trace: wrote {args.perfetto} (open it at ui.perfetto.dev)", file=sys.stderr
+        )
     if args.plot is not None:
         try:
             plot(records, args.plot)
@@ -331,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        print(f"specstate trace: wrote {args.plot}", file=sys.stderr)
     if args.request is not None:
         return _print_request(records, args.request)
     if args.check:

@@ -1,7 +1,7 @@
 """The embedded default models: the owner of the checkpoints shipped inside the package.
 
 Three byte-level checkpoints trained by ``scripts/train_embedded.py`` on the standard library's
-own Python sources, so ``specstate demo`` runs with no download::
+own Python sources, so ``specstate demo`` runs with no download:
 
     target/   Llama (config.json + model.safetensors)       load_paged_llama / transformers
     draft/    1-layer Llama, same vocabulary                 load_paged_llama / transformers

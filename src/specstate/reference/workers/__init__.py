@@ -1,13 +1,12 @@
 """Reference workers: `WorkerProtocol` on the paged Llama, one per speculative algorithm.
 
-`default_registry` registers a factory per algorithm; each takes keyword options only::
+`default_registry` registers a factory per algorithm; each takes keyword options only:
 
     registry = default_registry()
     worker = registry.create("draft_model", target="ckpt/target", draft="ckpt/draft", num_steps=3)
     worker.attach(memory)            # builds the models with memory.num_token_slots KV slots
     result = worker.forward_batch_generation(batch, on_publish=publish)
 
-=============  ==========================================================================
 ``none``       `PlainWorker`: ``target``, ``device``, ``dtype``, ``seed``
 ``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``topk``,
                ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
@@ -16,6 +15,15 @@
 ``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
                ``seed``, ``draft_without_match``
 =============  ==========================================================================
+=======
+Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
+
+| name | class | options |
+|---|---|---|
+| ``none`` | `PlainWorker` | none |
+| ``draft_model`` | `DraftModelWorker` | ``draft``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
+| ``eagle`` | `EagleWorker` | ``eagle``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
+| ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
 verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest

@@ -83,9 +83,10 @@ class VerifiedRound:
 
 
 def with_sampling_controls(capabilities: WorkerCapabilities) -> WorkerCapabilities:
-    """``capabilities`` declaring every sampling control a reference round implements."""
+    """``capabilities`` declaring sampling and every control a reference round implements."""
     return attrs.evolve(
         capabilities,
+        supports_sampling=True,
         supports_per_request_speculation=True,
         supports_penalties=True,
         supports_min_new_tokens=True,

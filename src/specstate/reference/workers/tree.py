@@ -196,7 +196,8 @@ def tree_capabilities(
                 f"{algorithm} chain (topk 1) of {num_steps} steps verifies num_draft_tokens = "
                 f"{num_steps + 1}, got {num_draft_tokens}"
             )
-        return WorkerCapabilities.chain(algorithm, num_steps=num_steps, keeps_draft_kv=True)
+        chain = WorkerCapabilities.chain(algorithm, num_steps=num_steps, keeps_draft_kv=True)
+        return attrs.evolve(chain, supports_sampling=True)  # the chain round samples
     nodes = num_steps * topk + 1 if num_draft_tokens is None else num_draft_tokens
     shape = TreeShape(num_steps=num_steps, topk=topk, num_draft_tokens=nodes)
     return with_sampling_controls(
@@ -206,7 +207,6 @@ def tree_capabilities(
             topk=shape.topk,
             num_draft_tokens=shape.num_draft_tokens,
             keeps_draft_kv=True,
-            supports_sampling=True,
         )
     )
 

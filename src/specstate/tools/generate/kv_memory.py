@@ -1,0 +1,131 @@
+"""The KV pool of a ``generate`` run: ``--kv-tokens``, or sized by a memory budget.
+
+``--kv-memory 2GiB`` buys the most token slots whose KV caches fit in 2 GiB, and
+``--kv-fraction 0.5`` half of the memory free on ``--device`` (on a GPU what
+``torch.cuda.mem_get_info`` reports free; on the CPU what the OS reports available,
+``MemAvailable``), by `specstate.memory.planning`: bytes a token from the checkpoints'
+``config.json`` (the target and, for ``draft_model`` / ``eagle``, the drafter's cache), in the
+run's ``--dtype``. Either sets ``args.kv_tokens`` before the engine config is made, so a
+``--worker`` factory sees the number too. Whatever sets it, a pool whose caches cannot fit in
+the free memory is refused before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Final
+
+from specstate.core.errors import InvalidConfig
+from specstate.tools.generate.options import DTYPES
+
+if TYPE_CHECKING:
+    from specstate.memory.planning import KvLayout
+
+__all__ = ["DEFAULT_KV_TOKENS", "check_kv_fits", "free_memory", "resolve_kv_tokens"]
+
+DEFAULT_KV_TOKENS: Final = 16384
+"""``--kv-tokens`` when neither it nor ``--kv-memory`` / ``--kv-fraction`` is given."""
+
+
+def resolve_kv_tokens(args: argparse.Namespace) -> str | None:
+    """Set ``args.kv_tokens``; for a budget, one line saying what it bought (else None).
+
+    Raises:
+        InvalidConfig: a budget without ``--model`` to size a token by, a budget under two
+            pages, or ``--kv-fraction`` where the free memory is unknown.
+    """
+    if args.kv_memory is None and args.kv_fraction is None:
+        if args.kv_tokens is None:
+            args.kv_tokens = DEFAULT_KV_TOKENS
+        return None
+    from specstate.memory.planning import format_bytes, kv_bytes_for_tokens, kv_tokens_for_budget
+
+    flag = "--kv-memory" if args.kv_memory is not None else "--kv-fraction"
+    if args.model is None:
+        raise InvalidConfig(f"{flag} needs --model DIR: its config.json sizes a KV token")
+    layouts = _layouts(args, reference=args.worker is None)
+    if args.kv_memory is not None:
+        budget, what = args.kv_memory, f"--kv-memory {format_bytes(args.kv_memory)}"
+    else:
+        free = free_memory(args.device)
+        if free is None:
+            raise InvalidConfig(f"--kv-fraction: the free memory of {args.device} is unknown")
+        budget = int(args.kv_fraction * free)
+        what = f"--kv-fraction {args.kv_fraction:g} of {format_bytes(free)} free on {args.device}"
+    try:
+        args.kv_tokens = kv_tokens_for_budget(budget, layouts, page_size=args.page_size)
+    except InvalidConfig as exc:
+        raise InvalidConfig(f"{what}: {exc}") from None
+    need = kv_bytes_for_tokens(args.kv_tokens, layouts, page_size=args.page_size)
+    return (
+        f"{what}: --kv-tokens {args.kv_tokens}, {format_bytes(need)} of KV cache at "
+        f"{_describe(layouts)}"
+    )
+
+
+def check_kv_fits(args: argparse.Namespace) -> None:
+    """Refuse a pool whose KV caches cannot fit in the free memory, before allocating it.
+
+    Counts the caches of the reference worker ``args`` names (`kv_layouts`), on ``--device``.
+    """
+    from specstate.memory.planning import kv_bytes_for_tokens
+
+    kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
+    device = getattr(args, "device", "cpu")  # a Namespace a factory built by hand may lack it
+    layouts = _layouts(args, reference=True)
+    need = kv_bytes_for_tokens(kv_tokens, layouts, page_size=getattr(args, "page_size", 1))
+    available = free_memory(device)
+    if available is not None and need > available:
+        per_token = sum(layout.bytes_per_token for layout in layouts)
+        raise InvalidConfig(
+            f"--kv-tokens {kv_tokens}: the KV cache needs {need / 2**30:.1f} GiB "
+            f"({per_token} bytes a token) but {available / 2**30:.1f} GiB of memory is "
+            f"available on {device}; lower --kv-tokens (or size it with --kv-memory)"
+        )
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on ``device``: CUDA's free memory, or on the CPU the OS's ``MemAvailable``."""
+    import torch
+
+    parsed = torch.device(device)
+    if parsed.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(parsed)
+        return int(free)
+    if parsed.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ...]:
+    """The caches of the run's worker: the target's and, for the reference drafters, theirs.
+
+    A ``--worker`` factory's own drafter is unknown here (``reference`` False): only
+    ``--model`` is counted.
+    """
+    import torch
+
+    from specstate.memory.planning import kv_layouts
+
+    draft = args.draft if reference and args.algorithm == "draft_model" else None
+    eagle = args.draft if reference and args.algorithm == "eagle" else None
+    dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
+    return kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+
+
+def _describe(layouts: tuple[KvLayout, ...]) -> str:
+    """``N bytes a token (target 2 x 4 layers x 2 heads x 64 x 4 B + eagle ...)``."""
+    total = sum(layout.bytes_per_token for layout in layouts)
+    parts = " + ".join(
+        f"{layout.name} 2x{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}x"
+        f"{layout.dtype_bytes} B"
+        for layout in layouts
+    )
+    return f"{total} bytes a token ({parts})"
