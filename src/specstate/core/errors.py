@@ -21,8 +21,11 @@ An operation that raises leaves the state it was asked to change exactly as it w
     ├── RelayError              FutureMap misuse: consume-once violation, unresolved read
     ├── WorkerResultError       a worker result that breaks the forward contract (its batch fails)
     ├── ForwardTimeout          a forward that did not finish within ``forward_timeout_s``
-    └── UsageError              an engine used against its contract: after close, from a second
-                                thread
+    ├── UsageError              an engine used against its contract: after close, from a second
+    │                           thread
+    └── RankError               the ranks of a tensor-parallel group stopped agreeing
+        ├── RankDivergence      two ranks planned or settled a round differently (checking mode)
+        └── RankFailure         a rank failed, died or wedged; its batch fails on every rank
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ __all__ = [
     "KvPoolExhausted",
     "LedgerViolation",
     "OwnershipError",
+    "RankDivergence",
+    "RankError",
+    "RankFailure",
     "RelayError",
     "ReservationExceeded",
     "SpecStateError",
@@ -99,3 +105,15 @@ class ForwardTimeout(SpecStateError):
 
 class UsageError(SpecStateError):
     """An engine was used against its contract (after `close`, or from a second thread)."""
+
+
+class RankError(SpecStateError):
+    """The ranks of a tensor-parallel group stopped agreeing (`specstate.distributed`)."""
+
+
+class RankDivergence(RankError):
+    """Two ranks planned or settled a round differently; the group cannot go on."""
+
+
+class RankFailure(RankError):
+    """A rank's batch failed, or a rank died or wedged (a collective failed or timed out)."""

@@ -47,6 +47,7 @@ from specstate.memory.sizing import SpecWindow
 __all__ = [
     "AlgorithmRegistry",
     "OnPublish",
+    "ParallelGroup",
     "WorkerCapabilities",
     "WorkerFactory",
     "WorkerMemory",
@@ -139,6 +140,34 @@ class WorkerCapabilities:
         )
 
 
+@runtime_checkable
+class ParallelGroup(Protocol):
+    """The tensor-parallel group one rank's worker computes in (`WorkerMemory.parallel`).
+
+    Every rank of the group calls each collective in the same order (one thread per rank
+    calls them: the forward's). A collective that fails or times out raises `RankFailure`, and
+    every later one raises it at once: the group cannot recover (docs/scale-out.md).
+    """
+
+    @property
+    def rank(self) -> int:
+        """This rank, ``0 .. world_size - 1``; rank 0 is where host decisions are made."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks share the model."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the ranks: a new tensor, bit for bit equal on every rank."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (same shape and dtype everywhere; a new tensor)."""
+        ...
+
+
 @attrs.frozen(kw_only=True)
 class WorkerMemory:
     """What the engine hands a worker once: read access to the slot table and the ledger.
@@ -150,12 +179,16 @@ class WorkerMemory:
         num_token_slots: KV token slots per layer the worker's caches must hold (slot 0 is
             the padding slot).
         device: where the engine's tensors live.
+        parallel: the tensor-parallel group of this rank (`specstate.distributed`), or None
+            when one worker runs the whole model. A worker shards its model over it and makes
+            every host decision from rank 0's (docs/scale-out.md).
     """
 
     req_to_token: torch.Tensor
     ledger: WorkerLedgerView
     num_token_slots: int
     device: torch.device
+    parallel: ParallelGroup | None = None
 
 
 @runtime_checkable

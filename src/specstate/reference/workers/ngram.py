@@ -26,7 +26,7 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
-from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.engine.worker import ParallelGroup, WorkerCapabilities, WorkerMemory
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -130,6 +130,7 @@ class NgramWorker(ChainRoundWorker):
         super().__init__(runner, capabilities, seed=seed)
         self._max_ngram = max_ngram
         self._history: TokenHistory | None = None
+        self._parallel: ParallelGroup | None = None
 
     @property
     def history(self) -> TokenHistory:
@@ -142,6 +143,7 @@ class NgramWorker(ChainRoundWorker):
         num_rows, row_width = memory.req_to_token.shape
         device = self._target.device_for(memory)
         self._history = TokenHistory(num_rows, row_width, device=device)
+        self._parallel = memory.parallel
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention = out.attention
@@ -157,6 +159,8 @@ class NgramWorker(ChainRoundWorker):
             num_tokens=batch.draft_steps(self.capabilities.num_steps),
             max_ngram=self._max_ngram,
         )
+        if self._parallel is not None:  # a host decision: made once, on rank 0
+            drafts = self._parallel.broadcast(drafts)
         return DraftChain(tokens=drafts)
 
     def _commit_round(self, verified: VerifiedRound) -> RelayPayload:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -23,6 +24,10 @@ import torch
 from specstate.core.errors import InvalidConfig
 from specstate.reference.checkpoint import CONFIG_FILE, load_paged_llama, read_model_config
 from specstate.reference.model import ModelConfig, PagedLlama
+from specstate.reference.tensor_parallel import shard_state
+
+if TYPE_CHECKING:
+    from specstate.engine.worker import ParallelGroup
 
 __all__ = [
     "ModelSource",
@@ -71,15 +76,26 @@ def build_model(
     num_token_slots: int,
     device: torch.device | str,
     dtype: torch.dtype | None = None,
+    parallel: ParallelGroup | None = None,
 ) -> PagedLlama:
     """A `PagedLlama` of ``source`` whose own KV cache holds ``num_token_slots`` slots.
 
+    With ``parallel``, this rank's tensor-parallel shard of it.
+
     Raises:
-        InvalidConfig: the checkpoint cannot be loaded (see `load_paged_llama`).
+        InvalidConfig: the checkpoint cannot be loaded (see `load_paged_llama`), or an
+            in-memory source is itself a shard.
     """
     if not isinstance(source, PagedLlama):
-        return load_paged_llama(source, num_token_slots=num_token_slots, device=device, dtype=dtype)
+        return load_paged_llama(
+            source, num_token_slots=num_token_slots, device=device, dtype=dtype, parallel=parallel
+        )
+    if source.parallel is not None and source.parallel.world_size > 1:
+        raise InvalidConfig(f"{source_label(source)} is a tensor-parallel shard, not a model")
     config = read_source_config(source, dtype=dtype)
-    model = PagedLlama(config, num_token_slots=num_token_slots, device=device)
-    model.load_state_dict(source.state_dict(), strict=True)
+    state = source.state_dict()
+    if parallel is not None:
+        state = shard_state(state, config, rank=parallel.rank, world_size=parallel.world_size)
+    model = PagedLlama(config, num_token_slots=num_token_slots, device=device, parallel=parallel)
+    model.load_state_dict(state, strict=True)
     return model

@@ -147,6 +147,7 @@ class TargetRunner:
             num_token_slots=memory.num_token_slots,
             device=self.device_for(memory),
             dtype=self._dtype,
+            parallel=memory.parallel,
         )
         self._memory = memory
         self._history = torch.zeros(
