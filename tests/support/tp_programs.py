@@ -6,14 +6,25 @@ the test in the parent; one spawn runs a whole matrix, because starting a rank c
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
+import attrs
 import torch
 
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
+from specstate.core.request import RequestLimits, SamplingParams
+from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
+from specstate.engine.config import EngineConfig
+from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.model import AttentionBatch, TreeAttentionBatch, TreeMask
+from specstate.reference.workers import default_registry
 from specstate.reference.workers.sources import build_model
 
 NUM_SLOTS = 256
@@ -119,3 +130,176 @@ def sharded_forwards(group: RankGroup, checkpoint: str) -> dict[str, object]:
         "q_rows": sharded.state_dict()["layers.0.self_attn.q_proj.weight"].shape[0],
         "refusals": refusals,
     }
+
+
+# ------------------------------------------------------------------- serving
+LIMITS_VOCAB = 97
+
+
+class FaultyWorker:
+    """A worker that misbehaves at its first decode round, on the ranks told to.
+
+    ``fault``: ``raise`` (a RuntimeError before the forward), ``sleep`` (``seconds`` before it),
+    ``die`` (the process exits), ``perturb`` (the first row accepts one token fewer than it
+    did, consistently: frontier and publish follow), or None (a plain pass-through).
+    """
+
+    def __init__(self, inner: WorkerProtocol, fault: str | None, *, seconds: float = 0.0) -> None:
+        self._inner = inner
+        self._fault = fault
+        self._seconds = seconds
+        self._fired = False
+
+    @property
+    def capabilities(self) -> WorkerCapabilities:
+        """The inner worker's."""
+        return self._inner.capabilities
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Attach the inner worker."""
+        self._inner.attach(memory)
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """The inner forward, with the fault at the first decode round."""
+        fault = self._fault
+        if fault is None or self._fired or batch.forward_mode is not ForwardMode.DECODE:
+            return self._inner.forward_batch_generation(batch, on_publish=on_publish)
+        self._fired = True
+        if fault == "raise":
+            raise RuntimeError("injected worker fault")
+        if fault == "sleep":
+            time.sleep(self._seconds)
+        if fault == "die":
+            os._exit(3)
+        if fault != "perturb":
+            return self._inner.forward_batch_generation(batch, on_publish=on_publish)
+        result = self._inner.forward_batch_generation(batch, on_publish=None)
+        accept = result.accept_lens.clone()
+        accept[0] = torch.clamp(accept[0] - 1, min=1)
+        assert result.new_seq_lens is not None
+        frontier = result.new_seq_lens - (result.accept_lens - accept)
+        if on_publish is not None:
+            on_publish(frontier)
+        return attrs.evolve(result, accept_lens=accept, new_seq_lens=frontier)
+
+
+def reference_worker(ckpt: dict[str, str], algorithm: str, **options: object) -> WorkerProtocol:
+    """A reference worker on the test checkpoints (``ckpt``: target, draft, eagle paths)."""
+    opts: dict[str, object] = {"target": ckpt["target"], **options}
+    if algorithm in ("draft_model", "eagle", "ngram"):
+        opts.setdefault("num_steps", 3)
+    if algorithm == "draft_model":
+        opts.setdefault("draft", ckpt["draft"])
+    if algorithm == "eagle":
+        opts["eagle"] = ckpt["eagle"]
+    return default_registry().create(algorithm, **opts)
+
+
+def serve(
+    group: RankGroup,
+    worker: WorkerProtocol,
+    config: EngineConfig,
+    requests: list[tuple[str, tuple[int, ...], SamplingParams]],
+    *,
+    check: bool = True,
+    aborts: tuple[tuple[int, str], ...] = (),
+) -> dict[str, object]:
+    """Serve ``requests`` on every rank (rank 0 leads); what each request did, and any error.
+
+    ``aborts``: ``(step, request id)`` pairs rank 0 aborts before that step.
+    """
+    started = time.monotonic()
+    error: tuple[str, str] | None = None
+    retracted = steps = 0
+    limits = RequestLimits(vocab_size=LIMITS_VOCAB, max_context_len=256)
+    outputs: dict[str, tuple[tuple[int, ...], str | None, str, tuple[int, ...]]] = {}
+    with DistributedEngine(
+        worker, group=group, limits=limits, config=config, check_agreement=check
+    ) as engine:
+        try:
+            if engine.is_leader:
+                for rid, prompt, sampling in requests:
+                    engine.submit(rid, prompt, sampling)
+                pending = dict(aborts)
+                while not engine.is_idle:
+                    if steps in pending:
+                        engine.abort(pending[steps])
+                    report = engine.step()
+                    retracted += len(report.retracted)
+                    steps += 1
+            else:
+                steps = engine.follow()
+        except Exception as exc:
+            error = (type(exc).__name__, str(exc))
+        for rid, _, _ in requests:
+            req = engine.request(rid)
+            finish = req.finish
+            outputs[rid] = (
+                req.emitted_ids,
+                None if finish is None else finish.reason.value,
+                "" if finish is None else finish.detail,
+                req.accept_lengths,
+            )
+        checked = engine.agreement.num_checked
+    return {
+        "outputs": outputs,
+        "error": error,
+        "seconds": time.monotonic() - started,
+        "retracted": retracted,
+        "steps": steps,
+        "checked": checked,
+    }
+
+
+def greedy_requests(
+    prompts: list[tuple[int, ...]], n: int
+) -> list[tuple[str, tuple[int, ...], SamplingParams]]:
+    """Greedy requests ``r0, r1, ...`` of ``n`` new tokens."""
+    return [(f"r{i}", p, SamplingParams(max_new_tokens=n)) for i, p in enumerate(prompts)]
+
+
+PROMPTS = [(3, 14, 15, 92, 65, 35, 89), (79, 32), (38, 46, 26, 43, 38, 32, 79, 50, 28, 84)]
+"""A small workload for the failure tests."""
+
+
+def agreement_faults(group: RankGroup, ckpt: dict[str, str]) -> dict[str, object]:
+    """The recoverable and the detected faults, in one spawn (the group survives each).
+
+    ``result``: rank 1 perturbs an accept length; ``plan``: rank 1 admits fewer requests;
+    ``both_raise``: every rank's worker raises at the same round (the batch fails, serving
+    goes on); ``after``: a workload served after all three.
+    """
+    config = EngineConfig(
+        overlap=False, kv_tokens=1024, check_invariants=True, check_ownership=True
+    )
+    agreeing = {"draft": ckpt["target"]}  # a drafter equal to the target: every draft accepted
+    out: dict[str, object] = {}
+    fault = "perturb" if group.rank == 1 else None
+    worker: WorkerProtocol = FaultyWorker(reference_worker(ckpt, "draft_model", **agreeing), fault)
+    out["result"] = serve(group, worker, config, greedy_requests(PROMPTS, 8))
+    plan_config = attrs.evolve(config, max_running=4 if group.rank == 0 else 1)
+    worker = reference_worker(ckpt, "draft_model", **agreeing)
+    out["plan"] = serve(group, worker, plan_config, greedy_requests(PROMPTS, 8))
+    worker = FaultyWorker(reference_worker(ckpt, "ngram"), "raise")
+    out["both_raise"] = serve(group, worker, config, greedy_requests(PROMPTS, 8))
+    out["after"] = serve(
+        group, reference_worker(ckpt, "ngram"), config, greedy_requests(PROMPTS, 8)
+    )
+    return out
+
+
+def fatal_fault(
+    group: RankGroup, ckpt: dict[str, str], fault: str, overlap: bool
+) -> dict[str, object]:
+    """Rank 1's worker raises, sleeps past the timeouts, or dies at the first decode round."""
+    config = EngineConfig(
+        overlap=overlap, kv_tokens=1024, check_invariants=True, check_ownership=True
+    )
+    worker = FaultyWorker(
+        reference_worker(ckpt, "ngram"),
+        fault if group.rank == 1 else None,
+        seconds=2.5 * group.timeout_s,
+    )
+    return serve(group, worker, config, greedy_requests(PROMPTS, 8))

@@ -1,16 +1,20 @@
-"""One rank's membership of a tensor-parallel group: its rank and the two groups it talks on.
+"""One rank's membership of a tensor-parallel group: its rank and the groups it talks on.
 
-`RankGroup` owns both process groups of one rank (``torch.distributed``)::
+`RankGroup` owns the process groups of one rank (``torch.distributed``)::
 
     worker group    the model's collectives: the all-reduce after each row-parallel layer, the
                     broadcast of rank 0's seed and n-gram drafts. Called by the forward (the
                     forward stream's thread under overlap). NCCL on CUDA, gloo on a CPU.
-    control group   the engine's host decisions: each step's commands, the adaptive draft
-                    width, the agreement on every round. Called by the thread that drives the
-                    engine. Always gloo, on host tensors.
+    control group   the engine's host decisions inside a step: the adaptive draft width and the
+                    agreement on every round. Called by the thread that drives the engine.
+                    Always gloo, on host tensors.
+    command group   rank 0's commands of each step (submits, aborts, step, close), from the
+                    same thread. Gloo, with the idle timeout: a follower waits there while the
+                    leader has nothing to do.
 
-Two groups, because under overlap two threads issue collectives at the same time, and the ranks
-of one group must issue its collectives in one order.
+Separate groups, because under overlap two threads issue collectives at the same time (the ranks
+of one group must issue its collectives in one order), and because waiting for work and waiting
+for a peer inside a round deserve different timeouts.
 
 Failure: a collective that raises (a peer closed its connection, or nothing came within the
 group's timeout) leaves its group unusable (gloo closes the connections on a timeout). The group
@@ -40,6 +44,7 @@ from specstate.core.errors import InvalidConfig, RankFailure
 __all__ = ["ControlGroup", "RankGroup", "WorkerGroup"]
 
 _DEFAULT_TIMEOUT_S: Final = 60.0
+_DEFAULT_IDLE_TIMEOUT_S: Final = 3600.0
 
 
 class _Collectives:
@@ -50,7 +55,6 @@ class _Collectives:
         self._group = group
         self._rank = rank
         self._size = size
-        self._src = 0 if group is None else dist.get_global_rank(group, 0)
         self.failure: RankFailure | None = None
 
     @property
@@ -83,9 +87,9 @@ class _Collectives:
         self._call("all_gather", lambda: dist.all_gather(parts, tensor, group=self._group))
         return parts
 
-    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         buf = tensor.contiguous().clone()
-        self._call("broadcast", lambda: dist.broadcast(buf, src=self._src, group=self._group))
+        self._call("broadcast", lambda: dist.broadcast(buf, group=self._group, group_src=src))
         return buf
 
 
@@ -122,14 +126,14 @@ class ControlGroup(_Collectives):
         got = self._broadcast(torch.tensor(list(values), dtype=torch.int64))
         return tuple(int(v) for v in got.tolist())
 
-    def broadcast_bytes(self, payload: bytes, size: int) -> bytes:
-        """Rank 0's ``payload`` of ``size`` bytes (every rank learned ``size`` before)."""
+    def broadcast_bytes_from(self, src: int, payload: bytes, size: int) -> bytes:
+        """Rank ``src``'s ``payload`` of ``size`` bytes (every rank learned ``size`` before)."""
         if self._size == 1 or size == 0:
             return payload
         buf = torch.zeros(size, dtype=torch.uint8)
-        if self._rank == 0:
+        if self._rank == src:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return self._broadcast(buf).numpy().tobytes()
+        return self._broadcast(buf, src).numpy().tobytes()
 
     def all_gather_ints(self, values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``[world_size, k]``: row ``r`` is rank ``r``'s ``values`` (``[k]`` on every rank)."""
@@ -151,24 +155,32 @@ class RankGroup:
         world_size: ranks in the group.
         device: where the worker's tensors live (``cuda:<local rank>`` for NCCL).
         timeout_s: the worker group's collective timeout; the control group's is twice it.
+        idle_timeout_s: the command group's: how long a follower waits for rank 0's next step.
     """
 
     def __init__(
-        self, *, rank: int, world_size: int, device: torch.device, timeout_s: float
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout_s = timeout_s
-        worker_group = None
-        control_group = None
+        groups: list[dist.ProcessGroup | None] = [None, None, None]
         if world_size > 1:
-            worker_group = dist.group.WORLD
-            control_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s)
-            )
-        self.worker = WorkerGroup("worker", worker_group, rank, world_size)
-        self.control = ControlGroup("control", control_group, rank, world_size)
+            groups = [
+                dist.group.WORLD,
+                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s)),
+                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s)),
+            ]
+        self.worker = WorkerGroup("worker", groups[0], rank, world_size)
+        self.control = ControlGroup("control", groups[1], rank, world_size)
+        self.commands = ControlGroup("command", groups[2], rank, world_size)
         self._closed = False
 
     @classmethod
@@ -180,15 +192,17 @@ class RankGroup:
         init_method: str = "env://",
         device: str | torch.device = "cpu",
         timeout_s: float = _DEFAULT_TIMEOUT_S,
+        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
     ) -> RankGroup:
         """Join the group (``torch.distributed.init_process_group``); every rank calls it.
 
         Raises:
             InvalidConfig: a bad rank, world size or timeout, or a process group exists already.
         """
-        if not 0 <= rank < world_size or not timeout_s > 0:
+        if not 0 <= rank < world_size or not timeout_s > 0 or not idle_timeout_s > 0:
             raise InvalidConfig(
-                f"RankGroup: rank {rank} of world size {world_size}, timeout {timeout_s} s"
+                f"RankGroup: rank {rank} of world size {world_size}, timeout {timeout_s} s, "
+                f"idle timeout {idle_timeout_s} s"
             )
         if dist.is_initialized():
             raise InvalidConfig("RankGroup: this process already joined a process group")
@@ -204,11 +218,21 @@ class RankGroup:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        return cls(rank=rank, world_size=world_size, device=where, timeout_s=timeout_s)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            device=where,
+            timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s,
+        )
 
     @classmethod
     def from_env(
-        cls, *, device: str | None = None, timeout_s: float = _DEFAULT_TIMEOUT_S
+        cls,
+        *,
+        device: str | None = None,
+        timeout_s: float = _DEFAULT_TIMEOUT_S,
+        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
     ) -> RankGroup:
         """Join from ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...).
 
@@ -224,7 +248,13 @@ class RankGroup:
             raise InvalidConfig(f"RankGroup.from_env: no torchrun environment ({exc})") from None
         if device is None:
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-        return cls.init(rank=rank, world_size=world_size, device=device, timeout_s=timeout_s)
+        return cls.init(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s,
+        )
 
     @property
     def is_leader(self) -> bool:
@@ -233,8 +263,8 @@ class RankGroup:
 
     @property
     def failure(self) -> RankFailure | None:
-        """The first collective failure of either group, or None."""
-        return self.worker.failure or self.control.failure
+        """The first collective failure of any of the groups, or None."""
+        return self.worker.failure or self.control.failure or self.commands.failure
 
     def close(self) -> None:
         """Leave the group; idempotent. After a failure the groups are only dropped."""

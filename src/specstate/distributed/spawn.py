@@ -174,24 +174,31 @@ def spawn_ranks(
             traceback=trace,
             seconds=time.monotonic() - started,
         )
-    _reap(processes)
+    killed = _reap(processes)
     for rank in range(world_size):
         if rank not in outcomes:
             outcomes[rank] = RankOutcome(
                 rank=rank,
-                error_type="Timeout",
-                error=f"rank {rank} reported nothing within {timeout_s:g} s (killed)",
+                error_type="Timeout" if rank in killed else "Exited",
+                error=(
+                    f"rank {rank} reported nothing within {timeout_s:g} s (killed)"
+                    if rank in killed
+                    else f"rank {rank} exited with code {processes[rank].exitcode} unreported"
+                ),
                 seconds=time.monotonic() - started,
             )
     return [outcomes[r] for r in range(world_size)]
 
 
-def _reap(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    """Wait briefly for every process, then kill what is left."""
+def _reap(processes: Sequence[multiprocessing.process.BaseProcess]) -> set[int]:
+    """Wait briefly for every process, then kill what is left; the ranks killed."""
     for proc in processes:
         proc.join(_GRACE_S)
-    for proc in processes:
+    killed = set()
+    for rank, proc in enumerate(processes):
         if proc.is_alive():
+            killed.add(rank)
             with contextlib.suppress(OSError):
                 proc.kill()
             proc.join(_GRACE_S)
+    return killed

@@ -34,6 +34,7 @@ from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.intake import check_request
@@ -82,6 +83,9 @@ class Engine:
             (`specstate.engine.draft_policy`); it sees every settled decode round once, with
             the width that round was launched with. Default: `AcceptanceEma` when
             ``config.adaptive_draft``, else none (the worker's ``num_steps`` every round).
+        agreement: one rank's engine of a tensor-parallel group
+            (`specstate.distributed.DistributedEngine` builds it): the worker gets its group
+            and every batch is agreed on with the other ranks. None: a single-rank engine.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Engine:
         config: EngineConfig,
         trace: TraceRecorder | None = None,
         draft_policy: DraftPolicy | None = None,
+        agreement: RoundAgreement | None = None,
     ):
         caps = worker.capabilities
         if draft_policy is None and config.adaptive_draft and caps.speculative:
@@ -186,6 +191,7 @@ class Engine:
                 ledger=views.worker,
                 num_token_slots=num_pages * config.page_size,
                 device=device,
+                parallel=None if agreement is None else agreement.parallel,
             )
         )
         self.lifecycle = RequestLifecycle(
@@ -207,6 +213,7 @@ class Engine:
             checker=self.checker,
             draft_policy=draft_policy,
             trace=trace,
+            agreement=agreement,
         )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call

@@ -30,6 +30,7 @@ from specstate.core.errors import ForwardTimeout, LedgerViolation, WorkerResultE
 from specstate.core.ledger import LedgerReader
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
+from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.invariants import InvariantViolation, SettlementProbe, check_settlement
@@ -70,6 +71,7 @@ class RoundPipeline:
         checker: OwnershipChecker,
         draft_policy: DraftPolicy | None,
         trace: TraceRecorder | None,
+        agreement: RoundAgreement | None = None,
     ) -> None:
         self.launcher = launcher
         self.ledger = ledger
@@ -83,6 +85,7 @@ class RoundPipeline:
         self._checker = checker
         self._draft_policy = draft_policy
         self._trace = trace
+        self._agreement = agreement  # multi-rank mode: the ranks agree on every batch
         self.in_flight: InFlight | None = None
         self.num_launched = 0
         self.num_retired = 0
@@ -100,6 +103,8 @@ class RoundPipeline:
             rec = self._trace
             if rec is not None:
                 rec.span(HOST, "schedule", self.num_launched, started, rec.now())
+            if self._agreement is not None:
+                self._agreement.on_launch(plan, self.num_launched)
             launched = self.launcher.launch(
                 plan, batch_id=self.num_launched, traced=rec is not None
             )
@@ -142,6 +147,8 @@ class RoundPipeline:
                 if host is None:
                     return self._abandon(flight, timeout or 0.0, "result copy")
         self.num_retired = flight.batch_id
+        if self._agreement is not None:  # every rank settles, or fails, the batch the same way
+            error = self._agreement.on_settle(flight.batch_id, flight.plan, host, error)
         settling = 0
         if rec is not None:
             settling = rec.now()
@@ -274,7 +281,9 @@ class RoundPipeline:
         drained = self.launcher.abandon(flights)
         self.in_flight = None
         self.num_retired = flights[-1].batch_id
-        error = flight.timeout_error(timeout, what)
+        error: BaseException = flight.timeout_error(timeout, what)
+        if self._agreement is not None:
+            error = self._agreement.on_settle(flight.batch_id, flight.plan, None, error) or error
         _log.error("%s", error)
         batch = flight.plan.batch
         ended = self._lifecycle.fail(batch.reqs, batch.incarnations, error)

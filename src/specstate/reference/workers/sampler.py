@@ -239,7 +239,7 @@ class TokenSampler:
         """
         self._generator = self._seeded(device)
         if parallel is not None:
-            seed = torch.tensor([self._generator.initial_seed()], dtype=torch.int64)
+            seed = torch.tensor([self._generator.initial_seed() & (2**63 - 1)], dtype=torch.int64)
             agreed = parallel.broadcast(seed.to(device))
             self._generator.manual_seed(int(agreed.item()))
 

@@ -1,0 +1,62 @@
+"""The seam through which a multi-rank engine keeps every rank's rounds in agreement.
+
+`RoundAgreement` is one hook object that the `RoundPipeline` calls at two points of every
+batch, and whose ``parallel`` group the engine hands to its worker (`WorkerMemory.parallel`)::
+
+    schedule N ──▶ on_launch(plan, N) ──▶ launch N ──▶ ... wait N ──▶ on_settle(N, ...) ──▶ settle N
+
+`on_launch` sees the plan before anything of it reaches the worker; `on_settle` sees the
+batch's result (or its error) before anything of it is settled, and returns the error every
+rank settles the batch with. `specstate.distributed.RankAgreement` implements it over
+``torch.distributed``; a single-rank engine has none and pays nothing.
+
+Invariant: both hooks are called from the thread that drives the engine, once per batch, in
+launch order; a hook that raises leaves the batch unsettled (the engine must not be stepped on).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from specstate.engine.result_copy import HostResult
+from specstate.engine.scheduler import LaunchPlan
+from specstate.engine.worker import ParallelGroup
+
+__all__ = ["RoundAgreement"]
+
+
+@runtime_checkable
+class RoundAgreement(Protocol):
+    """Keeps the ranks of a tensor-parallel group in agreement, round by round."""
+
+    @property
+    def parallel(self) -> ParallelGroup | None:
+        """The group the worker computes in (`WorkerMemory.parallel`)."""
+        ...
+
+    def on_launch(self, plan: LaunchPlan, batch_id: int) -> None:
+        """Before batch ``batch_id`` launches.
+
+        Raises:
+            RankDivergence: the ranks planned the batch differently (checking mode).
+            RankFailure: the ranks could not be reached.
+        """
+        ...
+
+    def on_settle(
+        self,
+        batch_id: int,
+        plan: LaunchPlan,
+        host: HostResult | None,
+        error: BaseException | None,
+    ) -> BaseException | None:
+        """The error every rank settles batch ``batch_id`` with (None: settle ``host``).
+
+        ``error`` is this rank's own (the worker raised, the result broke the contract, the
+        forward timed out); the answer is the same on every rank.
+
+        Raises:
+            RankDivergence: the ranks' results differ (checking mode).
+            RankFailure: the ranks could not be reached.
+        """
+        ...
