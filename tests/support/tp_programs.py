@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Any
 
 import attrs
 import torch
@@ -243,7 +244,10 @@ def serve(
                 req.accept_lengths,
             )
         checked = engine.agreement.num_checked
+        snap = engine.snapshot()
+        balanced = snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
     return {
+        "balanced": balanced,
         "outputs": outputs,
         "error": error,
         "seconds": time.monotonic() - started,
@@ -303,3 +307,23 @@ def fatal_fault(
         seconds=2.5 * group.timeout_s,
     )
     return serve(group, worker, config, greedy_requests(PROMPTS, 8))
+
+
+def lossless_matrix(
+    group: RankGroup, ckpt: dict[str, str], scenarios: list[dict[str, Any]]
+) -> dict[str, dict[str, object]]:
+    """Serve every scenario (algorithm, options, config, requests, aborts) in this spawn.
+
+    A scenario with ``adaptive`` runs the adaptive draft policy (rank 0's widths, broadcast).
+    """
+    results = {}
+    for scenario in scenarios:
+        worker = reference_worker(ckpt, scenario["algorithm"], **scenario["options"])
+        results[scenario["name"]] = serve(
+            group,
+            worker,
+            scenario["config"],
+            scenario["requests"],
+            aborts=scenario.get("aborts", ()),
+        )
+    return results

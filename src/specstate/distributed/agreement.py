@@ -3,8 +3,9 @@
 `RankAgreement` is the engine's `RoundAgreement` in a tensor-parallel group. On every settled
 batch each rank contributes one status row to an all-gather on the control group::
 
-    [failed, worker group broken, error length, tokens accepted, digest (4 × int64)]
+    [batch id, failed, worker group broken, error length, tokens accepted, digest (4 × int64)]
 
+* the ranks settle different batches: `RankDivergence` (they are out of step);
 * no rank failed: the batch is settled; in checking mode the digests of the results (accept
   lengths, tokens, frontier, invalid rows, logprobs) must be equal, else `RankDivergence`;
 * some rank failed: every rank fails the batch with one `RankFailure` naming the failed ranks
@@ -13,9 +14,10 @@ batch each rank contributes one status row to an all-gather on the control group
   ranks' collectives may be out of step: the failure is also *fatal* (`fatal`), and the
   distributed engine stops after the step.
 
-In checking mode `on_launch` also all-gathers a digest of each plan (requests, slots, epochs,
-incarnations, chunk lengths, draft width) before it launches, so diverged plans never reach the
-worker's collectives. `LeaderDraftPolicy` makes the adaptive draft width rank 0's choice.
+In checking mode `on_launch` also all-gathers, at every step, a digest of the plan (requests,
+slots, epochs, incarnations, chunk lengths, draft width; or that nothing launches) before it
+launches, so diverged plans never reach the worker's collectives. `LeaderDraftPolicy` makes
+the adaptive draft width rank 0's choice.
 
 Invariant: after `on_settle` returns, every rank holds the same answer; a raise (divergence, a
 control collective that failed) happens on every rank that can still be reached.
@@ -60,6 +62,13 @@ def plan_digest(plan: LaunchPlan, batch_id: int) -> npt.NDArray[np.int64]:
     return _words(hasher)
 
 
+def _idle_digest(batch_id: int) -> npt.NDArray[np.int64]:
+    """The digest of a step that launches nothing after batch ``batch_id``."""
+    hasher = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
+    hasher.update(f"{batch_id}|idle".encode())
+    return _words(hasher)
+
+
 def result_digest(host: HostResult) -> npt.NDArray[np.int64]:
     """A digest of a batch's result as the host will settle it."""
     hasher = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
@@ -96,19 +105,25 @@ class RankAgreement:
     def _control(self) -> ControlGroup:
         return self._group.control
 
-    def on_launch(self, plan: LaunchPlan, batch_id: int) -> None:
-        """Checking mode: the ranks' plans of batch ``batch_id`` must be equal."""
+    def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:
+        """Checking mode: the ranks' plans of this step (None: nothing) must be equal."""
         if not self._check:
             return
-        rows = self._control.all_gather_ints(plan_digest(plan, batch_id))
+        digest = _idle_digest(batch_id) if plan is None else plan_digest(plan, batch_id)
+        rows = self._control.all_gather_ints(digest)
         self.num_checked += 1
         differ = _differing(rows)
         if differ:
-            batch = plan.batch
+            what = "nothing to launch"
+            if plan is not None:
+                batch = plan.batch
+                what = (
+                    f"{batch.forward_mode.value}, {batch.batch_size} requests, first "
+                    f"{list(batch.request_ids[:4])}"
+                )
             raise RankDivergence(
-                f"batch {batch_id} ({batch.forward_mode.value}, {batch.batch_size} requests, "
-                f"first {list(batch.request_ids[:4])}): rank(s) {differ} planned it differently "
-                "from rank 0"
+                f"batch {batch_id} ({what} on rank {self._group.rank}): rank(s) {differ} "
+                "planned it differently from rank 0"
             )
 
     def on_settle(
@@ -129,11 +144,16 @@ class RankAgreement:
             accepted = int(host.accept.sum())
             if self._check:
                 digest = result_digest(host)
+        broken = int(self.parallel.failure is not None)
         status = np.array(
-            [int(failed), int(self.parallel.failure is not None), len(text), accepted, *digest],
-            dtype=np.int64,
+            [batch_id, int(failed), broken, len(text), accepted, *digest], dtype=np.int64
         )
         rows = self._control.all_gather_ints(status)
+        if (rows[:, 0] != batch_id).any():  # a rank settles another batch: out of step
+            raise RankDivergence(
+                f"batch {batch_id}: the ranks settle batches {rows[:, 0].tolist()} at once"
+            )
+        rows = rows[:, 1:]
         if rows[:, 0].any():
             return self._agree_on_failure(batch_id, rows, text)
         if self._check:

@@ -166,13 +166,14 @@ class DistributedEngine:
             steps += 1
 
     def _apply(self, commands: list[_Command]) -> None:
-        for command in commands:
-            name, request_id, value, sampling = command
+        """Rank 0's commands of this step, in its order (a refusal here is a divergence)."""
+        for name, request_id, value, sampling in commands:
             if name == "abort":
                 self.engine.abort(request_id, str(value))
                 continue
             try:
-                assert isinstance(value, tuple) and isinstance(sampling, SamplingParams)
+                if not isinstance(value, tuple) or not isinstance(sampling, SamplingParams):
+                    raise InvalidRequest(f"malformed submit command {name!r}")
                 self.engine.submit(request_id, value, sampling)
             except InvalidRequest as exc:
                 self._broken = RankDivergence(

@@ -4,14 +4,16 @@
 batch, and whose ``parallel`` group the engine hands to its worker (`WorkerMemory.parallel`)::
 
     schedule N ──▶ on_launch(plan, N) ──▶ launch N ──▶ ... wait N ──▶ on_settle(N, ...) ──▶ settle N
+    (a step that launches nothing still calls on_launch(None, N - 1))
 
 `on_launch` sees the plan before anything of it reaches the worker; `on_settle` sees the
 batch's result (or its error) before anything of it is settled, and returns the error every
 rank settles the batch with. `specstate.distributed.RankAgreement` implements it over
 ``torch.distributed``; a single-rank engine has none and pays nothing.
 
-Invariant: both hooks are called from the thread that drives the engine, once per batch, in
-launch order; a hook that raises leaves the batch unsettled (the engine must not be stepped on).
+Invariant: both hooks are called from the thread that drives the engine (`on_launch` once per
+step, `on_settle` once per batch, in launch order); a hook that raises leaves the batch unsettled
+(the engine must not be stepped on).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ class RoundAgreement(Protocol):
         """The group the worker computes in (`WorkerMemory.parallel`)."""
         ...
 
-    def on_launch(self, plan: LaunchPlan, batch_id: int) -> None:
-        """Before batch ``batch_id`` launches.
+    def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:
+        """At every step's launch point: ``plan`` launches as batch ``batch_id`` next.
+
+        None: this step launches nothing (``batch_id`` is the last batch launched), so the
+        ranks stay in step even when one of them would launch and another would not.
 
         Raises:
             RankDivergence: the ranks planned the batch differently (checking mode).

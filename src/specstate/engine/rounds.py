@@ -98,13 +98,13 @@ class RoundPipeline:
         Normal loop: ``plan``'s own batch is settled at once.
         """
         launched = None
+        if self._agreement is not None:  # every step: the ranks agree on what launches
+            self._agreement.on_launch(plan, self.num_launched + (plan is not None))
         if plan is not None:
             self.num_launched += 1
             rec = self._trace
             if rec is not None:
                 rec.span(HOST, "schedule", self.num_launched, started, rec.now())
-            if self._agreement is not None:
-                self._agreement.on_launch(plan, self.num_launched)
             launched = self.launcher.launch(
                 plan, batch_id=self.num_launched, traced=rec is not None
             )
