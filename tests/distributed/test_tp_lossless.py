@@ -14,15 +14,13 @@ On those, TP = 2 must equal TP = 1 and ``generate()`` token for token.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import attrs
 import pytest
-import torch
+from margin_screen import screen
 from spec_checkpoints import SpecCheckpoints
 from tp_programs import LIMITS_VOCAB, lossless_matrix, reference_worker
-from transformers import LlamaForCausalLM
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.distributed import spawn_ranks
@@ -30,7 +28,6 @@ from specstate.engine.worker import WorkerCapabilities
 from specstate.reference.workers.tree import tree_capabilities
 
 NEW_TOKENS = 12
-MARGIN = 1e-3
 TREE = {"topk": 2, "num_draft_tokens": 6}
 WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "ngram": ("ngram", {}),
@@ -51,37 +48,16 @@ PRESSURE = EngineConfig(overlap=True, page_size=4, kv_tokens=128, **CHECKED)
 """KV pressure; the pool holds one and a half of the longest request (`_pressure_tokens`)."""
 
 
-def _margins(hf: LlamaForCausalLM, prompt: tuple[int, ...]) -> tuple[list[int], float]:
-    """HF's greedy tokens of ``prompt`` and the smallest top-2 logit margin on the way."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    margin = min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
-    return [int(t) for t in out.sequences[0, len(prompt) :]], margin
-
-
 @pytest.fixture(scope="module")
 def screened(partial_ckpt: SpecCheckpoints) -> dict[tuple[int, ...], list[int]]:
     """Greedy prompts whose top-2 margin exceeds MARGIN at every step, with HF's tokens."""
-    gen = random.Random(26)
-    kept: dict[tuple[int, ...], list[int]] = {}
-    for length in (2, 7, 15, 4, 11, 3, 9, 5, 13, 6):
-        prompt = tuple(gen.randrange(LIMITS_VOCAB) for _ in range(length))
-        tokens, margin = _margins(partial_ckpt.hf, prompt)
-        if margin > MARGIN:
-            kept[prompt] = tokens
-        if len(kept) == 4:
-            break
-    assert len(kept) == 4, "too few prompts pass the margin screen"
-    return kept
+    return screen(
+        partial_ckpt.hf,
+        (2, 7, 15, 4, 11, 3, 9, 5, 13, 6),
+        vocab_size=LIMITS_VOCAB,
+        max_new_tokens=NEW_TOKENS,
+        keep=4,
+    )
 
 
 def _requests(

@@ -145,10 +145,20 @@ class FaultyWorker:
     did, consistently: frontier and publish follow), or None (a plain pass-through).
     """
 
-    def __init__(self, inner: WorkerProtocol, fault: str | None, *, seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        inner: WorkerProtocol,
+        fault: str | None,
+        *,
+        seconds: float = 0.0,
+        on_ranks: tuple[int, ...] | None = None,
+        every_round: bool = False,
+    ) -> None:
         self._inner = inner
         self._fault = fault
         self._seconds = seconds
+        self._on_ranks = on_ranks  # None: as constructed; else only on these ranks (at attach)
+        self._every_round = every_round
         self._fired = False
 
     @property
@@ -157,7 +167,10 @@ class FaultyWorker:
         return self._inner.capabilities
 
     def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
+        """Attach the inner worker; a rank outside ``on_ranks`` drops the fault."""
+        rank = 0 if memory.parallel is None else memory.parallel.rank
+        if self._on_ranks is not None and rank not in self._on_ranks:
+            self._fault = None
         self._inner.attach(memory)
 
     def forward_batch_generation(
@@ -167,7 +180,7 @@ class FaultyWorker:
         fault = self._fault
         if fault is None or self._fired or batch.forward_mode is not ForwardMode.DECODE:
             return self._inner.forward_batch_generation(batch, on_publish=on_publish)
-        self._fired = True
+        self._fired = not self._every_round
         if fault == "raise":
             raise RuntimeError("injected worker fault")
         if fault == "sleep":
@@ -327,3 +340,8 @@ def lossless_matrix(
             aborts=scenario.get("aborts", ()),
         )
     return results
+
+
+def skewed_worker(ckpt: dict[str, str]) -> WorkerProtocol:
+    """An n-gram worker that, on rank 1 only, accepts one token fewer in every decode round."""
+    return FaultyWorker(reference_worker(ckpt, "ngram"), "perturb", on_ranks=(1,), every_round=True)
