@@ -28,7 +28,7 @@ from specstate.engine.worker import WorkerCapabilities
 from specstate.reference.workers.tree import tree_capabilities
 
 NEW_TOKENS = 12
-TREE = {"topk": 2, "num_draft_tokens": 6}
+TREE: dict[str, object] = {"topk": 2, "num_draft_tokens": 6}
 WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "ngram": ("ngram", {}),
     "draft_model": ("draft_model", {}),
@@ -36,15 +36,15 @@ WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "eagle": ("eagle", {}),
     "eagle_tree": ("eagle", TREE),
 }
-TREE_CAPS = tree_capabilities("eagle", num_steps=3, **TREE)
-CHECKED = {"check_invariants": True, "check_ownership": True, "debug_relay": True}
+TREE_CAPS = tree_capabilities("eagle", num_steps=3, topk=2, num_draft_tokens=6)
+CHECKED = EngineConfig(check_invariants=True, check_ownership=True, debug_relay=True)
 CONFIGS = {
-    "normal-p1": EngineConfig(overlap=False, page_size=1, kv_tokens=2048, **CHECKED),
-    "overlap-p16-chunked": EngineConfig(
-        overlap=True, page_size=16, kv_tokens=2048, chunked_prefill=4, mixed_chunk=True, **CHECKED
+    "normal-p1": attrs.evolve(CHECKED, overlap=False, page_size=1, kv_tokens=2048),
+    "overlap-p16-chunked": attrs.evolve(
+        CHECKED, overlap=True, page_size=16, kv_tokens=2048, chunked_prefill=4, mixed_chunk=True
     ),
 }
-PRESSURE = EngineConfig(overlap=True, page_size=4, kv_tokens=128, **CHECKED)
+PRESSURE = attrs.evolve(CHECKED, overlap=True, page_size=4, kv_tokens=128)
 """KV pressure; the pool holds one and a half of the longest request (`_pressure_tokens`)."""
 
 

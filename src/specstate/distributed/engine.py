@@ -20,7 +20,11 @@ first difference raises `RankDivergence` on every rank.
 
 Failure: a rank whose step raises `RankError` (a divergence, a failure that leaves the group
 unable to go on, a peer that died or did not answer within the group's timeouts) breaks the
-engine on that rank: the step raises, and so does every later call but `close`.
+engine on that rank: the step raises, and every later call but `close` raises `UsageError`.
+
+A `DistributedEngine` is an `Engine` (``run_until_idle``, ``generate``, ``snapshot``,
+``request`` are the engine's own, driven through the overridden ``submit``, ``abort`` and
+``step``), so code written for an `Engine` drives rank 0 unchanged.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ import pickle
 from collections.abc import Sequence
 from typing import Final
 
-from specstate.core.errors import InvalidRequest, RankDivergence, RankError, RankFailure, UsageError
+from specstate.core.errors import InvalidRequest, RankDivergence, RankError, UsageError
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.distributed.agreement import LeaderDraftPolicy, RankAgreement
 from specstate.distributed.groups import RankGroup
-from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
+from specstate.engine.config import EngineConfig, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.engine import Engine
 from specstate.engine.trace import TraceRecorder
@@ -47,13 +51,15 @@ _Command = tuple[str, str, object, object]
 """``("submit", id, prompt, sampling)`` or ``("abort", id, reason, None)``."""
 
 
-class DistributedEngine:
+class DistributedEngine(Engine):
     """One rank's `Engine` in a tensor-parallel group (see the module docstring).
 
     Build one on every rank with the same worker options, limits and config. On rank 0 (the
-    leader) use it as an `Engine`: ``submit``, ``abort``, ``step``, ``run_until_idle``,
-    ``generate``, ``close``. On every other rank call `follow`, which steps whenever rank 0
-    does and returns when rank 0 closes.
+    leader) it is an `Engine`: ``submit``, ``abort``, ``step``, ``run_until_idle``,
+    ``generate``, ``close`` act on every rank. On every other rank call `follow`, which steps
+    whenever rank 0 does and returns when rank 0 closes; the leader's calls raise `UsageError`
+    there. After a `RankError` (or anything else a step raised) every call but ``close``
+    raises `UsageError`.
 
     Args:
         worker: this rank's worker; it gets the group at attach (`WorkerMemory.parallel`).
@@ -83,7 +89,10 @@ class DistributedEngine:
             draft_policy = LeaderDraftPolicy(draft_policy, group.control)
         self.group = group
         self.agreement = RankAgreement(group, check=check_agreement)
-        self.engine = Engine(
+        self._pending: list[_Command] = []
+        self._broken: BaseException | None = None
+        self._stopped = False
+        super().__init__(
             worker,
             limits=limits,
             config=config,
@@ -91,10 +100,6 @@ class DistributedEngine:
             draft_policy=draft_policy,
             agreement=self.agreement,
         )
-        self._pending: list[_Command] = []
-        self._broken: BaseException | None = None
-        self._closed = False
-        self._num_generated = 0
 
     @property
     def rank(self) -> int:
@@ -106,23 +111,18 @@ class DistributedEngine:
         """True on rank 0, which takes requests and drives the steps."""
         return self.group.is_leader
 
-    @property
-    def is_idle(self) -> bool:
-        """True when nothing waits, runs or is in flight (the same on every rank)."""
-        return self.engine.is_idle
-
     # ------------------------------------------------------------- the leader
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
         """Leader: validate and queue a request; every rank queues it at the next step."""
         self._usable("submit", leader=True)
-        req = self.engine.submit(request_id, prompt_ids, sampling)
+        req = super().submit(request_id, prompt_ids, sampling)
         self._pending.append(("submit", request_id, tuple(prompt_ids), sampling))
         return req
 
     def abort(self, request_id: str, reason: str = "aborted by user") -> bool:
         """Leader: abort a live request on every rank at the next step; True if it was live."""
         self._usable("abort", leader=True)
-        live = self.engine.abort(request_id, reason)
+        live = super().abort(request_id, reason)
         if live:
             self._pending.append(("abort", request_id, reason, None))
         return live
@@ -133,24 +133,6 @@ class DistributedEngine:
         commands, self._pending = self._pending, []
         self._send(_STEP, commands)
         return self._step()
-
-    def run_until_idle(self, *, max_steps: int = 100_000) -> None:
-        """Leader: step until idle; `UsageError` past ``max_steps`` steps."""
-        for _ in range(max_steps):
-            if self.engine.is_idle:
-                return
-            self.step()
-        raise UsageError(f"distributed engine not idle after {max_steps} steps")
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
-    ) -> list[tuple[int, ...]]:
-        """Leader: run ``prompts`` to completion; the emitted tokens of each, in order."""
-        first = self._num_generated
-        self._num_generated += len(prompts)
-        reqs = [self.submit(f"generate-{first + i}", p, sampling) for i, p in enumerate(prompts)]
-        self.run_until_idle()
-        return [r.emitted_ids for r in reqs]
 
     # ------------------------------------------------------------ a follower
     def follow(self) -> int:
@@ -169,12 +151,12 @@ class DistributedEngine:
         """Rank 0's commands of this step, in its order (a refusal here is a divergence)."""
         for name, request_id, value, sampling in commands:
             if name == "abort":
-                self.engine.abort(request_id, str(value))
+                super().abort(request_id, str(value))
                 continue
             try:
                 if not isinstance(value, tuple) or not isinstance(sampling, SamplingParams):
                     raise InvalidRequest(f"malformed submit command {name!r}")
-                self.engine.submit(request_id, value, sampling)
+                super().submit(request_id, value, sampling)
             except InvalidRequest as exc:
                 self._broken = RankDivergence(
                     f"rank {self.rank}: request {request_id!r}, accepted by rank 0, was "
@@ -183,32 +165,21 @@ class DistributedEngine:
                 raise self._broken from exc
 
     # ----------------------------------------------------------------- both
-    def request(self, request_id: str) -> Req:
-        """This rank's request ``request_id`` (`KeyError` if unknown)."""
-        return self.engine.request(request_id)
-
-    def snapshot(self) -> EngineSnapshot:
-        """A frozen summary of this rank's engine."""
-        return self.engine.snapshot()
-
     def close(self) -> None:
         """Leader: tell the followers to stop; every rank: close its engine. Idempotent."""
-        if self._closed:
+        if self._stopped:
             return
-        self._closed = True
+        self._stopped = True
         try:
             if self.is_leader and self._broken is None:
                 self._send(_CLOSE, [])
-        except RankFailure:
+        except RankError:
             pass  # a follower is gone already: nothing to tell it
         finally:
-            self.engine.close()
+            super().close()
 
     def __enter__(self) -> DistributedEngine:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------- internals
     def _usable(self, call: str, *, leader: bool) -> None:
@@ -217,7 +188,7 @@ class DistributedEngine:
                 f"DistributedEngine.{call}() on rank {self.rank}: the engine is broken "
                 f"({type(self._broken).__name__}: {self._broken})"
             )
-        if self._closed:
+        if self._stopped:
             raise UsageError(f"DistributedEngine.{call}() after close()")
         if leader != self.is_leader:
             who = "rank 0" if leader else "a follower (rank > 0)"
@@ -225,7 +196,7 @@ class DistributedEngine:
 
     def _step(self) -> StepReport:
         try:
-            report = self.engine.step()
+            report = super().step()
         except BaseException as exc:
             # NOTE: whatever it was, this rank has left the lock step: the others will time out.
             self._broken = exc
@@ -251,5 +222,6 @@ class DistributedEngine:
         except RankError as exc:
             self._broken = exc
             raise
+        # NOTE: pickle from rank 0 of the same job, a trusted peer (never a network client).
         commands: list[_Command] = pickle.loads(payload) if size else []
         return kind, commands

@@ -196,6 +196,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=_positive, metavar="N", help=THREADS_NOTE)
     parser.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="tensor parallelism: shard the model over N ranks, spawned here or started by "
+        "torchrun (specstate.tools.generate_tp)",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -589,6 +597,11 @@ def _load_engine(
             worker, limits = _call_factory(factory, args)
         else:
             worker, limits = build_worker(args)
+        leader = getattr(args, "tp_leader", None)
+        if leader is not None:  # --tp: rank 0 of a tensor-parallel group
+            from specstate.tools.generate_tp import leader_engine
+
+            return leader_engine(leader, worker, limits=limits, config=config, trace=trace)
         return Engine(worker, limits=limits, config=config, trace=trace)
     except SpecStateError:
         raise
@@ -795,6 +808,10 @@ def run(args: argparse.Namespace) -> int:
     from specstate.engine.engine import EngineConfig
     from specstate.engine.trace import TraceRecorder
 
+    if args.tp > 1 and getattr(args, "tp_leader", None) is None:
+        from specstate.tools.generate_tp import run_tp
+
+        return run_tp(args, run)
     reqs: list[Req] = []
     try:
         if args.model is None and args.worker is None:
