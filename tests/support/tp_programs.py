@@ -44,6 +44,7 @@ def _table(seed: int) -> torch.Tensor:
 
 
 def _batch(table: torch.Tensor, parts: list[tuple[int, int, list[int]]]) -> AttentionBatch:
+    """An extend over ``(row, prefix, new ids)`` parts, on the table's device."""
     ids: list[int] = []
     positions: list[int] = []
     locs: list[int] = []
@@ -51,14 +52,15 @@ def _batch(table: torch.Tensor, parts: list[tuple[int, int, list[int]]]) -> Atte
         ids += new
         positions += range(prefix, prefix + len(new))
         locs += table[row, prefix : prefix + len(new)].tolist()
+    device = table.device
     return AttentionBatch(
-        input_ids=torch.tensor(ids),
-        positions=torch.tensor(positions),
-        out_cache_loc=torch.tensor(locs),
-        req_pool_indices=torch.tensor([p[0] for p in parts]),
+        input_ids=torch.tensor(ids, device=device),
+        positions=torch.tensor(positions, device=device),
+        out_cache_loc=torch.tensor(locs, device=device),
+        req_pool_indices=torch.tensor([p[0] for p in parts], device=device),
         req_to_token=table,
-        prefix_lens=torch.tensor([p[1] for p in parts]),
-        extend_lens=torch.tensor([len(p[2]) for p in parts]),
+        prefix_lens=torch.tensor([p[1] for p in parts], device=device),
+        extend_lens=torch.tensor([len(p[2]) for p in parts], device=device),
     )
 
 
@@ -83,15 +85,16 @@ def _tree(table: torch.Tensor, vocab: int) -> TreeAttentionBatch:
     visible = torch.tensor(
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
     )
+    device = table.device
     return TreeAttentionBatch(
         input_ids=base.input_ids,
-        positions=torch.tensor([17, 18, 18, 19]),
+        positions=torch.tensor([17, 18, 18, 19], device=device),
         out_cache_loc=base.out_cache_loc,
         req_pool_indices=base.req_pool_indices,
         req_to_token=table,
         prefix_lens=base.prefix_lens,
         extend_lens=base.extend_lens,
-        tree=TreeMask(start=torch.tensor([17]), visible=visible),
+        tree=TreeMask(start=torch.tensor([17], device=device), visible=visible.to(device)),
     )
 
 
@@ -100,11 +103,15 @@ def sharded_forwards(group: RankGroup, checkpoint: str) -> dict[str, object]:
 
     Returns the largest logit and hidden-state differences, this rank's sharded logits (the
     parent compares the ranks bit for bit), the KV cache's head count, and the refusals.
+    Everything runs on the group's device.
     """
-    whole = load_paged_llama(checkpoint, num_token_slots=NUM_SLOTS)
-    sharded = load_paged_llama(checkpoint, num_token_slots=NUM_SLOTS, parallel=group.worker)
-    copied = build_model(whole, num_token_slots=NUM_SLOTS, device="cpu", parallel=group.worker)
-    table = _table(seed=1)
+    device = group.device
+    whole = load_paged_llama(checkpoint, num_token_slots=NUM_SLOTS, device=device)
+    sharded = load_paged_llama(
+        checkpoint, num_token_slots=NUM_SLOTS, device=device, parallel=group.worker
+    )
+    copied = build_model(whole, num_token_slots=NUM_SLOTS, device=device, parallel=group.worker)
+    table = _table(seed=1).to(device)
     logit_diff = hidden_diff = copy_diff = 0.0
     outputs: list[torch.Tensor] = []
     batches: list[AttentionBatch] = [
@@ -119,15 +126,15 @@ def sharded_forwards(group: RankGroup, checkpoint: str) -> dict[str, object]:
         outputs += [ours.logits, ours.hidden_states]
     refusals = []
     try:
-        build_model(sharded, num_token_slots=NUM_SLOTS, device="cpu")
+        build_model(sharded, num_token_slots=NUM_SLOTS, device=device)
     except InvalidConfig as exc:
         refusals.append(str(exc))
     return {
         "logit_diff": logit_diff,
         "hidden_diff": hidden_diff,
         "copy_diff": copy_diff,
-        "outputs": outputs,
-        "kv_heads": sharded.kv_cache.gather(0, torch.tensor([0]))[0].shape[1],
+        "outputs": [t.cpu() for t in outputs],
+        "kv_heads": sharded.kv_cache.gather(0, torch.tensor([0], device=device))[0].shape[1],
         "q_rows": sharded.state_dict()["layers.0.self_attn.q_proj.weight"].shape[0],
         "refusals": refusals,
     }
@@ -332,10 +339,13 @@ def lossless_matrix(
     results = {}
     for scenario in scenarios:
         worker = reference_worker(ckpt, scenario["algorithm"], **scenario["options"])
+        config = scenario["config"]
+        if group.device.type == "cuda":  # each rank's engine on its own device
+            config = attrs.evolve(config, device=str(group.device))
         results[scenario["name"]] = serve(
             group,
             worker,
-            scenario["config"],
+            config,
             scenario["requests"],
             aborts=scenario.get("aborts", ()),
         )

@@ -8,6 +8,8 @@ Subcommands:
 * ``bench engine``: `Engine.step` wall time per steady decode round with a zero-cost worker.
 * ``bench overlap``: how close the overlap loop comes to max(host, device) per round against
   a timed-wait device (`specstate.tools.timed_worker.TimedWaitWorker`).
+* ``bench tp``: the per-round host cost of the multi-rank mode against one rank
+  (`specstate.tools.bench_tp`).
 
 Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
 A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
@@ -32,6 +34,8 @@ from typing import Final, TypeVar
 
 import attrs
 import torch
+
+from specstate.tools import bench_tp
 
 __all__ = ["add_arguments", "run"]
 
@@ -154,6 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
+    bench_tp.add_parser(benches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "compare": _run_compare,
         "engine": _run_engine,
         "overlap": _run_overlap,
+        "tp": bench_tp.run,
     }
     return benches[args.bench](args)
 
