@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from specstate.core.errors import RankDivergence, RankFailure
 from specstate.distributed.groups import ControlGroup, RankGroup, WorkerGroup
+from specstate.engine.agreement import AgreementSnapshot
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.result_copy import HostResult
 from specstate.engine.scheduler import LaunchPlan
@@ -87,7 +88,7 @@ class RankAgreement:
 
     Attributes:
         fatal: set (and kept) when a failure leaves the group unable to go on.
-        num_checked: batches whose digests were compared (plans and results).
+        num_checked: digests compared so far (every step's plan, every settled result).
     """
 
     def __init__(self, group: RankGroup, *, check: bool) -> None:
@@ -95,6 +96,18 @@ class RankAgreement:
         self._check = check
         self.fatal: RankFailure | None = None
         self.num_checked = 0
+        self._last_launched = 0
+        self._last_settled = 0
+        self._num_failed = 0
+
+    def snapshot(self) -> AgreementSnapshot:
+        """Where this rank's agreement stands (`AgreementSnapshot`)."""
+        return AgreementSnapshot(
+            last_launched=self._last_launched,
+            last_settled=self._last_settled,
+            num_failed=self._num_failed,
+            fatal=None if self.fatal is None else str(self.fatal),
+        )
 
     @property
     def parallel(self) -> WorkerGroup:
@@ -107,6 +120,7 @@ class RankAgreement:
 
     def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:
         """Checking mode: the ranks' plans of this step (None: nothing) must be equal."""
+        self._last_launched = batch_id
         if not self._check:
             return
         digest = _idle_digest(batch_id) if plan is None else plan_digest(plan, batch_id)
@@ -154,7 +168,9 @@ class RankAgreement:
                 f"batch {batch_id}: the ranks settle batches {rows[:, 0].tolist()} at once"
             )
         rows = rows[:, 1:]
+        self._last_settled = batch_id
         if rows[:, 0].any():
+            self._num_failed += 1
             return self._agree_on_failure(batch_id, rows, text)
         if self._check:
             self.num_checked += 1

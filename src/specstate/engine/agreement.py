@@ -20,11 +20,34 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from specstate.engine.result_copy import HostResult
 from specstate.engine.scheduler import LaunchPlan
 from specstate.engine.worker import ParallelGroup
 
-__all__ = ["RoundAgreement"]
+__all__ = ["AgreementSnapshot", "RoundAgreement"]
+
+
+@attrs.frozen(kw_only=True)
+class AgreementSnapshot:
+    """Where a rank's agreement stands (`RoundAgreement.snapshot`).
+
+    Attributes:
+        last_launched: the batch id of the last launch point (the last batch launched).
+        last_settled: the last batch agreed on before its settlement (0: none yet).
+        num_failed: batches every rank failed together.
+        fatal: the failure that stopped the group, or None.
+
+    Invariant (``rank-agreement`` in `specstate.engine.invariants`): after a step,
+    ``last_launched`` is the engine's launched count and ``last_settled`` its retired count
+    (one less when an abandoned forward took the batch queued behind it).
+    """
+
+    last_launched: int
+    last_settled: int
+    num_failed: int
+    fatal: str | None
 
 
 @runtime_checkable
@@ -34,6 +57,10 @@ class RoundAgreement(Protocol):
     @property
     def parallel(self) -> ParallelGroup | None:
         """The group the worker computes in (`WorkerMemory.parallel`)."""
+        ...
+
+    def snapshot(self) -> AgreementSnapshot:
+        """Where this rank's agreement stands."""
         ...
 
     def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:

@@ -20,7 +20,10 @@ a name (`InvariantViolation.invariant`):
   ``committed`` now, for L positions (the 2·L reserve, minus the round settled meanwhile);
 * ``idle-empty``: at idle, nothing is open and every page is free (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
-  every open output row belongs to such a request.
+  every open output row belongs to such a request;
+* ``rank-agreement`` (one rank of a tensor-parallel group): the agreement saw every step's
+  launch point and agreed on every retired batch before it was settled
+  (`specstate.engine.agreement`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -147,6 +150,7 @@ def check_engine(engine: Engine) -> None:
             )
     _check_reserve(engine)
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
+    _check_agreement(engine)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:
@@ -155,6 +159,25 @@ def check_engine(engine: Engine) -> None:
                 f"idle engine holds {len(entries)} slots and "
                 f"{pool.num_pages - 1 - pool.available_pages()} pages",
             )
+
+
+def _check_agreement(engine: Engine) -> None:
+    """``rank-agreement``: every launch point and every retired batch passed the agreement."""
+    rounds = engine.rounds
+    if rounds.agreement is None:
+        return
+    snap = rounds.agreement.snapshot()
+    retired = rounds.num_retired
+    # An abandoned forward retires the batch queued behind it unsettled (its KV quarantined).
+    settled = snap.last_settled == retired or (
+        snap.last_settled == retired - 1 and bool(engine.deferred.held())
+    )
+    if snap.last_launched != rounds.num_launched or not settled:
+        _fail(
+            "rank-agreement",
+            f"the agreement saw launch point {snap.last_launched} and settled batch "
+            f"{snap.last_settled}; the engine launched {rounds.num_launched} and retired {retired}",
+        )
 
 
 def _check_reserve(engine: Engine) -> None:

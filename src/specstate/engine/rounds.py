@@ -90,6 +90,11 @@ class RoundPipeline:
         self.num_launched = 0
         self.num_retired = 0
 
+    @property
+    def agreement(self) -> RoundAgreement | None:
+        """The multi-rank agreement this pipeline calls, or None (read only)."""
+        return self._agreement
+
     # ---------------------------------------------------------------- launch
     def advance(self, plan: LaunchPlan | None, *, started: int = 0) -> tuple[str, ...]:
         """Launch ``plan`` (if any) and settle what this loop settles now; the ended ids.

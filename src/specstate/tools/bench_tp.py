@@ -156,13 +156,18 @@ def _floor(group: RankGroup, rounds: int, check: bool) -> float:
     status = np.zeros(9, dtype=np.int64)
     digest = np.zeros(4, dtype=np.int64)
     samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        group.commands.broadcast_ints([1, 0])
-        if check:
-            group.control.all_gather_ints(digest)
-        group.control.all_gather_ints(status)
-        samples.append(time.perf_counter() - start)
+    gc.collect()  # the previous size's engines are garbage now: not inside the window
+    gc.freeze()
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            group.commands.broadcast_ints([1, 0])
+            if check:
+                group.control.all_gather_ints(digest)
+            group.control.all_gather_ints(status)
+            samples.append(time.perf_counter() - start)
+    finally:
+        gc.unfreeze()
     return statistics.median(samples)
 
 
