@@ -5,31 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from spec_checkpoints import make_spec_checkpoints
-from tp_programs import agreement_faults, fatal_fault
+from tp_programs import fatal_fault
 
-from specstate.distributed import RankOutcome, spawn_ranks
+from specstate.distributed import spawn_ranks
 
 GROUP_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The tiny target, a random drafter and the identity EAGLE head, as paths."""
-    spec = make_spec_checkpoints(tmp_path_factory.mktemp("tp_faults"))
-    return {"target": str(spec.target), "draft": str(spec.draft), "eagle": str(spec.eagle)}
-
-
-def _results(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
-    for outcome in outcomes:
-        assert outcome.ok, outcome.traceback or outcome.error
-    return [o.result for o in outcomes]
-
-
-@pytest.fixture(scope="module")
-def faults(ckpt: dict[str, str]) -> list[dict[str, Any]]:
-    """One spawn: a perturbed accept length, diverged plans, a fault on every rank, then work."""
-    return _results(spawn_ranks(agreement_faults, (ckpt,), world_size=2, timeout_s=120))
+def faults(tp_healthy: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Both ranks' faults (from the healthy spawn): a perturbed accept length, diverged plans,
+    a fault on every rank, then a workload."""
+    return [rank["faults"] for rank in tp_healthy]
 
 
 def test_a_perturbed_accept_length_is_named_at_its_round(faults: list[dict[str, Any]]) -> None:
@@ -75,12 +62,12 @@ def test_a_fault_on_every_rank_fails_its_batch_alike(faults: list[dict[str, Any]
     [("raise", False), ("sleep", True), ("die", True)],
 )
 def test_a_failing_rank_stops_every_rank_in_bounded_time(
-    ckpt: dict[str, str], fault: str, overlap: bool
+    tp_paths: dict[str, str], fault: str, overlap: bool
 ) -> None:
     """Rank 1 raises, wedges or dies at the first decode round: the others stop with RankFailure."""
     outcomes = spawn_ranks(
         fatal_fault,
-        (ckpt, fault, overlap),
+        (tp_paths, fault, overlap),
         world_size=2,
         timeout_s=90,
         group_timeout_s=GROUP_TIMEOUT_S,

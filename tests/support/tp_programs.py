@@ -355,3 +355,15 @@ def lossless_matrix(
 def skewed_worker(ckpt: dict[str, str]) -> WorkerProtocol:
     """An n-gram worker that, on rank 1 only, accepts one token fewer in every decode round."""
     return FaultyWorker(reference_worker(ckpt, "ngram"), "perturb", on_ranks=(1,), every_round=True)
+
+
+def healthy_programs(
+    group: RankGroup, model_dir: str, ckpt: dict[str, str], scenarios: list[dict[str, Any]]
+) -> dict[str, object]:
+    """Everything that leaves the group healthy, in one spawn: the sharded-model forwards, the
+    lossless matrix, and the faults the group survives (`agreement_faults`)."""
+    return {
+        "sharded": sharded_forwards(group, model_dir),
+        "matrix": lossless_matrix(group, ckpt, scenarios),
+        "faults": agreement_faults(group, ckpt),
+    }

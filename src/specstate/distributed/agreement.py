@@ -171,7 +171,10 @@ class RankAgreement:
         self._last_settled = batch_id
         if rows[:, 0].any():
             self._num_failed += 1
-            return self._agree_on_failure(batch_id, rows, text)
+            agreed = self._agree_on_failure(batch_id, rows, text)
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                return error  # this rank fails the batch with it and re-raises it
+            return agreed
         if self._check:
             self.num_checked += 1
             differ = _differing(rows[:, 4:])

@@ -99,9 +99,10 @@ class WorkerGroup(_Collectives):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, bit for bit equal on every rank.
 
-        An all-gather then a sum in rank order, the same on every rank: a backend's all-reduce
-        may sum in a different order on each rank (gloo's ring does), and ranks whose hidden
-        states differ in the last bit could then choose different tokens.
+        An all-gather then a sum in rank order, the same on every rank: nothing promises that a
+        backend's all-reduce sums in one order on every rank (a ring may start each rank's sum
+        at itself), and ranks whose hidden states differ in the last bit could choose different
+        tokens.
         """
         if self._size == 1:
             return tensor
