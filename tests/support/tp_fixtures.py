@@ -1,4 +1,5 @@
-"""One spawn of two healthy gloo ranks, shared by the tests that keep the group healthy.
+"""Test-only fixtures (a pytest plugin, `tests/conftest.py`): one spawn of two healthy gloo
+ranks, shared by the tensor-parallel tests that keep the group healthy.
 
 Starting a rank costs seconds on a small machine, so the sharded-model forwards, the lossless
 matrix and the faults the group survives (divergence, a fault on every rank) run in one spawn
