@@ -136,6 +136,11 @@ class ControlGroup(_Collectives):
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return self._broadcast(buf, src).numpy().tobytes()
 
+    def barrier(self) -> None:
+        """Wait until every rank got here."""
+        if self._size > 1:
+            self._call("barrier", lambda: dist.barrier(group=self._group))
+
     def all_gather_ints(self, values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``[world_size, k]``: row ``r`` is rank ``r``'s ``values`` (``[k]`` on every rank)."""
         if self._size == 1:
@@ -268,12 +273,22 @@ class RankGroup:
         return self.worker.failure or self.control.failure or self.commands.failure
 
     def close(self) -> None:
-        """Leave the group; idempotent. After a failure the groups are only dropped."""
+        """Leave the group (every rank calls it); idempotent.
+
+        The ranks meet at a barrier first: a rank that tears its groups down while another
+        still finishes its last collective can abort at exit. After a failure (or when the
+        barrier fails) the groups are only dropped; leave such a process with ``os._exit``.
+        """
         if self._closed:
             return
         self._closed = True
-        if dist.is_initialized() and self.failure is None:
-            dist.destroy_process_group()
+        if not dist.is_initialized() or self.failure is not None:
+            return
+        try:
+            self.control.barrier()
+        except RankFailure:
+            return
+        dist.destroy_process_group()
 
     def __enter__(self) -> RankGroup:
         return self

@@ -60,7 +60,13 @@ def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], 
         except SpecStateError as exc:
             print(f"specstate generate: {exc}", file=sys.stderr)
             return 2
-        return _rank(group, args, run_leader)
+        with group:
+            code = _rank(group, args, run_leader)
+        if group.failure is not None:  # a broken group cannot be torn down: leave at once
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     from specstate.distributed.spawn import spawn_ranks
 
     outcomes = spawn_ranks(
