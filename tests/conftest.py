@@ -11,6 +11,8 @@ from spec_checkpoints import SpecCheckpoints, make_partial_drafters, make_spec_c
 
 from specstate.internals import OwnershipChecker
 
+pytest_plugins = ["tp_fixtures"]  # the tensor-parallel tests' shared spawn (tests/support)
+
 
 @pytest.fixture
 def checker() -> OwnershipChecker:

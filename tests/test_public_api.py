@@ -25,6 +25,7 @@ import specstate.internals
 SUBPACKAGES = {
     "batch",
     "core",
+    "distributed",
     "engine",
     "grammar",
     "internals",

@@ -27,8 +27,11 @@ An operation that raises leaves the state it was asked to change exactly as it w
     │                           thread
     ├── QueueFull               an `AsyncEngine`'s waiting queue is full (nothing was queued;
     │                           retry later)
-    └── EngineUnavailable       an `AsyncEngine` whose engine can no longer step (a forward
-                                timed out, its driver thread died): open streams end with it
+    ├── EngineUnavailable       an `AsyncEngine` whose engine can no longer step (a forward
+    │                           timed out, its driver thread died): open streams end with it
+    └── RankError               the ranks of a tensor-parallel group stopped agreeing
+        ├── RankDivergence      two ranks planned or settled a round differently (checking mode)
+        └── RankFailure         a rank failed, died or wedged; its batch fails on every rank
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ __all__ = [
     "LedgerViolation",
     "OwnershipError",
     "QueueFull",
+    "RankDivergence",
+    "RankError",
+    "RankFailure",
     "RelayError",
     "ReservationExceeded",
     "SpecStateError",
@@ -125,3 +131,15 @@ class EngineUnavailable(SpecStateError):
     """An `AsyncEngine` whose engine can no longer step (a forward timed out, or its driver
     thread died): every open stream ends with this error and new requests are refused.
     ``__cause__`` is the failure."""
+
+
+class RankError(SpecStateError):
+    """The ranks of a tensor-parallel group stopped agreeing (`specstate.distributed`)."""
+
+
+class RankDivergence(RankError):
+    """Two ranks planned or settled a round differently; the group cannot go on."""
+
+
+class RankFailure(RankError):
+    """A rank's batch failed, or a rank died or wedged (a collective failed or timed out)."""

@@ -34,6 +34,7 @@ from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.intake import check_request
@@ -86,6 +87,9 @@ class Engine:
             (`specstate.engine.draft_policy`); it sees every settled decode round once, with
             the width that round was launched with. Default: `AcceptanceEma` when
             ``config.adaptive_draft``, else none (the worker's ``num_steps`` every round).
+        agreement: one rank's engine of a tensor-parallel group
+            (`specstate.distributed.DistributedEngine` builds it): the worker gets its group
+            and every batch is agreed on with the other ranks. None: a single-rank engine.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Engine:
         config: EngineConfig,
         trace: TraceRecorder | None = None,
         draft_policy: DraftPolicy | None = None,
+        agreement: RoundAgreement | None = None,
     ):
         caps = worker.capabilities
         if draft_policy is None and config.adaptive_draft and caps.speculative:
@@ -216,6 +221,7 @@ class Engine:
                 num_token_slots=num_pages * config.page_size,
                 device=device,
                 recurrent=None if self.recurrent is None else self.recurrent.layout,
+                parallel=None if agreement is None else agreement.parallel,
             )
         )
         self.lifecycle = RequestLifecycle(
@@ -238,6 +244,7 @@ class Engine:
             draft_policy=draft_policy,
             trace=trace,
             grammar=self.grammar,
+            agreement=agreement,
         )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call

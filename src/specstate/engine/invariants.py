@@ -27,7 +27,7 @@ a name (`InvariantViolation.invariant`):
 * ``idle-empty``: at idle, nothing is open and every page is free or cached and unreferenced
   (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
-  every open output row belongs to such a request.
+  every open output row belongs to such a request;
 * ``recurrent-slots`` (a worker with recurrent state): the open state records are exactly the
   open KV slots, each held by the same request and, for a live request, its current
   incarnation: every running hybrid request owns exactly one committed state, and the state
@@ -35,7 +35,13 @@ a name (`InvariantViolation.invariant`):
   (``cache_protected_len == 0``: the state has no checkpoint at a cache boundary);
 * ``recurrent-commit``: a running request's committed state has absorbed exactly its committed
   KV (``recurrent_committed_len == kv_committed_len``); a prefilling one has committed none
-  (its partial state is carried on the device from chunk to chunk).
+  (its partial state is carried on the device from chunk to chunk);
+* ``grammar-records``, ``grammar-committed``, ``grammar-position`` (grammar requests): one
+  grammar record per live grammar request, its committed count equal to the settled outputs,
+  its matcher where the last forward left it (`specstate.grammar.table`);
+* ``rank-agreement`` (one rank of a tensor-parallel group): the agreement saw every step's
+  launch point and agreed on every retired batch before it was settled
+  (`specstate.engine.agreement`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -175,6 +181,7 @@ def check_engine(engine: Engine) -> None:
     _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
     engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
     _check_page_owners(engine)
+    _check_agreement(engine)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         free = engine.allocator.available_tokens() // pool.page_size
@@ -222,6 +229,25 @@ def _check_page_owners(engine: Engine) -> None:
             f"cached pages {pages[wrong][:8].tolist()} hold references "
             f"{refs[wrong][:8].tolist()} but are mapped by "
             f"{ref_by_page[pages][wrong][:8].tolist()} rows",
+        )
+
+
+def _check_agreement(engine: Engine) -> None:
+    """``rank-agreement``: every launch point and every retired batch passed the agreement."""
+    rounds = engine.rounds
+    if rounds.agreement is None:
+        return
+    snap = rounds.agreement.snapshot()
+    retired = rounds.num_retired
+    # An abandoned forward retires the batch queued behind it unsettled (its KV quarantined).
+    settled = snap.last_settled == retired or (
+        snap.last_settled == retired - 1 and bool(engine.deferred.held())
+    )
+    if snap.last_launched != rounds.num_launched or not settled:
+        _fail(
+            "rank-agreement",
+            f"the agreement saw launch point {snap.last_launched} and settled batch "
+            f"{snap.last_settled}; the engine launched {rounds.num_launched} and retired {retired}",
         )
 
 

@@ -30,6 +30,7 @@ from specstate.core.errors import ForwardTimeout, LedgerViolation, WorkerResultE
 from specstate.core.ledger import LedgerReader
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
+from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.invariants import InvariantViolation, SettlementProbe, check_settlement
@@ -72,6 +73,7 @@ class RoundPipeline:
         draft_policy: DraftPolicy | None,
         trace: TraceRecorder | None,
         grammar: GrammarTable | None = None,
+        agreement: RoundAgreement | None = None,
     ) -> None:
         self.launcher = launcher
         self.ledger = ledger
@@ -86,9 +88,15 @@ class RoundPipeline:
         self._draft_policy = draft_policy
         self._trace = trace
         self._grammar = grammar
+        self._agreement = agreement  # multi-rank mode: the ranks agree on every batch
         self.in_flight: InFlight | None = None
         self.num_launched = 0
         self.num_retired = 0
+
+    @property
+    def agreement(self) -> RoundAgreement | None:
+        """The multi-rank agreement this pipeline calls, or None (read only)."""
+        return self._agreement
 
     # ---------------------------------------------------------------- launch
     def advance(self, plan: LaunchPlan | None, *, started: int = 0) -> tuple[str, ...]:
@@ -98,6 +106,8 @@ class RoundPipeline:
         Normal loop: ``plan``'s own batch is settled at once.
         """
         launched = None
+        if self._agreement is not None:  # every step: the ranks agree on what launches
+            self._agreement.on_launch(plan, self.num_launched + (plan is not None))
         if plan is not None:
             self.num_launched += 1
             rec = self._trace
@@ -147,6 +157,8 @@ class RoundPipeline:
                 if host is None:
                     return self._abandon(flight, timeout or 0.0, "result copy")
         self.num_retired = flight.batch_id
+        if self._agreement is not None:  # every rank settles, or fails, the batch the same way
+            error = self._agreement.on_settle(flight.batch_id, flight.plan, host, error)
         settling = 0
         if rec is not None:
             settling = rec.now()
@@ -281,7 +293,9 @@ class RoundPipeline:
         drained = self.launcher.abandon(flights)
         self.in_flight = None
         self.num_retired = flights[-1].batch_id
-        error = flight.timeout_error(timeout, what)
+        error: BaseException = flight.timeout_error(timeout, what)
+        if self._agreement is not None:
+            error = self._agreement.on_settle(flight.batch_id, flight.plan, None, error) or error
         _log.error("%s", error)
         batch = flight.plan.batch
         ended = self._lifecycle.fail(batch.reqs, batch.incarnations, error)

@@ -54,6 +54,7 @@ from specstate.memory.sizing import SpecWindow
 __all__ = [
     "AlgorithmRegistry",
     "OnPublish",
+    "ParallelGroup",
     "WorkerCapabilities",
     "WorkerFactory",
     "WorkerMemory",
@@ -166,6 +167,34 @@ class WorkerCapabilities:
         )
 
 
+@runtime_checkable
+class ParallelGroup(Protocol):
+    """The tensor-parallel group one rank's worker computes in (`WorkerMemory.parallel`).
+
+    Every rank of the group calls each collective in the same order (one thread per rank
+    calls them: the forward's). A collective that fails or times out raises `RankFailure`, and
+    every later one raises it at once: the group cannot recover (docs/scale-out.md).
+    """
+
+    @property
+    def rank(self) -> int:
+        """This rank, ``0 .. world_size - 1``; rank 0 is where host decisions are made."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks share the model."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the ranks: a new tensor, bit for bit equal on every rank."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (same shape and dtype everywhere; a new tensor)."""
+        ...
+
+
 @attrs.frozen(kw_only=True)
 class WorkerMemory:
     """What the engine hands a worker once: read access to the slot table and the ledger.
@@ -180,6 +209,9 @@ class WorkerMemory:
         recurrent: where request states sit in the worker's state buffers (a worker that
             declares `WorkerCapabilities.recurrent` allocates ``recurrent.num_rows`` rows per
             state tensor); None for a worker without recurrent state.
+        parallel: the tensor-parallel group of this rank (`specstate.distributed`), or None
+            when one worker runs the whole model. A worker shards its model over it and makes
+            every host decision from rank 0's (docs/scale-out.md).
     """
 
     req_to_token: torch.Tensor
@@ -187,6 +219,7 @@ class WorkerMemory:
     num_token_slots: int
     device: torch.device
     recurrent: RecurrentLayout | None = None
+    parallel: ParallelGroup | None = None
 
 
 @runtime_checkable

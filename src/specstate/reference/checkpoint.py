@@ -25,7 +25,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import torch
@@ -34,6 +34,10 @@ from safetensors.torch import save_file
 
 from specstate.core.errors import InvalidConfig
 from specstate.reference.model import ModelConfig, PagedLlama
+from specstate.reference.tensor_parallel import shard_state
+
+if TYPE_CHECKING:
+    from specstate.engine.worker import ParallelGroup
 
 __all__ = [
     "CONFIG_FILE",
@@ -327,6 +331,7 @@ def load_paged_llama(
     num_token_slots: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    parallel: ParallelGroup | None = None,
 ) -> PagedLlama:
     """Builds a `PagedLlama` from a Hugging Face Llama checkpoint directory.
 
@@ -335,6 +340,8 @@ def load_paged_llama(
         num_token_slots: KV token slots per layer, padding slot 0 included.
         device: Where the parameters and KV cache live.
         dtype: Parameter and KV dtype; defaults to the config's ``dtype`` (float32 if absent).
+        parallel: build this rank's tensor-parallel shard (every rank reads the same files and
+            keeps its slice, `specstate.reference.tensor_parallel`); None: the whole model.
 
     Raises:
         InvalidConfig: A bad config, a missing file, or a missing, misshapen or unexpected
@@ -348,8 +355,11 @@ def load_paged_llama(
         tensors = _read_tensors(root, config)
     except SafetensorError as error:  # a truncated or foreign file: name it, not a traceback
         raise InvalidConfig(f"{root}: unreadable safetensors weights ({error})") from None
-    model = PagedLlama(config, num_token_slots=num_token_slots, device=device)
-    model.load_state_dict({_module_name(name): t for name, t in tensors.items()}, strict=True)
+    state = {_module_name(name): t for name, t in tensors.items()}
+    if parallel is not None:
+        state = shard_state(state, config, rank=parallel.rank, world_size=parallel.world_size)
+    model = PagedLlama(config, num_token_slots=num_token_slots, device=device, parallel=parallel)
+    model.load_state_dict(state, strict=True)
     return model
 
 
@@ -370,7 +380,12 @@ def save_paged_llama(model: PagedLlama, directory: StrPath) -> None:
 
     The directory is created if needed; existing files of those names are overwritten. Tied
     models write no ``lm_head.weight`` (HF re-ties it from ``tie_word_embeddings``).
+
+    Raises:
+        InvalidConfig: ``model`` is one rank's tensor-parallel shard (not the whole model).
     """
+    if model.parallel is not None and model.parallel.world_size > 1:
+        raise InvalidConfig("save_paged_llama: the model is a tensor-parallel shard")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     raw = to_hf_config(model.config)

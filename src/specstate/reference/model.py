@@ -31,6 +31,8 @@ inference-only: `PagedLlama.forward` runs without autograd. Hugging Face file fo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -38,6 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
+
+if TYPE_CHECKING:
+    from specstate.engine.worker import ParallelGroup
 
 __all__ = [
     "AttentionBatch",
@@ -51,6 +56,7 @@ __all__ = [
     "TreeAttentionBatch",
     "TreeMask",
     "plan_forward",
+    "shard_config",
 ]
 
 
@@ -96,6 +102,36 @@ class ModelConfig:
                 f"ModelConfig: rms_norm_eps ({self.rms_norm_eps}) and rope_theta"
                 f" ({self.rope_theta}) must be finite and > 0"
             )
+
+
+def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The shapes one rank of ``world_size`` holds: attention heads, KV heads and MLP width split.
+
+    Vocabulary, hidden size, layers and ``head_dim`` are unchanged (the embedding, the norms and
+    the LM head are replicated; `specstate.reference.tensor_parallel` slices the weights).
+
+    Raises:
+        InvalidConfig: a split size is not divisible by ``world_size``.
+    """
+    if world_size == 1:
+        return config
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for name, size in sizes.items():
+        if world_size < 1 or size % world_size:
+            raise InvalidConfig(
+                f"ModelConfig: {name} ({size}) is not divisible by the tensor-parallel size "
+                f"{world_size}"
+            )
+    return attrs.evolve(
+        config,
+        num_attention_heads=config.num_attention_heads // world_size,
+        num_key_value_heads=config.num_key_value_heads // world_size,
+        intermediate_size=config.intermediate_size // world_size,
+    )
 
 
 @attrs.define
@@ -451,18 +487,36 @@ class _Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP.
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    With ``reduce`` (tensor parallelism: this rank holds some heads and some of the MLP), the
+    outputs of ``o_proj`` and ``down_proj`` are partial sums that ``reduce`` sums over the ranks
+    before each residual add.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        *,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = _Attention(config, layer)
         self.mlp = _Mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._reduce = reduce
 
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, cache)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), plan, cache)
+        if self._reduce is not None:
+            attended = self._reduce(attended)
+        x = x + attended
+        mixed = self.mlp(self.post_attention_layernorm(x))
+        if self._reduce is not None:
+            mixed = self._reduce(mixed)
+        out: torch.Tensor = x + mixed
         return out
 
 
@@ -473,21 +527,36 @@ class PagedLlama(nn.Module):
     absent when embeddings are tied). The KV cache is not a parameter or buffer: build the model
     on its final device, ``.to()`` does not move the cache.
 
+    With ``parallel`` the model is this rank's shard (`shard_config`): its attention heads, KV
+    heads and MLP columns, with the embedding, the norms and the LM head replicated; every
+    decoder layer sums its row-parallel outputs over the group (`ParallelGroup.all_reduce`,
+    bit for bit equal on every rank, so every rank computes the same hidden states and logits).
+    ``config`` stays the whole model's; the KV cache holds this rank's KV heads only.
+
     Args:
         config: The model shape; parameters are created in ``config.dtype``.
         num_token_slots: KV token slots per layer, padding slot 0 included.
         device: Where parameters and the KV cache live.
+        parallel: the tensor-parallel group this model is a shard of (None: the whole model).
     """
 
     def __init__(
-        self, config: ModelConfig, *, num_token_slots: int, device: torch.device | str = "cpu"
+        self,
+        config: ModelConfig,
+        *,
+        num_token_slots: int,
+        device: torch.device | str = "cpu",
+        parallel: ParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        local = config if parallel is None else shard_config(config, parallel.world_size)
+        reduce = None if parallel is None else parallel.all_reduce
         with torch.device(device):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(
-                DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+                DecoderLayer(local, i, reduce=reduce) for i in range(config.num_hidden_layers)
             )
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = (
@@ -497,7 +566,7 @@ class PagedLlama(nn.Module):
             )
         self.to(dtype=config.dtype)
         self.requires_grad_(False)
-        self._kv_cache = KvCache.allocate(config, num_token_slots=num_token_slots, device=device)
+        self._kv_cache = KvCache.allocate(local, num_token_slots=num_token_slots, device=device)
 
     @property
     def kv_cache(self) -> KvCache:

@@ -135,6 +135,7 @@ def check_worker(
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     max_new_tokens: int = 12,
     oracle: Callable[[Sequence[int], int], Sequence[int]] | None = None,
+    world_size: int = 1,
 ) -> ConformanceReport:
     """Serve ``prompts`` through the engine in every supported configuration; report the rules.
 
@@ -144,7 +145,16 @@ def check_worker(
         prompts: the workload (greedy, ``max_new_tokens`` each).
         max_new_tokens: tokens per request.
         oracle: ``oracle(prompt, n)`` -> the expected greedy tokens (say, HF ``generate``).
+        world_size: above 1, check a tensor-parallel worker on that many spawned ranks
+            (`specstate.testing.tp_conformance.check_tp_worker`).
     """
+    if world_size > 1:  # the tensor-parallel kit: its own module, the same report
+        from specstate.testing.tp_conformance import check_tp_worker
+
+        return check_tp_worker(
+            factory, vocab_size=vocab_size, world_size=world_size, prompts=prompts,
+            max_new_tokens=max_new_tokens, oracle=oracle,
+        )  # fmt: skip
     caps = factory().capabilities
     findings: list[Finding] = []
     seen: dict[int, tuple[tuple[int, ...], str]] = {}  # prompt index -> first tokens, config

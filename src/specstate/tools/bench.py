@@ -18,6 +18,8 @@ Subcommands:
   shared-prefix workload (`specstate.tools.bench_prefix`), beside a peer's report (``--peer``);
   ``--hits`` instead serves a multi-turn workload on the embedded model with every algorithm
   and reports hit rates and first-round acceptance on cached prefixes.
+* ``bench tp``: the per-round host cost of the multi-rank mode against one rank
+  (`specstate.tools.bench_tp`).
 
 Results go to stdout (a table, or one JSON object with ``--json``); progress goes to stderr.
 A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
@@ -43,7 +45,7 @@ from typing import Final, TypeVar
 import attrs
 import torch
 
-from specstate.tools import bench_grammar, bench_recurrent
+from specstate.tools import bench_grammar, bench_recurrent, bench_tp
 
 __all__ = ["add_arguments", "run"]
 
@@ -225,6 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_recurrent.add_parser(benches)
     bench_grammar.add_arguments(benches)
     _add_prefix_arguments(benches)
+    bench_tp.add_parser(benches)
     for sub in benches.choices.values():  # the benches of other modules show defaults too
         sub.formatter_class = shown
 
@@ -253,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         "recurrent": bench_recurrent.run,
         "grammar": bench_grammar.run,
         "prefix": _run_prefix,
+        "tp": bench_tp.run,
     }
     return benches[args.bench](args)
 

@@ -24,7 +24,7 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
-from specstate.engine.worker import WorkerCapabilities, WorkerMemory
+from specstate.engine.worker import ParallelGroup, WorkerCapabilities, WorkerMemory
 from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource
@@ -75,6 +75,7 @@ class NgramWorker(ChainRoundWorker):
         self._max_ngram = max_ngram
         self._draft_without_match = draft_without_match
         self._history: TokenHistory | None = None
+        self._parallel: ParallelGroup | None = None
 
     @property
     def history(self) -> TokenHistory:
@@ -88,6 +89,7 @@ class NgramWorker(ChainRoundWorker):
         self._history = TokenHistory.by_token_slot(
             memory.num_token_slots, memory.req_to_token, device=device
         )
+        self._parallel = memory.parallel
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention = out.attention
@@ -102,6 +104,9 @@ class NgramWorker(ChainRoundWorker):
             num_tokens=batch.draft_steps(self.capabilities.num_steps),
             max_ngram=self._max_ngram,
         )
+        if self._parallel is not None:  # host decisions: made once, on rank 0
+            drafts = self._parallel.broadcast(drafts)
+            matched = self._parallel.broadcast(matched.to(torch.int64)).bool()
         if not self._draft_without_match and not bool(matched.any()):  # a host read
             return DraftChain(tokens=drafts[:, :0])  # nothing to propose: a plain decode step
         return DraftChain(tokens=drafts)

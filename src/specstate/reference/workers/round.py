@@ -169,7 +169,7 @@ class ChainRoundWorker(abc.ABC):
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""
         self._target.attach(memory)
-        self._sampler.bind(self._target.device_for(memory))
+        self._sampler.bind(self._target.device_for(memory), memory.parallel)
         self._attach_draft(memory)
 
     def forward_batch_generation(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -37,6 +38,9 @@ import torch.nn.functional as F
 
 from specstate.batch.sampling import SamplingInfo, apply_logit_controls, seeded_uniforms
 from specstate.grammar.rows import GrammarRows, RowMasks
+
+if TYPE_CHECKING:
+    from specstate.engine.worker import ParallelGroup
 
 __all__ = [
     "TokenChoice",
@@ -229,9 +233,17 @@ class TokenSampler:
         """The seed this sampler was configured with."""
         return self._seed
 
-    def bind(self, device: torch.device) -> None:
-        """Creates the generator on ``device`` (the worker's), seeded; called at attach."""
+    def bind(self, device: torch.device, parallel: ParallelGroup | None = None) -> None:
+        """Creates the generator on ``device`` (the worker's), seeded; called at attach.
+
+        With ``parallel`` every rank seeds with rank 0's seed (its configured one, or the fresh
+        one it drew), so the ranks' generators draw the same numbers in lock step.
+        """
         self._generator = self._seeded(device)
+        if parallel is not None:
+            seed = torch.tensor([self._generator.initial_seed() & (2**63 - 1)], dtype=torch.int64)
+            agreed = parallel.broadcast(seed.to(device))
+            self._generator.manual_seed(int(agreed.item()))
 
     @property
     def generator(self) -> torch.Generator:

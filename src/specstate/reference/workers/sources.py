@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -34,6 +35,10 @@ from specstate.reference.hybrid import (
     read_hybrid_config,
 )
 from specstate.reference.model import ModelConfig, PagedLlama
+from specstate.reference.tensor_parallel import shard_state
+
+if TYPE_CHECKING:
+    from specstate.engine.worker import ParallelGroup
 
 __all__ = [
     "ModelSource",
@@ -100,25 +105,42 @@ def build_model(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
     recurrent: RecurrentLayout | None = None,
+    parallel: ParallelGroup | None = None,
 ) -> SourceModel:
     """The model of ``source``, whose own KV cache holds ``num_token_slots`` slots (and, for a
-    hybrid, whose states hold the rows of ``recurrent``).
+    hybrid, whose states hold the rows of ``recurrent``); a Llama is sharded over ``parallel``.
+
+    With ``parallel``, this rank's tensor-parallel shard of it.
 
     Raises:
-        InvalidConfig: the checkpoint cannot be loaded (`load_paged_llama`, `load_paged_hybrid`).
+        InvalidConfig: the checkpoint cannot be loaded (`load_paged_llama`, `load_paged_hybrid`),
+            an in-memory source is itself a shard, or a hybrid model is asked to shard.
     """
     slots = num_token_slots
+    sharded = parallel is not None and parallel.world_size > 1
     if isinstance(source, PagedLlama | PagedHybrid):
+        shard = source.parallel if isinstance(source, PagedLlama) else None
+        if shard is not None and shard.world_size > 1:
+            raise InvalidConfig(f"{source_label(source)} is a tensor-parallel shard, not a model")
         config = read_source_config(source, dtype=dtype)
-        model: SourceModel
         if isinstance(config, HybridConfig):
-            model = PagedHybrid(config, num_token_slots=slots, layout=recurrent, device=device)
-        else:
-            model = PagedLlama(config, num_token_slots=slots, device=device)
-        model.load_state_dict(source.state_dict(), strict=True)
+            if sharded:
+                raise InvalidConfig(f"{source_label(source)}: hybrid models are not sharded")
+            hybrid = PagedHybrid(config, num_token_slots=slots, layout=recurrent, device=device)
+            hybrid.load_state_dict(source.state_dict(), strict=True)
+            return hybrid
+        state = source.state_dict()
+        if parallel is not None:
+            state = shard_state(state, config, rank=parallel.rank, world_size=parallel.world_size)
+        model = PagedLlama(config, num_token_slots=slots, device=device, parallel=parallel)
+        model.load_state_dict(state, strict=True)
         return model
     if is_hybrid_checkpoint(source):
+        if sharded:
+            raise InvalidConfig(f"{source_label(source)}: hybrid models are not sharded")
         return load_paged_hybrid(
             source, num_token_slots=slots, layout=recurrent, device=device, dtype=dtype
         )
-    return load_paged_llama(source, num_token_slots=slots, device=device, dtype=dtype)
+    return load_paged_llama(
+        source, num_token_slots=slots, device=device, dtype=dtype, parallel=parallel
+    )

@@ -162,6 +162,7 @@ class TargetRunner:
             device=self.device_for(memory),
             dtype=self._dtype,
             recurrent=memory.recurrent,
+            parallel=memory.parallel,
         )
         self._memory = memory
         self._history = TokenHistory.by_token_slot(

@@ -35,6 +35,10 @@ __all__ = ["run"]
 
 def run(args: argparse.Namespace) -> int:
     """Run the command; 0 on success, 1 if a request ended with an error, 2 on bad input."""
+    if args.tp > 1 and getattr(args, "tp_leader", None) is None:
+        from specstate.tools.generate_tp import run_tp
+
+        return run_tp(args, run)
     reqs: list[Req] = []
     try:
         reqs = _serve(args)

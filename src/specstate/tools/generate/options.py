@@ -187,6 +187,14 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     """How the run is shown and recorded."""
     parser.add_argument("--threads", type=positive, metavar="N", help=THREADS_NOTE)
     parser.add_argument(
+        "--tp",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="tensor parallelism: shard the model over N ranks, spawned here or started by "
+        "torchrun (specstate.tools.generate_tp)",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,

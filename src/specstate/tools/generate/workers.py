@@ -218,6 +218,11 @@ def load_engine(
             worker, limits = _call_factory(factory, args)
         else:
             worker, limits = build_worker(args)
+        leader = getattr(args, "tp_leader", None)
+        if leader is not None:  # --tp: rank 0 of a tensor-parallel group
+            from specstate.tools.generate_tp import leader_engine
+
+            return leader_engine(leader, worker, limits=limits, config=config, trace=trace)
         return Engine(worker, limits=limits, config=config, trace=trace)
     except SpecStateError:
         raise
