@@ -31,9 +31,10 @@ payload's bonus tokens: a result without one fails its batch). A page size of 1 
 pages every round (16 does not, in the counted round)."""
 
 
-TORCH_OPS_CHURNED_ROUND = 152
+TORCH_OPS_CHURNED_ROUND = 153
 """Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
-requests finish (page 16): the changed rows' copy-on-write, the relay's patch, the release."""
+requests finish (page 16): the changed rows' copy-on-write, the relay's patch, the release
+and the prefix cache's insert of the finished requests' pages (on by default; 152 without)."""
 
 
 class _CountTorch(TorchFunctionMode):
