@@ -148,8 +148,8 @@ class FaultyWorker:
     """A worker that misbehaves at its first decode round, on the ranks told to.
 
     ``fault``: ``raise`` (a RuntimeError before the forward), ``sleep`` (``seconds`` before it),
-    ``die`` (the process exits), ``perturb`` (the first row accepts one token fewer than it
-    did, consistently: frontier and publish follow), or None (a plain pass-through).
+    ``die`` (the process exits), ``perturb`` (every row that accepted more than one token accepts
+    one fewer, consistently: frontier and publish follow), or None (a plain pass-through).
     """
 
     def __init__(
@@ -197,8 +197,9 @@ class FaultyWorker:
         if fault != "perturb":
             return self._inner.forward_batch_generation(batch, on_publish=on_publish)
         result = self._inner.forward_batch_generation(batch, on_publish=None)
-        accept = result.accept_lens.clone()
-        accept[0] = torch.clamp(accept[0] - 1, min=1)
+        # Every row, not one: which row a request sits in changes as the persistent batch
+        # refills and condenses its rows, and one row may keep accepting exactly one token.
+        accept = torch.clamp(result.accept_lens - 1, min=1)
         assert result.new_seq_lens is not None
         frontier = result.new_seq_lens - (result.accept_lens - accept)
         if on_publish is not None:
@@ -353,7 +354,8 @@ def lossless_matrix(
 
 
 def skewed_worker(ckpt: dict[str, str]) -> WorkerProtocol:
-    """An n-gram worker that, on rank 1 only, accepts one token fewer in every decode round."""
+    """An n-gram worker that, on rank 1 only, accepts one token fewer in every decode round
+    (in every row that accepted more than one)."""
     return FaultyWorker(reference_worker(ckpt, "ngram"), "perturb", on_ranks=(1,), every_round=True)
 
 

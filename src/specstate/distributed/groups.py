@@ -41,10 +41,18 @@ import torch.distributed as dist
 
 from specstate.core.errors import InvalidConfig, RankFailure
 
-__all__ = ["ControlGroup", "RankGroup", "WorkerGroup"]
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_S",
+    "ControlGroup",
+    "RankGroup",
+    "WorkerGroup",
+]
 
-_DEFAULT_TIMEOUT_S: Final = 60.0
-_DEFAULT_IDLE_TIMEOUT_S: Final = 3600.0
+DEFAULT_TIMEOUT_S: Final = 60.0
+"""Seconds a model collective may take before the group fails (the round's agreement: twice)."""
+DEFAULT_IDLE_TIMEOUT_S: Final = 3600.0
+"""Seconds a follower waits for rank 0's next command before the group fails."""
 
 
 class _Collectives:
@@ -171,7 +179,7 @@ class RankGroup:
         world_size: int,
         device: torch.device,
         timeout_s: float,
-        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -197,8 +205,8 @@ class RankGroup:
         world_size: int,
         init_method: str = "env://",
         device: str | torch.device = "cpu",
-        timeout_s: float = _DEFAULT_TIMEOUT_S,
-        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> RankGroup:
         """Join the group (``torch.distributed.init_process_group``); every rank calls it.
 
@@ -237,8 +245,8 @@ class RankGroup:
         cls,
         *,
         device: str | None = None,
-        timeout_s: float = _DEFAULT_TIMEOUT_S,
-        idle_timeout_s: float = _DEFAULT_IDLE_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> RankGroup:
         """Join from ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...).
 

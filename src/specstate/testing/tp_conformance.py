@@ -33,16 +33,10 @@ from specstate.distributed.groups import RankGroup
 from specstate.distributed.spawn import RankOutcome, spawn_ranks
 from specstate.engine.config import EngineConfig
 from specstate.engine.worker import WorkerProtocol
-from specstate.testing.conformance import ConformanceReport, Finding
+from specstate.testing.conformance import DEFAULT_PROMPTS, ConformanceReport, Finding
 
 __all__ = ["check_tp_worker"]
 
-_PROMPTS: tuple[tuple[int, ...], ...] = (
-    (3, 14, 15, 92, 65, 35, 89),
-    (79, 32),
-    (38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93),
-    (5, 5, 5, 5),
-)
 _RANK_ERRORS = ("RankDivergence", "RankFailure", "RankError")
 _Outputs = dict[str, tuple[tuple[int, ...], str | None, str]]
 
@@ -123,7 +117,7 @@ def check_tp_worker(
     *,
     vocab_size: int,
     world_size: int = 2,
-    prompts: Sequence[Sequence[int]] = _PROMPTS,
+    prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     max_new_tokens: int = 12,
     oracle: Callable[[Sequence[int], int], Sequence[int]] | None = None,
     timeout_s: float = 600.0,
