@@ -55,6 +55,7 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
@@ -195,11 +196,20 @@ class TreeRoundWorker(ChainRoundWorker):
 
     Attributes:
         observer: if set, called with every `VerifiedTree` after its round (tests, metrics).
+
+    Raises:
+        InvalidConfig: ``topk`` larger than the target's vocabulary.
     """
 
     def __init__(
         self, target: TargetRunner, capabilities: WorkerCapabilities, *, seed: int | None = None
     ) -> None:
+        vocab = target.config.vocab_size
+        if capabilities.topk > vocab:
+            raise InvalidConfig(
+                f"{capabilities.algorithm} worker: topk {capabilities.topk} exceeds the "
+                f"vocabulary of {vocab} tokens (a tree node has at most {vocab} children)"
+            )
         super().__init__(target, capabilities, seed=seed)
         self._tree: TreeShape | None = None
         if capabilities.topk > 1:
