@@ -252,7 +252,8 @@ class RoundPipeline:
         rows = np.flatnonzero(mask).tolist()
         failure = WorkerResultError(
             f"batch {self.num_retired} ({batch.forward_mode.value}): the worker marked the "
-            "row invalid (for the reference workers: non-finite logits)"
+            "row invalid (for the reference workers: non-finite logits, raw or after the sampling "
+            "controls)"
         )
         ended = self._lifecycle.fail(
             [batch.reqs[i] for i in rows], [batch.incarnations[i] for i in rows], failure

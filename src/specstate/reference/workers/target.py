@@ -42,6 +42,7 @@ from specstate.reference.workers.layout import chain_attention, extend_attention
 from specstate.reference.workers.sampler import (
     TokenCounts,
     TokenSampler,
+    contain_logits,
     filtered_probs,
     sample_with_uniforms,
     token_logprobs,
@@ -66,7 +67,8 @@ class TargetExtend:
         next_tokens: ``[B]`` token after each row's last new token (argmax, or sampled).
         hidden_states: ``[T, hidden]`` target features (before the final norm) of every token.
         last_rows: ``[B]`` index of each row's last new token in the packed layout.
-        invalid_rows: ``[B]`` bool, True where the row's logits were not finite.
+        invalid_rows: ``[B]`` bool, True where the row's logits were not finite (raw, or after
+            the logit controls: `contain_logits`).
         logprobs: ``[B]`` log-probability of each next token, when the batch asks for them.
     """
 
@@ -85,7 +87,8 @@ class TargetVerify:
     Attributes:
         verdict: the accepted runs.
         hidden_states: ``[B, D, hidden]`` target features of the chain.
-        invalid_rows: ``[B]`` rows whose logits were not finite (verified on zeroed logits).
+        invalid_rows: ``[B]`` rows whose logits were not finite, raw or after the logit
+            controls (verified on zeroed logits).
         logprobs: ``[B, D]`` log-probability of each run token, when the batch asks for them.
     """
 
@@ -224,6 +227,8 @@ class TargetRunner:
             self.write_tokens(slots, attention.positions, attention.input_ids)
             counts = self.counts_at(attention.req_pool_indices, last, sampling)
         choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts)
+        if choice.invalid is not None:  # the controls left a row nothing to choose from
+            invalid = invalid | choice.invalid
         logprobs = None
         if sampling.logprobs:
             processed = out.logits if choice.logits is None else choice.logits
@@ -286,7 +291,8 @@ class TargetRunner:
             if counts is None:
                 counts = self.counts_at(req_pool_indices, start, sampling)
         if counts is not None:  # position j sees x0 and d1 .. dj
-            logits = counts.chain(drafts.tokens).apply(logits, sampling)
+            logits, unusable = contain_logits(counts.chain(drafts.tokens).apply(logits, sampling))
+            invalid = invalid | unusable
         verdict, probs = _verify(drafts, logits, sampling, sampler, start)
         logprobs = None
         if sampling.logprobs:

@@ -60,7 +60,7 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
 from specstate.reference.workers.round import ChainRoundWorker
-from specstate.reference.workers.sampler import token_logprobs
+from specstate.reference.workers.sampler import contain_logits, token_logprobs
 from specstate.reference.workers.target import TargetRunner
 from specstate.reference.workers.tree_draft import (
     DraftForward,
@@ -250,7 +250,8 @@ class TreeRoundWorker(ChainRoundWorker):
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)
         if counts is not None:  # node n sees the prefix and its path root .. n
-            logits = tree_counts(counts, tree).apply(logits, sampling)
+            logits, unusable = contain_logits(tree_counts(counts, tree).apply(logits, sampling))
+            invalid = invalid | unusable
         verdict, probs = verify_tree_with_probs(
             tree, logits, shape.path_width, sampling, self._sampler, start=start
         )
