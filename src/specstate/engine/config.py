@@ -160,6 +160,8 @@ class EngineSnapshot:
         quarantined: requests whose KV is held until an abandoned forward stream drains
             (after a `ForwardTimeout`).
         metrics: acceptance statistics so far.
+        draft_policy_failure: what disabled the engine's draft policy (it raised, or chose a
+            width outside ``[0, max_steps]``: `specstate.engine.draft_guard`), or None.
     """
 
     num_waiting: int
@@ -172,3 +174,4 @@ class EngineSnapshot:
     deferred_releases: tuple[str, ...]
     quarantined: tuple[str, ...]
     metrics: AcceptMetrics
+    draft_policy_failure: str | None = None

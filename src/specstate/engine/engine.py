@@ -35,6 +35,7 @@ from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
+from specstate.engine.draft_guard import DraftGuard
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.intake import check_request
 from specstate.engine.invariants import check_engine
@@ -96,18 +97,16 @@ class Engine:
         caps = worker.capabilities
         if draft_policy is None and config.adaptive_draft and caps.speculative:
             draft_policy = AcceptanceEma(caps.num_steps)
+        guard = None
         if draft_policy is not None:
             if not caps.supports_adaptive_steps:
                 raise InvalidConfig(
                     f"worker {caps.algorithm!r} does not support adaptive draft length "
                     "(WorkerCapabilities.supports_adaptive_steps)"
                 )
-            if draft_policy.max_steps > caps.num_steps:
-                raise InvalidConfig(
-                    f"draft policy may choose {draft_policy.max_steps} steps; worker "
-                    f"{caps.algorithm!r} drafts at most {caps.num_steps}"
-                )
-        self._draft_policy = draft_policy
+            # The policy is user code inside the round: contained (engine/draft_guard.py).
+            guard = DraftGuard(draft_policy, algorithm=caps.algorithm, num_steps=caps.num_steps)
+        self._draft_policy = guard
         if config.overlap and not caps.supports_overlap:
             raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
         if config.mixed_chunk and not caps.supports_mixed_chunk:
@@ -158,7 +157,7 @@ class Engine:
             checker=self.checker,
             device=device,
             releases_pending=lambda: self.deferred.has_pending,
-            draft_policy=draft_policy,
+            draft_policy=guard,
         )
         self.results = ResultProcessor(
             ledger=views.result_processor,
@@ -205,7 +204,7 @@ class Engine:
             allocator=self.allocator,
             outputs=self.outputs,
             checker=self.checker,
-            draft_policy=draft_policy,
+            draft_policy=guard,
             trace=trace,
         )
         self._num_generated = 0
@@ -360,6 +359,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """A frozen summary of the engine's state."""
         pool = self.allocator.token_pool
+        guard = self._draft_policy
         return EngineSnapshot(
             num_waiting=len(self.scheduler.waiting),
             num_prefilling=len(self.scheduler.prefilling),
@@ -371,6 +371,7 @@ class Engine:
             deferred_releases=tuple(self.deferred.pending()),
             quarantined=tuple(self.deferred.held()),
             metrics=self.results.metrics(),
+            draft_policy_failure=None if guard is None else guard.snapshot().failure,
         )
 
     @property
