@@ -45,7 +45,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import ForwardTimeout, RelayError
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.engine.result_check import check_form, check_values
+from specstate.engine.result_check import check_form, check_result_type, check_values
 from specstate.engine.result_copy import HostResult, ResultCopy
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
@@ -264,6 +264,7 @@ class Launcher:
                     flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):
                     result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
+                check_result_type(result)
                 if flight.marks is not None:
                     flight.marks.append(time.perf_counter_ns())
                 scope.keep_alive(result.keep_alive_refs)
