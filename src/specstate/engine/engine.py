@@ -35,6 +35,7 @@ from specstate.core.ledger import KvLedger
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
+from specstate.engine.delivery import Deliveries
 from specstate.engine.draft_guard import DraftGuard
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.intake import check_request
@@ -207,6 +208,8 @@ class Engine:
             draft_policy=guard,
             trace=trace,
         )
+        # What the streams have delivered, per request (engine/delivery.py); off until used.
+        self.deliveries = Deliveries(self.outputs, history=config.finished_history)
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
@@ -289,6 +292,7 @@ class Engine:
         if rec is not None:
             self._record_events(rec, finished, retracted)
         ended = self.lifecycle.remember_ended(finished)
+        self.deliveries.note_step(ended)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
@@ -317,13 +321,29 @@ class Engine:
         self.run_until_idle()
         return [r.emitted_ids for r in reqs]
 
-    def close(self) -> None:
-        """Stop the forward stream; later calls (but `close`) raise `UsageError`."""
+    def close(self, reason: str = "engine closed") -> None:
+        """End every live request with `FinishReason.ABORT` (``reason``), stop the forward
+        stream; later calls (but `close`) raise `UsageError`.
+
+        A request waiting, prefilling or running when the engine closes would otherwise never
+        finish; its ``finish`` says why it ended, and a `stream` still delivers that event.
+        """
         if self._closed:
             return
         self._check_caller("close")
-        self._closed = True
-        self.rounds.launcher.close()
+        try:
+            finished = self.lifecycle.abort_live(reason, until_batch=self.rounds.num_launched)
+            if self._trace is not None:
+                self._record_events(self._trace, finished, ())
+            self.deliveries.note_step(self.lifecycle.remember_ended(finished))
+        finally:
+            self._closed = True
+            self.rounds.launcher.close()
+
+    @property
+    def is_closed(self) -> bool:
+        """True after `close`."""
+        return self._closed
 
     def _check_caller(self, call: str) -> None:
         """Refuse a call after `close` or from a thread other than the driving one."""

@@ -7,7 +7,24 @@ changed is found with one array comparison over the output table's lengths; only
 touched. Tokens are yielded once each and exactly as ``Req.emitted_ids`` ends up (a request
 that is retracted and re-admitted continues where it stopped; tokens past a stop or the cap
 are never yielded). Requests can be submitted between events; the loop ends when the engine is
-idle.
+idle (or closed).
+
+What has been yielded is recorded by the engine (`specstate.engine.delivery.Deliveries`), not by
+the iterator, so a stream can be left and resumed: calling ``stream(engine)`` again first
+yields what the previous stream had not handed out yet, then steps on, and yields nothing twice.
+Two streams advanced in turn share that record (each event goes to one of them), and
+``engine.step()`` calls made outside any stream lose nothing: their events wait for the next
+stream. Serving requests that arrive over time is a loop around it::
+
+    while serving:
+        for request in newly_arrived():
+            engine.submit(...)
+        for event in stream(engine):   # returns once the engine is idle
+            deliver(event)
+        wait_for_requests()
+
+After `Engine.close`, a stream yields what is still undelivered (the requests that close ended,
+with `FinishReason.ABORT`) and stops.
 """
 
 from __future__ import annotations
@@ -15,10 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import attrs
-import numpy as np
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import FinishState, Req
+from specstate.core.request import FinishState
 from specstate.engine.engine import Engine
 
 __all__ = ["TokenEvent", "stream"]
@@ -43,24 +59,18 @@ def stream(engine: Engine, *, max_steps: int = 100_000) -> Iterator[TokenEvent]:
     """Step ``engine`` until idle, yielding every request's new tokens (module docstring).
 
     Raises:
-        InvalidConfig: the engine is not idle after ``max_steps`` steps.
+        InvalidConfig: the engine is not idle after ``max_steps`` steps of this stream.
     """
-    sent: dict[Req, int] = {}  # tokens yielded so far, by request (a Req hashes by identity)
-    seen = engine.outputs.all_lengths()
-    for _ in range(max_steps):
-        if engine.is_idle:
+    deliveries = engine.deliveries
+    deliveries.start()
+    steps = 0
+    while True:
+        while (delivery := deliveries.pop()) is not None:  # marked delivered as it is yielded
+            req, tokens, finish = delivery
+            yield TokenEvent(req.request_id, tokens, finish)
+        if engine.is_closed or engine.is_idle:
             return
-        report = engine.step()
-        now = engine.outputs.all_lengths()
-        ended = report.ended
-        changed = [engine.outputs.holder(int(s)) for s in np.flatnonzero(now != seen)]
-        seen = now
-        for req in dict.fromkeys([*(r for r in changed if r is not None), *ended]):
-            emitted = req.emitted_ids
-            start = sent.get(req, 0)
-            if len(emitted) > start or req.is_finished:
-                sent[req] = len(emitted)
-                yield TokenEvent(req.request_id, tuple(emitted[start:]), req.finish)
-            if req.is_finished:
-                sent.pop(req, None)
-    raise InvalidConfig(f"engine not idle after {max_steps} steps")
+        if steps == max_steps:
+            raise InvalidConfig(f"engine not idle after {max_steps} steps")
+        engine.step()
+        steps += 1
