@@ -154,6 +154,7 @@ def _is_finite(value: object) -> bool:
 # The sampler computes in float32: a value outside these bounds becomes inf or 0 there.
 _F32_MAX: Final = 3.4028234663852886e38
 _F32_TINY: Final = 1.1754943508222875e-38  # the smallest positive normal float32
+_MAX_VOCAB: Final = 2**40
 
 
 def _in_f32(value: object, *, low: float) -> bool:
@@ -322,8 +323,10 @@ class RequestLimits:
     def __attrs_post_init__(self) -> None:
         """Refuse limits no request could meet, or EOS ids the model cannot emit."""
         problems = []
-        if not _is_int(self.vocab_size) or self.vocab_size < 1:
-            problems.append(f"vocab_size must be an integer >= 1, got {self.vocab_size!r}")
+        if not _is_int(self.vocab_size) or not 1 <= self.vocab_size <= _MAX_VOCAB:
+            problems.append(
+                f"vocab_size must be an integer >= 1 and at most 2**40, got {self.vocab_size!r:.40}"
+            )
         if not _is_int(self.max_context_len) or self.max_context_len < 2:
             problems.append(
                 f"max_context_len must be an integer >= 2, got {self.max_context_len!r}"

@@ -47,6 +47,7 @@ from specstate.engine.results import ResultProcessor
 from specstate.engine.rounds import RoundPipeline
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
 from specstate.engine.trace import TraceRecorder
+from specstate.engine.trace_guard import ContainedRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import DeferredReleases, KvAllocator
 from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
@@ -194,6 +195,8 @@ class Engine:
             deferred=self.deferred,
             finished_history=config.finished_history,
         )
+        # The recorder is called inside the round: contained (engine/trace_guard.py).
+        recorder = None if trace is None else ContainedRecorder(trace)
         self.rounds = RoundPipeline(
             config=config,
             launcher=launcher,
@@ -206,14 +209,14 @@ class Engine:
             outputs=self.outputs,
             checker=self.checker,
             draft_policy=guard,
-            trace=trace,
+            trace=recorder,
         )
         # What the streams have delivered, per request (engine/delivery.py); off until used.
         self.deliveries = Deliveries(self.outputs, history=config.finished_history)
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
-        self._trace = trace
+        self._trace = recorder
         if trace is not None:
             trace.header = {
                 "config": attrs.asdict(config),
