@@ -6,7 +6,7 @@
 * Numbers a config or the limits turn into int64 sizes or thread timeouts are refused where
   they enter (`InvalidConfig` naming the field), never an OverflowError or a size error from
   deep inside: a timeout past what a thread can wait, an integer past the float range, a pool
-  or a vocabulary past 2**40.
+  past 2**50 or a vocabulary past 2**40.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from specstate.engine.trace import TraceRecorder
 class _Flaky(TraceRecorder):
     """Keeps records like the stock recorder; its third round raises."""
 
-    def round(self, **fields: Any) -> None:  # type: ignore[override]
+    def round(self, **fields: Any) -> None:
         """Record, or raise on the third round."""
         if len(self.rounds) == 2:
             raise OSError("disk full")
@@ -64,9 +64,18 @@ def test_a_recorder_that_raises_stops_recording_and_nothing_else(
     [
         ({"forward_timeout_s": 10**400}, "forward_timeout_s must be None or a finite number"),
         ({"forward_timeout_s": 1e300}, r"at most 9.22e\+09 s"),
-        ({"kv_tokens": 2**70}, "kv_tokens must be an integer >= 2 pages"),
-        ({"max_running": 2**62}, "max_running must be an integer >= 1"),
-        ({"page_size": 2**41}, "page_size must be an integer >= 1"),
+        (
+            {"kv_tokens": 2**70},
+            r"kv_tokens must be an integer >= 2 pages \(2\) and at most 2\*\*50",
+        ),
+        (
+            {"max_running": 2**62},
+            r"max_running must be an integer >= 1, got 4611686018427387904 \(at most 2\*\*50\)",
+        ),
+        (
+            {"page_size": 2**51},
+            r"page_size must be an integer >= 1, got 2251799813685248 \(at most 2\*\*50\)",
+        ),
     ],
 )
 def test_a_config_number_past_what_it_becomes_is_refused(

@@ -163,7 +163,7 @@ def test_an_interrupt_inside_the_policy_reaches_the_caller_and_loses_nothing(
 ) -> None:
     """KeyboardInterrupt from the policy propagates from ``step()`` once; the engine then serves
     every request to its cap, exactly, at the full width."""
-    policy = _Faulty(**{where: KeyboardInterrupt()})  # type: ignore[arg-type]
+    policy = _Faulty(**{where: KeyboardInterrupt()})
     engine, _ = _engine(partial_ckpt, policy, overlap=overlap)
     interrupts = 0
     with engine:

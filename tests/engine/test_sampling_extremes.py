@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ CLEAN = (3, 14, 15, 92, 65, 35, 89)
 OVERFLOWS = (79, 32)  # with the penalties below its processed logits become NaN at decode
 NEW_TOKENS = 12
 TINY_T = 1.1754943508222875e-38  # the smallest normal float32
-EXTREME = {"repetition_penalty": TINY_T, "frequency_penalty": 3.4e38}
+EXTREME: dict[str, Any] = {"repetition_penalty": TINY_T, "frequency_penalty": 3.4e38}
 
 
 def _engine(ckpt: SpecCheckpoints, algorithm: str, *, overlap: bool, topk: int = 1) -> Engine:
@@ -167,15 +168,14 @@ def test_a_logit_that_overflows_at_the_first_token_ends_nobody(
     limits = RequestLimits(vocab_size=97, max_context_len=64)
     with Engine(worker, limits=limits, config=config) as engine:
         clean = engine.submit("clean", CLEAN, SamplingParams(max_new_tokens=NEW_TOKENS))
+        variants: list[dict[str, Any]] = [
+            {"repetition_penalty": TINY_T},
+            {"repetition_penalty": TINY_T, "temperature": 0.7},
+            {"repetition_penalty": TINY_T, "temperature": 0.7, "seed": 2},
+        ]
         loud_rows = [
             engine.submit(f"loud-{i}", CLEAN, SamplingParams(max_new_tokens=6, **fields))
-            for i, fields in enumerate(
-                [
-                    {"repetition_penalty": TINY_T},
-                    {"repetition_penalty": TINY_T, "temperature": 0.7},
-                    {"repetition_penalty": TINY_T, "temperature": 0.7, "seed": 2},
-                ]
-            )
+            for i, fields in enumerate(variants)
         ]
         run_checked(engine, max_steps=200)
     assert list(clean.emitted_ids) == greedy(hf, CLEAN, NEW_TOKENS)

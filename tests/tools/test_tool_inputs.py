@@ -261,7 +261,8 @@ class _ReturnsNone(TimedWaitWorker):
 def test_a_worker_returning_none_is_a_worker_result_error(overlap: bool) -> None:
     """The batch ends with WorkerResultError naming what came back; the next batch serves."""
     config = EngineConfig(kv_tokens=512, overlap=overlap, check_invariants=True)
-    with Engine(_ReturnsNone(device_seconds=0.0), limits=LIMITS, config=config) as engine:
+    worker: Any = _ReturnsNone(device_seconds=0.0)  # its forward may return None
+    with Engine(worker, limits=LIMITS, config=config) as engine:
         first = engine.submit("a", [1, 2], SamplingParams(max_new_tokens=6, ignore_eos=True))
         engine.run_until_idle()
         second = engine.submit("b", [1, 2], SamplingParams(max_new_tokens=6, ignore_eos=True))

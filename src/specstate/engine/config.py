@@ -87,15 +87,18 @@ class EngineConfig:
         for name, low in (("page_size", 1), ("max_running", 1), ("max_prefill_tokens", 1)):
             value = getattr(self, name)
             if not _is_count(value, low):
-                problems.append(f"{name} must be an integer >= {low}, got {value!r:.40}")
+                problems.append(
+                    f"{name} must be an integer >= {low}, got {value!r:.40} (at most 2**50)"
+                )
         if _is_count(self.page_size, 1) and not _is_count(self.kv_tokens, 2 * self.page_size):
             problems.append(
-                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
-                f"got {self.kv_tokens!r:.40}"
+                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}) and at most "
+                f"2**50, got {self.kv_tokens!r:.40}"
             )
         if not _is_count(self.finished_history, 0):
             problems.append(
-                f"finished_history must be an integer >= 0, got {self.finished_history!r:.40}"
+                f"finished_history must be an integer >= 0, got "
+                f"{self.finished_history!r:.40} (at most 2**50)"
             )
         if not _is_timeout(self.forward_timeout_s):
             problems.append(
@@ -115,7 +118,7 @@ class EngineConfig:
             raise InvalidConfig("EngineConfig: " + "; ".join(problems))
 
 
-MAX_COUNT = 2**40
+MAX_COUNT = 2**50
 """The largest size (tokens, pages, requests) a config takes: every count stays an int64 after
 arithmetic; a larger one could never be allocated anyway."""
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
 import attrs
@@ -178,7 +178,7 @@ class _CyclingWidths:
     """The kit's draft policy: every width from ``max_steps`` down to 0, then again."""
 
     def __init__(self, max_steps: int) -> None:
-        self._widths = [max_steps, *range(max_steps)]
+        self._widths: list[int] = [max_steps, *range(max_steps)]
         self._next = 0
 
     @property
@@ -245,7 +245,7 @@ def check_worker(
     factory: Callable[[], WorkerProtocol],
     *,
     vocab_size: int,
-    eos_token_ids: frozenset[int] | Sequence[int] = frozenset(),
+    eos_token_ids: Collection[int] = frozenset(),
     prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS,
     max_new_tokens: int = 12,
     oracle: Oracle | None = None,
@@ -475,7 +475,7 @@ def assert_worker_conforms(
     factory: Callable[[], WorkerProtocol],
     *,
     vocab_size: int,
-    eos_token_ids: frozenset[int] | Sequence[int] = frozenset(),
+    eos_token_ids: Collection[int] = frozenset(),
     oracle: Oracle | None = None,
 ) -> None:
     """`check_worker`, raising `AssertionError` with every finding (for a pytest test)."""
