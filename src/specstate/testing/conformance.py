@@ -54,12 +54,18 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.errors import OwnershipError, RelayError, WorkerResultError
 from specstate.core.request import FinishReason, Req, RequestLimits
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation
 from specstate.engine.worker import WorkerCapabilities, WorkerProtocol
-from specstate.relay.isolation import IsolationError
+from specstate.testing.kit_findings import (
+    ConfigRun,
+    ConformanceReport,
+    Finding,
+    FindingLog,
+    described,
+    rule_of_detail,
+    rule_of_error,
+)
 from specstate.testing.kit_workload import Job, build_jobs, job_problems
 from specstate.testing.watched_worker import WatchedWorker
 
@@ -82,85 +88,7 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
 )
 """The kit's default prompts (token ids below 94: any vocabulary of 94 or more holds them)."""
 
-_TYPES = (
-    (WorkerResultError, "result"),
-    (RelayError, "relay"),
-    (OwnershipError, "ownership"),
-    (IsolationError, "isolation"),
-)
-_INVARIANTS = {"relay": "relay", "isolation": "isolation", "draft-width": "adaptive"}
-_MAX_STEPS = 2000
-
-
-@attrs.frozen
-class Finding:
-    """One broken rule, for one request (or the configuration), first seen in ``config``.
-
-    Attributes:
-        rule: the rule's name (module docstring).
-        config: the first configuration where it broke.
-        detail: what broke there, with the numbers.
-        request: the request it concerns ("" for the configuration as a whole).
-        repeats: how many other configurations broke the same rule for the same request.
-    """
-
-    rule: str
-    config: str
-    detail: str
-    request: str = ""
-    repeats: int = 0
-
-    def __str__(self) -> str:
-        more = f" (and {self.repeats} more configurations)" if self.repeats else ""
-        return f"[{self.rule}] {self.config}{more}: {self.detail}"
-
-
-@attrs.frozen(kw_only=True)
-class ConfigRun:
-    """What happened in one configuration.
-
-    Attributes:
-        name: the configuration.
-        steps: engine steps taken.
-        retracted: retractions the engine reported.
-        aborted: requests that ended with `FinishReason.ABORT`.
-    """
-
-    name: str
-    steps: int
-    retracted: int
-    aborted: tuple[str, ...]
-
-
-@attrs.frozen
-class ConformanceReport:
-    """What `check_worker` found; ``ok`` when nothing.
-
-    Attributes:
-        findings: the broken rules, once per rule and request.
-        configs: the configurations run, by name.
-        runs: what happened in each configuration (steps, retractions, aborts).
-        log: the ``specstate`` log records of the runs (failed batches, with tracebacks).
-    """
-
-    findings: tuple[Finding, ...]
-    configs: tuple[str, ...]
-    runs: tuple[ConfigRun, ...] = ()
-    log: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        """True when every configuration ran clean."""
-        return not self.findings
-
-    def rules(self) -> set[str]:
-        """The names of the broken rules."""
-        return {f.rule for f in self.findings}
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"worker conforms ({len(self.configs)} configurations)"
-        return "\n".join(str(f) for f in self.findings)
+_MAX_STEPS = 2000  # steps a configuration may take before the kit calls it stuck
 
 
 @attrs.frozen(kw_only=True)
@@ -194,24 +122,6 @@ class _CyclingWidths:
 
     def observe(self, num_steps: int, accept_lens: npt.NDArray[np.int64]) -> None:
         """Nothing to learn: the cycle is fixed."""
-
-
-class _Findings:
-    """Findings, once per rule and request (the first configuration, then a count)."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[tuple[str, str], Finding] = {}
-
-    def add(self, rule: str, config: str, detail: str, request: str = "") -> None:
-        key = (rule, request)
-        first = self._by_key.get(key)
-        if first is None:
-            self._by_key[key] = Finding(rule, config, detail, request)
-        elif first.config != config:
-            self._by_key[key] = attrs.evolve(first, repeats=first.repeats + 1)
-
-    def all(self) -> tuple[Finding, ...]:
-        return tuple(self._by_key.values())
 
 
 class _Records(logging.Handler):
@@ -269,7 +179,7 @@ def check_worker(
     eos = frozenset(eos_token_ids)
     jobs = build_jobs(caps, prompts, max_new_tokens=max_new_tokens, vocab_size=vocab_size)
     limits = RequestLimits(vocab_size=vocab_size, max_context_len=256, eos_token_ids=eos)
-    findings = _Findings()
+    findings = FindingLog()
     seen: dict[str, tuple[tuple[int, ...], str]] = {}  # job -> first tokens, configuration
     runs = []
     configs = _configs(caps, jobs)
@@ -337,7 +247,7 @@ def _run_config(
     kit: _KitConfig,
     jobs: Sequence[Job],
     limits: RequestLimits,
-    findings: _Findings,
+    findings: FindingLog,
 ) -> tuple[ConfigRun, dict[str, Req]]:
     """Serve the jobs in one configuration; its run and its requests by job id."""
     steps = retracted = 0
@@ -347,7 +257,7 @@ def _run_config(
         policy = _CyclingWidths(worker.capabilities.num_steps) if kit.adaptive else None
         engine = Engine(worker, limits=limits, config=kit.config, draft_policy=policy)
     except Exception as exc:  # NOTE: a finding, not a crash of the kit
-        findings.add(_rule_of_error(exc), kit.name, f"building the engine: {_described(exc)}")
+        findings.add(rule_of_error(exc), kit.name, f"building the engine: {described(exc)}")
         return ConfigRun(name=kit.name, steps=0, retracted=0, aborted=()), reqs
     target = jobs[0].request_id if kit.abort else None
     try:
@@ -367,7 +277,7 @@ def _run_config(
                 retracted += len(engine.step().retracted)
                 steps += 1
     except Exception as exc:  # NOTE: a finding, not a crash of the kit
-        findings.add(_rule_of_error(exc), kit.name, _described(exc))
+        findings.add(rule_of_error(exc), kit.name, described(exc))
         reqs = {}
     for rule, detail in worker.take():
         findings.add(rule, kit.name, detail)
@@ -381,7 +291,7 @@ def _judge(
     kit: _KitConfig,
     jobs: Sequence[Job],
     run: tuple[ConfigRun, dict[str, Req]],
-    findings: _Findings,
+    findings: FindingLog,
     seen: dict[str, tuple[tuple[int, ...], str]],
     oracle: Oracle | None,
     eos: frozenset[int],
@@ -397,7 +307,7 @@ def _judge(
             findings.add("unfinished", kit.name, f"request {rid} never ended", rid)
             continue
         if finish.reason is FinishReason.ERROR:
-            findings.add(_rule_of_detail(finish.detail), kit.name, finish.detail, rid)
+            findings.add(rule_of_detail(finish.detail), kit.name, finish.detail, rid)
             continue
         got = tuple(req.emitted_ids)
         first = seen.get(rid)
@@ -439,36 +349,6 @@ def _mismatch(rid: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
             "token, pass the model's eos_token_ids)"
         )
     return f"{rid}: {list(got)} but the oracle {list(want)}{hint}"
-
-
-def _described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _rule_of_error(exc: BaseException) -> str:
-    """The rule an exception that escaped the engine names."""
-    if isinstance(exc, InvariantViolation):
-        return _INVARIANTS.get(exc.invariant, "invariant")
-    return _rule_of_detail(_described(exc))
-
-
-def _rule_of_detail(detail: str) -> str:
-    """The rule a finish detail (``Type: message``) names."""
-    if "[isolation]" in detail:
-        return "isolation"
-    if "draft steps (at most" in detail or "[draft-width]" in detail:
-        return "adaptive"
-    if "speculative=False accepts exactly 1" in detail:
-        return "speculation"
-    if "[relay]" in detail:  # also a result without the relay payload (WorkerResultError)
-        return "relay"
-    if detail.startswith("InvariantViolation:"):
-        name = detail.partition("[")[2].partition("]")[0]
-        return _INVARIANTS.get(name, "invariant")
-    for error, rule in _TYPES:
-        if detail.startswith(f"{error.__name__}:"):
-            return rule
-    return "error"
 
 
 def assert_worker_conforms(
