@@ -120,6 +120,14 @@ class Deliveries:
             return req, tuple(emitted[start:]), req.finish if finished else None
         return None
 
+    def problems(self) -> list[str]:
+        """Debug (the invariant checker): requests delivered past what they emitted."""
+        return [
+            f"request {req.request_id}: {n} tokens delivered, {len(req.emitted_ids)} emitted"
+            for req, n in self._delivered.items()
+            if n > len(req.emitted_ids)
+        ]
+
     def snapshot(self) -> DeliverySnapshot:
         """What waits to be delivered."""
         return DeliverySnapshot(

@@ -20,7 +20,9 @@ a name (`InvariantViolation.invariant`):
   ``committed`` now, for L positions (the 2·L reserve, minus the round settled meanwhile);
 * ``idle-empty``: at idle, nothing is open and every page is free (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
-  every open output row belongs to such a request.
+  every open output row belongs to such a request;
+* ``delivery``: a stream never delivered more of a request than it emitted
+  (`specstate.engine.delivery`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -147,6 +149,8 @@ def check_engine(engine: Engine) -> None:
             )
     _check_reserve(engine)
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
+    for problem in engine.deliveries.problems():
+        _fail("delivery", problem)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         if entries or pool.available_pages() != pool.num_pages - 1:
