@@ -103,6 +103,14 @@ def test_no_op_mixes_host_and_device_tensors(
         assert list(req.emitted_ids) == greedy(ckpt.hf, prompt, NEW_TOKENS), req.request_id
 
 
+def _stream_done(engine: Engine) -> None:
+    """Wait for the forward stream to finish the batch in flight (a stream event: no torch op,
+    so the audit records nothing), so that its launch's copy falls on a known side of a count."""
+    flight = engine.in_flight
+    if flight is not None and flight.done is not None:
+        flight.done.synchronize()
+
+
 @pytest.mark.parametrize("algorithm", ["none", "eagle"])
 def test_a_steady_overlap_decode_round_syncs_only_its_result_copy(
     ckpt: SpecCheckpoints, algorithm: str
@@ -123,10 +131,12 @@ def test_a_steady_overlap_decode_round_syncs_only_its_result_copy(
             if running and flight is not None and flight.plan.is_decode:
                 break
         engine.step()  # one more: the round settled next is a decode round too
+        _stream_done(engine)  # the launch in flight made its copy before the count starts
         audit.clear()
         for _ in range(rounds):
             report = engine.step()
             assert report.launched_mode == "decode" and not report.finished
+        _stream_done(engine)  # ... and the last one launched made its copy before it ends
         counts = Counter((f.kind, f.phase) for f in audit.findings)
         engine.close()
     assert audit.of("sync", "launch") == [] and audit.of("sync", "host") == [], counts
