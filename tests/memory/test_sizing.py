@@ -55,16 +55,16 @@ def test_page_aligned_decode_alloc_lens_matches_notes_vectors(
 # num_steps = 3 and D = 4 (topk 1) or D = 8 (topk 4):
 #   topk 1: L = max(3·1, 4) = 4 whatever P.  topk 4, no draft KV or P 1: L = max(12, 8) = 12.
 #   topk 4, draft KV, P 4: ceil(6/4)=2 pages/branch, L = 2·4·4 = 32; P 16: ceil(18/16)=2, L = 128.
-#   headroom = 4 + D, and for P > 1 max(4 + D, R + P - 1).
+#   headroom = max(4 + D, R + P - 1): a request at the context's end reserves R past it.
 FORMULA_TABLE = [
     (1, 1, True, 2, 4, 8, 8),
-    (1, 1, False, 3, 4, 12, 8),
+    (1, 1, False, 3, 4, 12, 12),
     (4, 1, True, 2, 4, 8, 11),
     (4, 1, False, 3, 4, 12, 15),
     (16, 1, True, 2, 4, 8, 23),
     (16, 1, False, 3, 4, 12, 27),
-    (1, 4, True, 2, 12, 24, 12),
-    (1, 4, False, 3, 12, 36, 12),
+    (1, 4, True, 2, 12, 24, 24),
+    (1, 4, False, 3, 12, 36, 36),
     (4, 4, False, 2, 12, 24, 27),
     (4, 4, False, 3, 12, 36, 39),
     (4, 4, True, 2, 32, 64, 67),

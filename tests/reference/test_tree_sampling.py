@@ -41,7 +41,7 @@ from specstate.reference.workers import (
     VerifiedTree,
     default_registry,
 )
-from specstate.reference.workers import tree as tree_module
+from specstate.reference.workers import tree_verify as tree_module
 from specstate.reference.workers.tree import DraftTree, TreeVerdict, verify_sampled_tree
 
 STRICT = 1e-3  # a correct sampler passes above this; a broken one must land far below

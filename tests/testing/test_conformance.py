@@ -7,7 +7,9 @@ wrong tokens, everywhere); the kit must name exactly that rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import attrs
@@ -19,8 +21,9 @@ from spy_worker import SpyWorker
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import RelayError
 from specstate.engine.worker import OnPublish, WorkerMemory, WorkerProtocol
-from specstate.testing.conformance import assert_worker_conforms, check_worker
+from specstate.testing.conformance import DEFAULT_PROMPTS, assert_worker_conforms, check_worker
 
 Pub = OnPublish | None
 Result = GenerationBatchResult
@@ -172,3 +175,230 @@ def test_wrong_tokens_are_caught_by_the_oracle(ckpt: SpecCheckpoints) -> None:
         oracle=lambda prompt, n: greedy(ckpt.hf, prompt, n),
     )
     assert report.rules() == {"tokens"}, str(report)
+
+
+# ------------------------------------------------------------------ capabilities and rules
+class _Rewrites(SpyWorker):
+    """A real worker; ``rewrite`` changes every batch it is handed (one broken capability)."""
+
+    def __init__(self, inner: WorkerProtocol, rewrite: Callable[[ForwardBatch], ForwardBatch]):
+        super().__init__(inner)
+        self._rewrite = rewrite
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """The real forward of the rewritten batch."""
+        return self._inner.forward_batch_generation(self._rewrite(batch), on_publish=on_publish)
+
+
+def _ignores_width(batch: ForwardBatch) -> ForwardBatch:
+    return attrs.evolve(batch, num_draft_steps=None)
+
+
+def _ignores_speculative_false(batch: ForwardBatch) -> ForwardBatch:
+    info = attrs.evolve(batch.sampling_info, speculative=None, speculative_host=None)
+    return attrs.evolve(batch, sampling_info=info)
+
+
+def _ignores_min_new_tokens(batch: ForwardBatch) -> ForwardBatch:
+    info = attrs.evolve(batch.sampling_info, min_new_tokens=None, stop_token_ids=None)
+    return attrs.evolve(batch, sampling_info=info)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rewrite", "rule"),
+    [
+        (_ignores_width, "adaptive"),
+        (_ignores_speculative_false, "speculation"),
+        (_ignores_min_new_tokens, "controls"),
+    ],
+    ids=["ignores-num-draft-steps", "ignores-speculative-false", "ignores-min-new-tokens"],
+)
+def test_a_declared_capability_the_worker_ignores_fails_its_rule(
+    ckpt: SpecCheckpoints, rewrite: Callable[[ForwardBatch], ForwardBatch], rule: str
+) -> None:
+    """Adaptive steps, per-request speculation and min_new_tokens are exercised: a worker that
+    declares one and ignores it fails exactly that rule."""
+    report = check_worker(
+        lambda: _Rewrites(ckpt.worker("eagle"), rewrite),
+        vocab_size=ckpt.vocab_size,
+        oracle=lambda prompt, n: greedy(ckpt.hf, prompt, n),
+    )
+    assert report.rules() == {rule}, str(report)
+
+
+class _LatePublisher(SpyWorker):
+    """Publishes each decode frontier late: from a helper thread, during the next forward."""
+
+    def __init__(self, inner: WorkerProtocol) -> None:
+        super().__init__(inner)
+        self._pending: tuple[OnPublish, torch.Tensor] | None = None
+        self.refused = 0
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Call the previous forward's on_publish from another thread, then run this one
+        without publishing (the engine publishes new_seq_lens when it returns)."""
+        if self._pending is not None:
+            late, lens = self._pending
+            self._pending = None
+            thread = threading.Thread(target=self._publish, args=(late, lens))
+            thread.start()
+            thread.join()
+        result = self._inner.forward_batch_generation(batch, on_publish=None)
+        if on_publish is not None and batch.forward_mode.is_decode():
+            assert result.new_seq_lens is not None
+            self._pending = (on_publish, result.new_seq_lens)
+        return result
+
+    def _publish(self, late: OnPublish, lens: torch.Tensor) -> None:
+        try:
+            late(lens)
+        except RelayError:  # the engine refuses it: nothing is relayed
+            self.refused += 1
+
+
+@pytest.mark.slow
+def test_a_late_publish_from_another_thread_fails_relay(ckpt: SpecCheckpoints) -> None:
+    """on_publish after the forward returned, from a helper thread: ``relay`` (the engine
+    refused every such call, so the tokens stay right)."""
+    workers: list[_LatePublisher] = []
+
+    def factory() -> WorkerProtocol:
+        workers.append(_LatePublisher(ckpt.worker("eagle")))
+        return workers[-1]
+
+    report = check_worker(
+        factory, vocab_size=ckpt.vocab_size, oracle=lambda prompt, n: greedy(ckpt.hf, prompt, n)
+    )
+    assert report.rules() == {"relay"}, str(report)
+    assert "on_publish called after the forward returned" in str(report)
+    assert sum(w.refused for w in workers) > 0
+    assert any("on_publish called after its forward returned" in line for line in report.log)
+
+
+class _WritesTable(SpyWorker):
+    """Writes the last column of its first row's req_to_token (never allocated, so harmless
+    to the tokens, but not the worker's to write)."""
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Keep the table."""
+        self.table = memory.req_to_token
+        super().attach(memory)
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Scribble, then run the real forward."""
+        slot = int(batch.req_pool_indices[0])
+        self.table[slot, -1] = self.table[slot, -1] + 1
+        return self._inner.forward_batch_generation(batch, on_publish=on_publish)
+
+
+@pytest.mark.slow
+def test_a_worker_writing_req_to_token_fails_ownership(ckpt: SpecCheckpoints) -> None:
+    """A write to ``req_to_token`` is found by comparing the table around each forward."""
+    report = check_worker(
+        lambda: _WritesTable(ckpt.worker("ngram")),
+        vocab_size=ckpt.vocab_size,
+        oracle=lambda prompt, n: greedy(ckpt.hf, prompt, n),
+    )
+    assert report.rules() == {"ownership"}, str(report)
+    assert "wrote req_to_token[" in str(report)
+
+
+class _WritesCounterAtAttach(SpyWorker):
+    """Writes a ledger counter while attaching: the error escapes the engine's constructor."""
+
+    def attach(self, memory: WorkerMemory) -> None:
+        """Attach, then write a counter it does not own."""
+        super().attach(memory)
+        slots = torch.tensor([1])
+        memory.ledger.advance_committed(slots, torch.ones_like(slots))  # type: ignore[attr-defined]
+
+
+def test_an_escaped_ownership_error_is_reported_under_its_rule(ckpt: SpecCheckpoints) -> None:
+    """An error that escapes the engine (not a batch's finish) is named by its type."""
+    report = check_worker(
+        lambda: _WritesCounterAtAttach(ckpt.worker("none")), vocab_size=ckpt.vocab_size
+    )
+    assert report.rules() == {"ownership"}, str(report)
+    assert "building the engine: OwnershipError" in str(report)
+
+
+class _WrongUnderOverlap(SpyWorker):
+    """Right tokens in the normal loop; off by one (token and relayed bonus) under overlap."""
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Shift the run only when the engine hands an on_publish (the overlap loop)."""
+        result = self._inner.forward_batch_generation(batch, on_publish=on_publish)
+        if on_publish is None:
+            return result
+        payload = result.next_draft_input
+        assert payload is not None
+        return attrs.evolve(
+            result,
+            next_token_ids=(result.next_token_ids + 1) % 97,
+            next_draft_input=attrs.evolve(payload, bonus_tokens=(payload.bonus_tokens + 1) % 97),
+        )
+
+
+@pytest.mark.slow
+def test_a_worker_wrong_in_one_loop_is_caught_without_an_oracle(ckpt: SpecCheckpoints) -> None:
+    """No oracle: the overlap configurations disagree with the normal ones (``tokens``)."""
+    report = check_worker(lambda: _WrongUnderOverlap(ckpt.worker("none")), vocab_size=97)
+    assert report.rules() == {"tokens"}, str(report)
+    assert all("overlap loop" in f.config for f in report.findings)
+    assert {f.request for f in report.findings} >= {"g1", "g2", "g3"}  # not only the aborted
+
+
+@pytest.mark.slow
+def test_the_pressure_configuration_retracts_and_aborts_its_request(ckpt: SpecCheckpoints) -> None:
+    """The KV-pressure run retracts and really aborts g0 mid-flight (after it emitted)."""
+    report = check_worker(partial(ckpt.worker, "eagle", agreeing=False), vocab_size=97)
+    assert report.ok, str(report)
+    pressure = [r for r in report.runs if "KV pressure" in r.name]
+    assert len(pressure) == 1 and pressure[0].aborted == ("g0",) and pressure[0].retracted > 0
+    assert all(not r.aborted for r in report.runs if r is not pressure[0])
+
+
+@pytest.mark.slow
+def test_findings_come_once_per_rule_and_request(
+    ckpt: SpecCheckpoints, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker failing every batch: one finding per request (with the other configurations
+    counted), and the engine's failure log kept out of the output unless asked for."""
+    with caplog.at_level(logging.ERROR, logger="specstate"):
+        report = check_worker(lambda: _Broken(ckpt.worker("eagle"), _raises), vocab_size=97)
+        quiet = list(caplog.records)
+        loud = check_worker(lambda: _Broken(ckpt.worker("eagle"), _raises), vocab_size=97, log=True)
+    keys = [(f.rule, f.request) for f in report.findings]
+    assert len(keys) == len(set(keys)) and report.rules() == {"error"}, str(report)
+    assert all(f.repeats > 0 for f in report.findings)
+    assert "more configurations" in str(report) and len(str(report).splitlines()) == len(keys)
+    assert quiet == [] and "device lost" not in capsys.readouterr().err
+    assert any("failed; its requests end with ERROR" in line for line in report.log)
+    assert len(caplog.records) == len(loud.log) > 0
+    assert "Traceback" not in str(report)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_an_eos_needs_its_eos_ids(ckpt: SpecCheckpoints) -> None:
+    """An oracle that stops at EOS (as HF ``generate`` does for a real checkpoint): with the
+    EOS ids the kit agrees with it; without them it says to pass them."""
+    eos = greedy(ckpt.hf, DEFAULT_PROMPTS[0], 12)[3]  # stops the first prompt early
+
+    def stops_at_eos(prompt: Sequence[int], n: int) -> list[int]:
+        out = greedy(ckpt.hf, prompt, n)
+        return out[: out.index(eos) + 1] if eos in out else out
+
+    factory = partial(ckpt.worker, "ngram")
+    goes_on = partial(greedy, ckpt.hf)  # an oracle that does not stop at EOS: the kit cuts it
+    assert_worker_conforms(factory, vocab_size=97, eos_token_ids={eos}, oracle=goes_on)
+    report = check_worker(factory, vocab_size=97, oracle=stops_at_eos)
+    assert report.rules() == {"tokens"} and "pass the model's eos_token_ids" in str(report)

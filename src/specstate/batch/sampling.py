@@ -229,7 +229,9 @@ class SamplingInfo:
         spec_host = None if all(flags) else np.array(flags, dtype=np.bool_)
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], device=device),
-            top_ks=torch.tensor([p.top_k or vocab_size for p in params], device=device),
+            top_ks=torch.tensor(  # a top-k past the vocabulary keeps every token
+                [min(p.top_k or vocab_size, vocab_size) for p in params], device=device
+            ),
             top_ps=torch.tensor([p.top_p for p in params], device=device),
             frequency_penalties=penalties,
             accumulator=acc,

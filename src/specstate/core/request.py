@@ -159,12 +159,24 @@ def _is_int(value: object) -> bool:
 
 
 def _is_finite(value: object) -> bool:
-    """A finite real number that is not a bool."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    """A finite real number that is not a bool (an int too large for a float is not)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        return False
+
+
+# The sampler computes in float32: a value outside these bounds becomes inf or 0 there.
+_F32_MAX: Final = 3.4028234663852886e38
+_F32_TINY: Final = 1.1754943508222875e-38  # the smallest positive normal float32
+_MAX_VOCAB: Final = 2**40
+
+
+def _in_f32(value: object, *, low: float) -> bool:
+    """A finite number in ``[low, float32 max]`` (``low`` may be negative)."""
+    return isinstance(value, numbers.Real) and _is_finite(value) and low <= float(value) <= _F32_MAX
 
 
 @attrs.frozen(kw_only=True)
@@ -182,14 +194,17 @@ class SamplingParams:
         stop_token_ids: tokens that end the request (included in the output), in addition to
             the model's EOS ids.
         ignore_eos: when True, the model's EOS ids do not end the request.
-        temperature: 0 for greedy (argmax), else the softmax temperature.
-        top_k: sample among the ``top_k`` most likely tokens; None for the whole vocabulary.
+        temperature: 0 for greedy (argmax), else the softmax temperature, a float32 number
+            (at least ``1.18e-38``: a smaller one would be 0 to the sampler).
+        top_k: sample among the ``top_k`` most likely tokens; None (or a value at least the
+            vocabulary size) for the whole vocabulary.
         top_p: nucleus sampling mass in (0, 1]; 1.0 disables it.
         speculative: False: the request rides a speculative batch with zero drafts and
             accepts exactly one token per round (its output is unchanged; only its speed).
         repetition_penalty: Hugging Face semantics (> 0, 1.0 disables it): the logit of every
             token present in prompt + output so far is divided by it when positive,
-            multiplied by it when negative.
+            multiplied by it when negative. Like every float field, it must be a float32
+            number; a processed logit that overflows stays the most (or least) likely token.
         frequency_penalty: OpenAI semantics: ``frequency_penalty * count`` is subtracted from
             the logit of each token, ``count`` its occurrences in the output so far.
         presence_penalty: OpenAI semantics: subtracted from the logit of every token that
@@ -262,19 +277,28 @@ class SamplingParams:
         for name in ("ignore_eos", "speculative", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 found.append(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not _is_finite(self.temperature) or not self.temperature >= 0.0:
-            found.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        greedy = self.temperature == 0 and not isinstance(self.temperature, bool)
+        if not greedy and not _in_f32(self.temperature, low=_F32_TINY):
+            found.append(
+                f"temperature must be a finite number >= 0, got {self.temperature!r:.40} (0 for "
+                f"greedy, else in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: the sampler computes in "
+                "float32)"
+            )
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             found.append(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            found.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            found.append(f"top_p must be a number in (0, 1], got {self.top_p!r:.40}")
+        if not _in_f32(self.repetition_penalty, low=_F32_TINY):
             found.append(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a finite number > 0, got "
+                f"{self.repetition_penalty!r:.40} (in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: float32)"
             )
         for name in ("frequency_penalty", "presence_penalty"):
-            if not _is_finite(getattr(self, name)):
-                found.append(f"{name} must be a finite number, got {getattr(self, name)!r}")
+            if not _in_f32(getattr(self, name), low=-_F32_MAX):
+                found.append(
+                    f"{name} must be a finite number, got {getattr(self, name)!r:.40} (in "
+                    f"[{-_F32_MAX:.3g}, {_F32_MAX:.3g}]: float32)"
+                )
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             found.append(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         elif _is_int(self.max_new_tokens) and self.min_new_tokens > self.max_new_tokens:
@@ -345,8 +369,10 @@ class RequestLimits:
     def __attrs_post_init__(self) -> None:
         """Refuse limits no request could meet, or EOS ids the model cannot emit."""
         problems = []
-        if not _is_int(self.vocab_size) or self.vocab_size < 1:
-            problems.append(f"vocab_size must be an integer >= 1, got {self.vocab_size!r}")
+        if not _is_int(self.vocab_size) or not 1 <= self.vocab_size <= _MAX_VOCAB:
+            problems.append(
+                f"vocab_size must be an integer >= 1 and at most 2**40, got {self.vocab_size!r:.40}"
+            )
         if not _is_int(self.max_context_len) or self.max_context_len < 2:
             problems.append(
                 f"max_context_len must be an integer >= 2, got {self.max_context_len!r}"

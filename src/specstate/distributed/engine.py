@@ -165,8 +165,9 @@ class DistributedEngine(Engine):
                 raise self._broken from exc
 
     # ----------------------------------------------------------------- both
-    def close(self) -> None:
-        """Leader: tell the followers to stop; every rank: close its engine. Idempotent."""
+    def close(self, reason: str = "engine closed") -> None:
+        """Leader: tell the followers to stop; every rank: close its engine, ending its live
+        requests with ABORT (``reason``) the same way on every rank. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -176,7 +177,7 @@ class DistributedEngine(Engine):
         except RankError:
             pass  # a follower is gone already: nothing to tell it
         finally:
-            super().close()
+            super().close(reason)
 
     def __enter__(self) -> DistributedEngine:
         return self

@@ -8,6 +8,7 @@ configuration never reaches an owner.
 from __future__ import annotations
 
 import math
+import threading
 
 import attrs
 
@@ -103,25 +104,24 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             if not _is_count(value, low):
-                problems.append(f"{name} must be an integer >= {low}, got {value!r}")
+                problems.append(
+                    f"{name} must be an integer >= {low}, got {value!r:.40} (at most 2**50)"
+                )
         if _is_count(self.page_size, 1) and not _is_count(self.kv_tokens, 2 * self.page_size):
             problems.append(
-                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}), "
-                f"got {self.kv_tokens!r}"
+                f"kv_tokens must be an integer >= 2 pages ({2 * self.page_size}) and at most "
+                f"2**50, got {self.kv_tokens!r:.40}"
             )
         if not _is_count(self.finished_history, 0):
             problems.append(
-                f"finished_history must be an integer >= 0, got {self.finished_history!r}"
+                f"finished_history must be an integer >= 0, got "
+                f"{self.finished_history!r:.40} (at most 2**50)"
             )
-        timeout = self.forward_timeout_s
-        if timeout is not None and not (
-            isinstance(timeout, int | float)
-            and not isinstance(timeout, bool)
-            and math.isfinite(timeout)
-            and timeout > 0
-        ):
+        if not _is_timeout(self.forward_timeout_s):
             problems.append(
-                f"forward_timeout_s must be None or a finite number > 0, got {timeout!r}"
+                "forward_timeout_s must be None or a finite number > 0 (at most "
+                f"{threading.TIMEOUT_MAX:.3g} s, what a wait accepts), got "
+                f"{self.forward_timeout_s!r:.40}"
             )
         if self.chunked_prefill is not None and not _is_count(self.chunked_prefill, 1):
             problems.append(
@@ -132,9 +132,26 @@ class EngineConfig:
             raise InvalidConfig("EngineConfig: " + "; ".join(problems))
 
 
+MAX_COUNT = 2**50
+"""The largest size (tokens, pages, requests) a config takes: every count stays an int64 after
+arithmetic; a larger one could never be allocated anyway."""
+
+
 def _is_count(value: object, low: int) -> bool:
-    """An integer (not a bool) of at least ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+    """An integer (not a bool) in ``[low, MAX_COUNT]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_COUNT
+
+
+def _is_timeout(value: object) -> bool:
+    """None, or a finite positive number a thread can wait for (no OverflowError)."""
+    if value is None:
+        return True
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX
+    except OverflowError:  # an integer past the float range
+        return False
 
 
 @attrs.frozen(kw_only=True)
@@ -178,6 +195,8 @@ class EngineSnapshot:
         prefix_cache: the prefix cache's size and hit statistics, or None when the engine
             shares no KV (``EngineConfig.prefix_cache`` off, or a worker that does not
             declare ``prefix_sharing``).
+        draft_policy_failure: what disabled the engine's draft policy (it raised, or chose a
+            width outside ``[0, max_steps]``: `specstate.engine.draft_guard`), or None.
     """
 
     num_waiting: int
@@ -191,3 +210,4 @@ class EngineSnapshot:
     quarantined: tuple[str, ...]
     metrics: AcceptMetrics
     prefix_cache: PrefixCacheSnapshot | None = None
+    draft_policy_failure: str | None = None

@@ -36,6 +36,8 @@ from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
+from specstate.engine.delivery import Deliveries
+from specstate.engine.draft_guard import DraftGuard
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.intake import check_request
 from specstate.engine.invariants import check_engine
@@ -46,6 +48,7 @@ from specstate.engine.results import ResultProcessor
 from specstate.engine.rounds import RoundPipeline
 from specstate.engine.scheduler import Scheduler, SchedulerConfig
 from specstate.engine.trace import TraceRecorder
+from specstate.engine.trace_guard import ContainedRecorder
 from specstate.engine.worker import WorkerMemory, WorkerProtocol
 from specstate.grammar.table import GrammarTable
 from specstate.memory.allocation import DeferredReleases, KvAllocator
@@ -105,18 +108,16 @@ class Engine:
         caps = worker.capabilities
         if draft_policy is None and config.adaptive_draft and caps.speculative:
             draft_policy = AcceptanceEma(caps.num_steps)
+        guard = None
         if draft_policy is not None:
             if not caps.supports_adaptive_steps:
                 raise InvalidConfig(
                     f"worker {caps.algorithm!r} does not support adaptive draft length "
                     "(WorkerCapabilities.supports_adaptive_steps)"
                 )
-            if draft_policy.max_steps > caps.num_steps:
-                raise InvalidConfig(
-                    f"draft policy may choose {draft_policy.max_steps} steps; worker "
-                    f"{caps.algorithm!r} drafts at most {caps.num_steps}"
-                )
-        self._draft_policy = draft_policy
+            # The policy is user code inside the round: contained (engine/draft_guard.py).
+            guard = DraftGuard(draft_policy, algorithm=caps.algorithm, num_steps=caps.num_steps)
+        self._draft_policy = guard
         if config.overlap and not caps.supports_overlap:
             raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
         if config.mixed_chunk and not caps.supports_mixed_chunk:
@@ -169,10 +170,12 @@ class Engine:
             eos_token_ids=limits.eos_token_ids,
             checker=self.checker,
         )
+        # The recorder is called inside the round: contained (engine/trace_guard.py).
+        recorder = None if trace is None else ContainedRecorder(trace)
         self.grammar = GrammarTable(
             limits=limits,
             outputs=self.outputs,
-            trace=trace,
+            trace=recorder,
             mask_threads=config.grammar_mask_threads,
         )
         device = torch.device(config.device)
@@ -191,7 +194,7 @@ class Engine:
             checker=self.checker,
             device=device,
             releases_pending=lambda: self.deferred.has_pending,
-            draft_policy=draft_policy,
+            draft_policy=guard,
         )
         self.results = ResultProcessor(
             ledger=views.result_processor,
@@ -241,15 +244,17 @@ class Engine:
             allocator=self.allocator,
             outputs=self.outputs,
             checker=self.checker,
-            draft_policy=draft_policy,
-            trace=trace,
+            draft_policy=guard,
+            trace=recorder,
             grammar=self.grammar,
             agreement=agreement,
         )
+        # What the streams have delivered, per request (engine/delivery.py); off until used.
+        self.deliveries = Deliveries(self.outputs, history=config.finished_history)
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
-        self._trace = trace
+        self._trace = recorder
         if trace is not None:
             trace.header = {
                 "config": attrs.asdict(config),
@@ -330,6 +335,7 @@ class Engine:
             self._record_events(rec, self.scheduler.admitted, finished, retracted)
         ended = self.lifecycle.remember_ended(finished)
         self.grammar.forget(ended)
+        self.deliveries.note_step(ended)
         mode = None if plan is None else plan.batch.forward_mode.value
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
@@ -358,13 +364,29 @@ class Engine:
         self.run_until_idle()
         return [r.emitted_ids for r in reqs]
 
-    def close(self) -> None:
-        """Stop the forward stream; later calls (but `close`) raise `UsageError`."""
+    def close(self, reason: str = "engine closed") -> None:
+        """End every live request with `FinishReason.ABORT` (``reason``), stop the forward
+        stream; later calls (but `close`) raise `UsageError`.
+
+        A request waiting, prefilling or running when the engine closes would otherwise never
+        finish; its ``finish`` says why it ended, and a `stream` still delivers that event.
+        """
         if self._closed:
             return
         self._check_caller("close")
-        self._closed = True
-        self.rounds.launcher.close()
+        try:
+            finished = self.lifecycle.abort_live(reason, until_batch=self.rounds.num_launched)
+            if self._trace is not None:
+                self._record_events(self._trace, (), finished, ())
+            self.deliveries.note_step(self.lifecycle.remember_ended(finished))
+        finally:
+            self._closed = True
+            self.rounds.launcher.close()
+
+    @property
+    def is_closed(self) -> bool:
+        """True after `close`."""
+        return self._closed
 
     def _check_caller(self, call: str) -> None:
         """Refuse a call after `close` or from a thread other than the driving one."""
@@ -412,6 +434,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """A frozen summary of the engine's state."""
         pool, prefix = self.allocator.token_pool, self.allocator.prefix
+        guard = self._draft_policy
         return EngineSnapshot(
             num_waiting=len(self.scheduler.waiting),
             num_prefilling=len(self.scheduler.prefilling),
@@ -424,6 +447,7 @@ class Engine:
             quarantined=tuple(self.deferred.held()),
             metrics=self.results.metrics(),
             prefix_cache=None if prefix is None else prefix.snapshot(),
+            draft_policy_failure=None if guard is None else guard.snapshot().failure,
         )
 
     @property

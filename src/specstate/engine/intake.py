@@ -40,6 +40,14 @@ def check_request(
             f"but worker {caps.algorithm!r} is greedy-only (its capabilities do not declare "
             "supports_sampling)"
         )
+    if sampling.min_new_tokens:
+        eos = frozenset() if sampling.ignore_eos else limits.eos_token_ids
+        if len(sampling.stop_token_ids | eos) >= limits.vocab_size:
+            raise InvalidRequest(
+                f"request {rid!r}: min_new_tokens {sampling.min_new_tokens} masks the stop "
+                f"tokens, but all {limits.vocab_size} tokens of the vocabulary are stop tokens "
+                "(stop_token_ids and EOS): nothing could be emitted"
+            )
     unsupported = unsupported_controls(sampling, caps)
     if unsupported:
         raise InvalidRequest(

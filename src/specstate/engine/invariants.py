@@ -41,7 +41,9 @@ a name (`InvariantViolation.invariant`):
   its matcher where the last forward left it (`specstate.grammar.table`);
 * ``rank-agreement`` (one rank of a tensor-parallel group): the agreement saw every step's
   launch point and agreed on every retired batch before it was settled
-  (`specstate.engine.agreement`).
+  (`specstate.engine.agreement`);
+* ``delivery``: a stream never delivered more of a request than it emitted
+  (`specstate.engine.delivery`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -182,6 +184,8 @@ def check_engine(engine: Engine) -> None:
     engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
     _check_page_owners(engine)
     _check_agreement(engine)
+    for problem in engine.deliveries.problems():
+        _fail("delivery", problem)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         free = engine.allocator.available_tokens() // pool.page_size

@@ -32,6 +32,7 @@ requests are skipped at settlement because the requests ended with an error).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +46,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import ForwardTimeout, RelayError
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.engine.result_check import check_form, check_values
+from specstate.engine.result_check import check_form, check_result_type, check_values
 from specstate.engine.result_copy import HostResult, ResultCopy
 from specstate.engine.scheduler import LaunchPlan, PrefillPart
 from specstate.engine.worker import WorkerProtocol
@@ -55,6 +56,8 @@ from specstate.relay.isolation import ForwardIsolator
 from specstate.relay.streams import Event, Stream, make_stream
 
 __all__ = ["InFlight", "Launcher"]
+
+_log = logging.getLogger("specstate")
 
 
 @attrs.define
@@ -121,7 +124,14 @@ class InFlight:
 
 
 class _PublishOnce:
-    """The ``on_publish`` handed to a worker: one publish per forward, recorded."""
+    """The ``on_publish`` handed to a worker: one publish per forward, recorded.
+
+    Made on the thread that calls the worker. The worker may call it only from that thread
+    and before its forward returns (`returned`): a call from another thread would enqueue the
+    frontier on that thread's stream (a device hazard), and a late one could overwrite a
+    frontier the next forward already read. Such a call is refused (`RelayError` in the caller)
+    and logged; the engine then publishes ``new_seq_lens`` itself when the forward returns.
+    """
 
     def __init__(
         self,
@@ -134,10 +144,30 @@ class _PublishOnce:
         self._indices = indices
         self._flight = flight
         self._bounds = bounds  # relay the frontier clamped into [lo, hi] (device path)
+        self._thread = threading.get_ident()
+        self.returned = False  # set once the worker's forward returned
         self.calls = 0
         self.published: torch.Tensor | None = None  # what the worker published, for the check
 
     def __call__(self, new_seq_lens: torch.Tensor) -> None:
+        """The worker's publish: refused from another thread or after the forward returned."""
+        late = self.returned
+        if late or threading.get_ident() != self._thread:
+            where = (
+                "after its forward returned"
+                if late
+                else f"from thread {threading.current_thread().name!r}"
+            )
+            error = RelayError(
+                f"[relay] batch {self._flight.batch_id}: on_publish called {where}; call it "
+                "from the thread running forward_batch_generation, before it returns (refused)"
+            )
+            _log.error("%s", error)
+            raise error
+        self.publish(new_seq_lens)
+
+    def publish(self, new_seq_lens: torch.Tensor) -> None:
+        """Relay ``new_seq_lens`` (at most once per forward)."""
         with self._flight.lock:
             if self._flight.abandoned:
                 return  # the host gave up on this forward: its frontier is not relayed
@@ -264,7 +294,13 @@ class Launcher:
                 if flight.marks is not None:
                     flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):
-                    result = self._worker.forward_batch_generation(forward, on_publish=on_publish)
+                    try:
+                        result = self._worker.forward_batch_generation(
+                            forward, on_publish=on_publish
+                        )
+                    finally:
+                        publish.returned = True  # a later call is refused
+                check_result_type(result)
                 if flight.marks is not None:
                     flight.marks.append(time.perf_counter_ns())
                 scope.keep_alive(result.keep_alive_refs)
@@ -304,7 +340,7 @@ class Launcher:
         else:
             flight.copy = ResultCopy.start(result, seq_lens, publish.published)
         if publish.calls == 0 and result.new_seq_lens is not None:
-            publish(result.new_seq_lens)
+            publish.publish(result.new_seq_lens)
         if result.next_draft_input is not None:
             self.future_map.stash(indices, result.next_draft_input, host=flight.plan.slots_host)
         flight.result = result

@@ -91,6 +91,12 @@ class RequestLifecycle:
         self._aborts[req] = reason
         return True
 
+    def abort_live(self, reason: str, *, until_batch: int) -> tuple[str, ...]:
+        """End every live request with ABORT (``reason``) now; their ids (the engine closes)."""
+        for req in list(self.live()):
+            self._aborts.setdefault(req, reason)  # a pending user abort keeps its reason
+        return self.apply_aborts(until_batch=until_batch)
+
     def apply_aborts(self, *, until_batch: int) -> tuple[str, ...]:
         """End every request with a pending abort; their KV waits for batch ``until_batch``."""
         if not self._aborts:

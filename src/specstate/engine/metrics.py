@@ -31,12 +31,19 @@ hit rate), ``specstate_prefix_cache_inserted_pages_total`` and
 
 A scrape from another thread reads a moment of the engine without locking it (it never writes);
 the numbers of one scrape can straddle one step.
+
+One prefix names one engine's series on a registry: registering a second collector with a
+prefix that registry already holds (the same engine twice, or two engines under one prefix)
+raises `InvalidConfig` instead of exporting every series twice. Give each engine its own
+``prefix``, or ``registry.unregister(collector)`` first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from specstate.core.errors import InvalidConfig
 
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine
@@ -50,6 +57,11 @@ class SpecstateCollector:
     def __init__(self, engine: Engine, *, prefix: str = "specstate") -> None:
         self._engine = engine
         self._prefix = prefix
+
+    def describe(self) -> Iterator[Any]:
+        """The metric families this collector exports (their names: how a registry finds a
+        prefix registered twice, whatever its ``auto_describe``)."""
+        return self.collect()
 
     def collect(self) -> Iterator[Any]:
         """The metric families of this scrape."""
@@ -152,9 +164,18 @@ def register_metrics(
 
     Raises:
         ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
+        InvalidConfig: the registry already holds series under ``prefix`` (this engine
+            registered twice, or another engine with the same prefix); nothing is registered.
     """
     from prometheus_client import REGISTRY
 
     collector = SpecstateCollector(engine, prefix=prefix)
-    (REGISTRY if registry is None else registry).register(collector)
+    try:
+        (REGISTRY if registry is None else registry).register(collector)
+    except ValueError as exc:  # prometheus_client: "Duplicated timeseries in CollectorRegistry"
+        raise InvalidConfig(
+            f"register_metrics: the registry already has series named {prefix}_* (this engine "
+            "registered twice, or two engines with one prefix); give each engine its own "
+            f"prefix=, or unregister the first collector ({str(exc)[:120]})"
+        ) from None
     return collector

@@ -19,6 +19,7 @@ keeps serving, and no counter, output or KV row of any other request is touched.
 
 Always on (a fixed number of array operations per round, whatever the batch size):
 
+* the result is a `GenerationBatchResult` (`check_result_type`; None is a forgotten return);
 * shapes and dtypes: ``next_token_ids`` ``[B * stride]`` and ``accept_lens`` ``[B]``, both
   integer (not bool, not floating point);
 * accept lengths in ``[1, min(stride, max_accept)]`` for a decode round, exactly 1 otherwise;
@@ -55,9 +56,20 @@ from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import WorkerResultError
 from specstate.engine.result_copy import HostResult
 
-__all__ = ["check_form", "check_sampling_rows", "check_values"]
+__all__ = ["check_form", "check_result_type", "check_sampling_rows", "check_values"]
 
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def check_result_type(result: object) -> None:
+    """Raise `WorkerResultError` unless the worker returned a `GenerationBatchResult`.
+
+    Runs first, right after the worker returns (a forgotten ``return`` gives None).
+    """
+    if not isinstance(result, GenerationBatchResult):
+        raise WorkerResultError(
+            f"worker returned {type(result).__name__} {result!r:.60}, not a GenerationBatchResult"
+        )
 
 
 def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | None) -> None:

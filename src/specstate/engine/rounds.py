@@ -6,11 +6,11 @@ owner of its state::
 
     wait      the forward stream ran the batch (or the forward timeout fired: abandon it)
     check     the result copy, its values, its per-row sampling flags      (result_check)
-    observe   the draft policy sees the round at the width it launched     (draft_policy)
     settle    commit the accepted runs, append outputs, find finishes      (ResultProcessor)
     finish    end the finished and failed requests                         (RequestLifecycle)
     release   drain the KV of requests no launched batch reads any more    (DeferredReleases)
     record    the round's trace row and spans                              (TraceRecorder)
+    observe   the draft policy sees the round at the width it launched     (draft_guard)
 
 A batch that failed (the worker raised, the result broke the contract, the copy never came)
 ends exactly its own rows with ERROR; a row the worker marked invalid ends alone.
@@ -176,6 +176,8 @@ class RoundPipeline:
                 self._record_round(rec, flight, host, settlement)
             rec.span(HOST, "settle", flight.batch_id, settling, rec.now())
             _record_forward(rec, flight)
+        if settlement is not None and flight.plan.batch.num_draft_steps is not None:
+            self._observe_round(flight.plan, host)  # last: the round is settled whatever it does
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise error  # the batch is contained; the interruption is the caller's to handle
         return tuple(r.request_id for r in ended)
@@ -201,8 +203,6 @@ class RoundPipeline:
         if self._grammar is not None:  # grammar dead ends and contract breaks; commit the rest
             ended += self._grammar.settle(flight, host, self._lifecycle)
         probe = SettlementProbe.take(self, flight) if self._config.check_invariants else None
-        if self._draft_policy is not None and plan.batch.num_draft_steps is not None:
-            self._observe_round(plan, host)
         try:
             settlement = self.settle_result(plan, host)
         except LedgerViolation as exc:
@@ -230,14 +230,17 @@ class RoundPipeline:
             abort_reasons=self._lifecycle.abort_reasons,
         )
 
-    def _observe_round(self, plan: LaunchPlan, host: HostResult) -> None:
+    def _observe_round(self, plan: LaunchPlan, host: HostResult | None) -> None:
         """Hand the draft policy a settled round once, at the width it was launched with.
 
         Only rows that drafted count: not rows the worker marked invalid, and not requests
-        with ``speculative=False`` (they accept one token whatever the drafts).
+        with ``speculative=False`` (they accept one token whatever the drafts). Called after
+        the round settled, ended its requests and released their KV: the policy is user code
+        (`specstate.engine.draft_guard` contains it), and nothing it does changes the round.
         """
         batch = plan.batch
-        assert self._draft_policy is not None and batch.num_draft_steps is not None
+        if self._draft_policy is None or host is None or batch.num_draft_steps is None:
+            return
         drafted = np.ones(host.batch_size, dtype=np.bool_)
         if host.invalid is not None:
             drafted &= ~host.invalid
@@ -271,7 +274,8 @@ class RoundPipeline:
         rows = np.flatnonzero(mask).tolist()
         failure = WorkerResultError(
             f"batch {self.num_retired} ({batch.forward_mode.value}): the worker marked the "
-            "row invalid (for the reference workers: non-finite logits)"
+            "row invalid (for the reference workers: non-finite logits, raw or after the sampling "
+            "controls)"
         )
         ended = self._lifecycle.fail(
             [batch.reqs[i] for i in rows], [batch.incarnations[i] for i in rows], failure

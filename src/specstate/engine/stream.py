@@ -7,7 +7,24 @@ changed is found with one array comparison over the output table's lengths; only
 touched. Tokens are yielded once each and exactly as ``Req.emitted_ids`` ends up (a request
 that is retracted and re-admitted continues where it stopped; tokens past a stop or the cap
 are never yielded). Requests can be submitted between events; the loop ends when the engine is
-idle.
+idle (or closed).
+
+What has been yielded is recorded by the engine (`specstate.engine.delivery.Deliveries`), not by
+the iterator, so a stream can be left and resumed: calling ``stream(engine)`` again first
+yields what the previous stream had not handed out yet, then steps on, and yields nothing twice.
+Two streams advanced in turn share that record (each event goes to one of them), and
+``engine.step()`` calls made outside any stream lose nothing: their events wait for the next
+stream. Serving requests that arrive over time is a loop around it::
+
+    while serving:
+        for request in newly_arrived():
+            engine.submit(...)
+        for event in stream(engine):   # returns once the engine is idle
+            deliver(event)
+        wait_for_requests()
+
+After `Engine.close`, a stream yields what is still undelivered (the requests that close ended,
+with `FinishReason.ABORT`) and stops.
 """
 
 from __future__ import annotations
@@ -15,10 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import attrs
-import numpy as np
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import FinishState, Req
+from specstate.core.request import FinishState
 from specstate.engine.engine import Engine
 
 __all__ = ["StreamCursor", "TokenEvent", "stream"]
@@ -40,47 +56,48 @@ class TokenEvent:
 
 
 class StreamCursor:
-    """The streaming state of one engine: which tokens of which live request were handed out.
+    """One step at a time of what `stream` yields, for a driver that works between steps.
 
-    `step` steps the engine once and returns that step's events (see the module docstring);
-    across calls each token is handed out once. `stream` is a loop over one cursor; a driver
-    that must do other work between steps (`specstate.serving.AsyncEngine`) holds a cursor
-    itself. Only the engine's driving thread may call `step`.
+    A driver that must do other work between steps (`specstate.serving.AsyncEngine`) holds a
+    cursor: `step` steps the engine once and returns the events that are due, from the same
+    engine-side record `stream` reads (`specstate.engine.delivery.Deliveries`), so a cursor and
+    streams never hand out a token twice. Only the engine's driving thread may call it.
     """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._sent: dict[Req, int] = {}  # tokens handed out, by request (hashes by identity)
-        self._seen = engine.outputs.all_lengths()
+        engine.deliveries.start()
 
     def step(self) -> list[TokenEvent]:
-        """One `Engine.step`, then one event per request that emitted tokens or ended in it."""
-        engine = self._engine
-        report = engine.step()
-        now = engine.outputs.all_lengths()
-        changed = [engine.outputs.holder(int(s)) for s in np.flatnonzero(now != self._seen)]
-        self._seen = now
-        events = []
-        for req in dict.fromkeys([*(r for r in changed if r is not None), *report.ended]):
-            emitted = req.emitted_ids
-            start = self._sent.get(req, 0)
-            if len(emitted) > start or req.is_finished:
-                self._sent[req] = len(emitted)
-                events.append(TokenEvent(req.request_id, tuple(emitted[start:]), req.finish))
-            if req.is_finished:
-                self._sent.pop(req, None)
-        return events
+        """One `Engine.step`, then every event due (tokens emitted, requests ended)."""
+        self._engine.step()
+        return self.due()
+
+    def due(self) -> list[TokenEvent]:
+        """The events not handed out yet (after `Engine.close`: the requests it ended)."""
+        return list(_due(self._engine))
+
+
+def _due(engine: Engine) -> Iterator[TokenEvent]:
+    deliveries = engine.deliveries
+    while (delivery := deliveries.pop()) is not None:  # marked delivered as it is yielded
+        req, tokens, finish = delivery
+        yield TokenEvent(req.request_id, tokens, finish)
 
 
 def stream(engine: Engine, *, max_steps: int = 100_000) -> Iterator[TokenEvent]:
     """Step ``engine`` until idle, yielding every request's new tokens (module docstring).
 
     Raises:
-        InvalidConfig: the engine is not idle after ``max_steps`` steps.
+        InvalidConfig: the engine is not idle after ``max_steps`` steps of this stream.
     """
-    cursor = StreamCursor(engine)
-    for _ in range(max_steps):
-        if engine.is_idle:
+    engine.deliveries.start()
+    steps = 0
+    while True:
+        yield from _due(engine)
+        if engine.is_closed or engine.is_idle:
             return
-        yield from cursor.step()
-    raise InvalidConfig(f"engine not idle after {max_steps} steps")
+        if steps == max_steps:
+            raise InvalidConfig(f"engine not idle after {max_steps} steps")
+        engine.step()
+        steps += 1

@@ -130,9 +130,14 @@ class SpecWindow:
 
     @property
     def row_headroom(self) -> int:
-        """Extra ``req_to_token`` row width beyond the context length."""
+        """Extra ``req_to_token`` row width beyond the context length.
+
+        It covers the reservation of a request at the context's end: ``ceil_P(committed +
+        R)`` stays below ``context + R + P - 1``, for a chain and a tree alike (a tree's R
+        is far wider than its D, also at page size 1).
+        """
         base = 4 + self.num_draft_tokens
-        if self.speculative and self.page_size > 1:
+        if self.speculative:
             return max(base, self.reserve + self.page_size - 1)
         return base
 

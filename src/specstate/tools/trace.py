@@ -24,8 +24,10 @@ it prints each violation and exits 1 if there is one.
 its accept length and bonus token, and its three clocks after settlement. ``--perfetto OUT``
 writes the Chrome / Perfetto trace-event JSON (open it at ui.perfetto.dev). ``--plot OUT.png``
 draws the two tracks' timeline and the acceptance histogram (needs matplotlib: the ``plot``
-extra). ``--json`` prints the summary as JSON. Exit code 2 for a file that is not a specstate
-trace, or for ``--plot`` without matplotlib.
+extra). ``--json`` prints the summary as JSON. Exit code 2, with one line naming the file, the
+line and the field, for a file that is not a specstate trace or holds a malformed record (a
+missing field, a string where a number belongs: `specstate.tools.trace_schema`), or for
+``--plot`` without matplotlib.
 """
 
 from __future__ import annotations
@@ -39,12 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from specstate.engine.trace import SCHEMA, VERSION, chrome_events
+from specstate.tools.trace_schema import TraceFileError, check_record
 
 __all__ = ["add_arguments", "load", "run", "summarize"]
-
-
-class TraceFileError(ValueError):
-    """The file is not a readable specstate trace."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(path: Path) -> list[dict[str, Any]]:
-    """The records of a trace file; `TraceFileError` naming the file and line otherwise."""
+    """The records of a trace file; `TraceFileError` naming the file, line and field otherwise
+    (`specstate.tools.trace_schema.check_record`: every field a reader indexes is there)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -72,6 +72,7 @@ def load(path: Path) -> list[dict[str, Any]]:
             raise TraceFileError(f"{path}:{number}: not JSON") from None
         if not isinstance(record, dict) or "type" not in record:
             raise TraceFileError(f"{path}:{number}: not a trace record")
+        check_record(record, f"{path}:{number}")
         records.append(record)
     if not records or records[0].get("schema") != SCHEMA:
         raise TraceFileError(f"{path}: no {SCHEMA} header on line 1")

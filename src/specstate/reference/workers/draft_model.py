@@ -74,9 +74,9 @@ class DraftModelWorker(TreeRoundWorker):
         seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
-        InvalidConfig: ``num_steps < 1``, ``topk < 1`` or a tree size `TreeShape` refuses; a
-            vocabulary mismatch (naming both checkpoints and sizes); a checkpoint that is not a
-            Llama (the loader's error).
+        InvalidConfig: ``num_steps < 1``, ``topk < 1``, ``topk`` above the vocabulary, or a tree
+            size `TreeShape` refuses; a vocabulary mismatch (naming both checkpoints and sizes);
+            a checkpoint that is not a Llama (the loader's error).
     """
 
     def __init__(

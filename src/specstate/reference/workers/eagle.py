@@ -74,9 +74,9 @@ class EagleWorker(TreeRoundWorker):
         seed: seeds the worker's generator for sampled rows (None: not reproducible).
 
     Raises:
-        InvalidConfig: ``num_steps < 1``, ``topk < 1`` or a tree size `TreeShape` refuses; a
-            head whose hidden or vocab size differs from the target's (naming both files); a bad
-            checkpoint or head config (the loader's error).
+        InvalidConfig: ``num_steps < 1``, ``topk < 1``, ``topk`` above the vocabulary, or a tree
+            size `TreeShape` refuses; a head whose hidden or vocab size differs from the
+            target's (naming both files); a bad checkpoint or head config (the loader's error).
     """
 
     def __init__(

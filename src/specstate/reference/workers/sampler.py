@@ -46,6 +46,7 @@ __all__ = [
     "TokenChoice",
     "TokenCounts",
     "TokenSampler",
+    "contain_logits",
     "filtered_probs",
     "sample_with_uniforms",
     "token_logprobs",
@@ -57,15 +58,51 @@ def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.to(like.device).view(-1, *([1] * (like.ndim - 1)))
 
 
+def contain_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` ``[B, ..., V]`` made safe to choose from, and the ``[B]`` rows that are not.
+
+    Processed logits can leave the finite range: a penalty that overflows the dtype makes a
+    logit +inf, an overflow against an overflow makes it NaN, and ``min_new_tokens`` can mask
+    every token of a position (-inf). A +inf becomes the dtype's largest finite value (the
+    token stays the most likely, as an argmax over +inf would pick it); a row with a NaN, or
+    with a scored position where no token is left, is reported and zeroed, so argmax and
+    sampling run on every row without a host check and the row alone ends (the caller marks
+    it invalid). Rows with finite logits are returned unchanged. New tensor.
+    """
+    nan = torch.isnan(logits).flatten(1).any(1)
+    dead = (logits == float("-inf")).all(-1)
+    if dead.dim() > 1:  # several scored positions per row: any one of them
+        dead = dead.flatten(1).any(1)
+    bad = nan | dead
+    top = torch.finfo(logits.dtype).max if logits.is_floating_point() else None
+    safe = logits if top is None else logits.clamp(max=top)
+    return safe.masked_fill(_per_row(bad, safe), 0.0), bad
+
+
+def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """``logits / T`` in float32; a row that overflows is shifted by its maximum first.
+
+    Softmax is invariant to the shift, so the distribution is the same; a tiny temperature then
+    gives its exact limit (the most likely tokens) instead of ``inf - inf = NaN``. Rows that do
+    not overflow are computed exactly as before (bit for bit).
+    """
+    scaled = logits.float() / temperatures
+    over = torch.isposinf(scaled).any(-1, keepdim=True)
+    top = logits.float().amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return torch.where(over, (logits.float() - top) / temperatures, scaled)
+
+
 def filtered_probs(logits: torch.Tensor, sampling: SamplingInfo) -> torch.Tensor:
     """The filtered sampling distribution of every row of ``logits`` ``[B, ..., V]`` (float32).
 
     Row ``b`` uses ``sampling``'s row ``b``; greedy rows are computed at temperature 1 (their
-    distribution is never sampled, only carried along in vectorized code).
+    distribution is never sampled, only carried along in vectorized code). Every row of finite
+    (or -inf masked) logits gets a distribution, whatever its temperature (`_scaled`).
     """
     temperatures = _per_row(sampling.temperatures.float(), logits)
     temperatures = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits.float() / temperatures, dim=-1)
+    probs = torch.softmax(_scaled(logits, temperatures), dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(probs.shape[-1], device=probs.device)
     top_k = _per_row(sampling.top_ks.long(), probs)
@@ -209,11 +246,14 @@ class TokenChoice:
             carry their temperature-1 distribution, never read); None when every row is greedy.
         logits: ``[B, V]`` the processed logits the tokens were chosen from (the raw ones when
             no row has a logit control).
+        invalid: ``[B]`` bool, rows whose processed logits left nothing to choose from
+            (`contain_logits`); their token is meaningless. None: not computed.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     logits: torch.Tensor | None = None
+    invalid: torch.Tensor | None = None
 
 
 class TokenSampler:
@@ -323,6 +363,9 @@ class TokenSampler:
             if drafting.grammar is not None:
                 mask = drafting.grammar.draft_masks()
         processed = logits if counts is None else counts.apply(logits, sampling)
+        # Contain what the controls did first; a grammar's dead end (every token masked) is the
+        # grammar's to report (`GrammarError` at settlement), not an invalid row.
+        processed, invalid = contain_logits(processed)
         if mask is not None:
             processed = mask.apply(processed)
         greedy = processed.argmax(-1)
@@ -343,4 +386,4 @@ class TokenSampler:
                 drafting.counts = drafting.counts.advance(tokens)
             if drafting.grammar is not None:
                 drafting.grammar.push_drafts(tokens)
-        return TokenChoice(tokens=tokens, probs=probs, logits=processed)
+        return TokenChoice(tokens=tokens, probs=probs, logits=processed, invalid=invalid)

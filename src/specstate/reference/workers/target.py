@@ -50,6 +50,7 @@ from specstate.reference.workers.layout import chain_attention, extend_attention
 from specstate.reference.workers.sampler import (
     TokenCounts,
     TokenSampler,
+    contain_logits,
     filtered_probs,
     sample_with_uniforms,
     token_logprobs,
@@ -80,7 +81,8 @@ class TargetExtend:
         next_tokens: ``[B]`` token after each row's last new token (argmax, or sampled).
         hidden_states: ``[T, hidden]`` target features (before the final norm) of every token.
         last_rows: ``[B]`` index of each row's last new token in the packed layout.
-        invalid_rows: ``[B]`` bool, True where the row's logits were not finite.
+        invalid_rows: ``[B]`` bool, True where the row's logits were not finite (raw, or after
+            the logit controls: `contain_logits`).
         logprobs: ``[B]`` log-probability of each next token, when the batch asks for them.
     """
 
@@ -99,7 +101,8 @@ class TargetVerify:
     Attributes:
         verdict: the accepted runs.
         hidden_states: ``[B, D, hidden]`` target features of the chain.
-        invalid_rows: ``[B]`` rows whose logits were not finite (verified on zeroed logits).
+        invalid_rows: ``[B]`` rows whose logits were not finite, raw or after the logit
+            controls (verified on zeroed logits).
         logprobs: ``[B, D]`` log-probability of each run token, when the batch asks for them.
     """
 
@@ -255,6 +258,8 @@ class TargetRunner:
         choice = sampler.choose(out.logits, sampling, positions=last + 1, counts=counts, mask=masks)
         if grammar is not None:
             grammar.accept_sampled(choice.tokens)
+        if choice.invalid is not None:  # the controls left a row nothing to choose from
+            invalid = invalid | choice.invalid
         logprobs = None
         if sampling.logprobs:
             processed = out.logits if choice.logits is None else choice.logits
@@ -314,7 +319,8 @@ class TargetRunner:
         if sampling.has_logit_controls and counts is None:
             counts = self.counts_at(req_pool_indices, start, sampling)
         if counts is not None:  # position j sees x0 and d1 .. dj
-            logits = counts.chain(drafts.tokens).apply(logits, sampling)
+            logits, unusable = contain_logits(counts.chain(drafts.tokens).apply(logits, sampling))
+            invalid = invalid | unusable
         if grammar_masks is not None:  # position j: the grammar after d1 .. dj
             logits = grammar_masks.apply(logits)
         verdict, probs = _verify(drafts, logits, sampling, sampler, start)

@@ -228,5 +228,11 @@ def _is_id(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    """A finite JSON number (not a bool; Python's JSON reads NaN and Infinity, refused here)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (not a bool; Python's JSON reads NaN and Infinity, refused here;
+    an integer too large for a float, such as 1 followed by 400 zeros, is refused too)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -157,7 +157,9 @@ def load_factory(spec: str) -> WorkerFactory:
         raise InvalidConfig(
             f"--worker {spec}: importing {module_name} failed: {_describe(exc)}"
         ) from None
-    except Exception as exc:
+    except BaseException as exc:  # a custom BaseException too; an interrupt stays one
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
         raise InvalidConfig(
             f"--worker {spec}: importing {module_name} failed: {_describe(exc)}"
         ) from None
@@ -185,7 +187,9 @@ def _call_factory(
         built: object = factory(args)
     except SpecStateError as exc:
         raise InvalidConfig(f"--worker {spec}: {exc}") from None
-    except Exception as exc:
+    except BaseException as exc:  # a custom BaseException too; an interrupt stays one
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
         raise InvalidConfig(f"--worker {spec}: the factory raised {_describe(exc)}") from None
     if isinstance(built, tuple) and len(built) == 2:
         worker, limits = built
@@ -237,7 +241,7 @@ def load_engine(
         raise InvalidConfig(
             f"{what}: cannot load the checkpoint ({type(exc).__name__}: {exc})"
         ) from None
-    except Exception as exc:
-        if factory is None:
+    except BaseException as exc:  # a custom BaseException too; an interrupt stays one
+        if factory is None or isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise InvalidConfig(f"{what}: the worker failed to attach ({_describe(exc)})") from None

@@ -1,0 +1,142 @@
+"""Deliveries: what the engine's streams have handed out, per request, kept by the engine.
+
+`Deliveries` is the engine-side record behind `specstate.engine.stream.stream`. It is off (and
+costs nothing) until the first ``stream(engine)``; from then on, after every step it compares
+the output table's lengths with the previous step's (one array comparison) and queues the
+requests whose outputs changed and the requests that ended. A stream pops the queue one request
+at a time: the tokens it emitted since its last delivery, and on its last one its `FinishState`.
+Because the record is the engine's and a request is marked delivered exactly when its event is
+handed out, every way of driving the engine sees each token once, in order:
+
+* leaving a stream and calling ``stream(engine)`` again resumes: nothing is yielded twice, and
+  what the first stream had not handed out yet comes first;
+* two streams advanced in turn share the queue: each event goes to whichever asks first;
+* ``engine.step()`` calls between (or instead of) stream iterations are seen too: their tokens
+  and finishes wait in the queue for the next stream.
+
+Retention: a request stays queued until its finish is delivered. If nobody streams any more,
+ended requests stop being queued once more than ``finished_history`` of them wait (the oldest
+are dropped first), the same bound as `Engine.request` keeps.
+
+Invariant: for every request, the tokens delivered so far are a prefix of ``Req.emitted_ids``
+and grow only; a request's finish is delivered at most once, after its last token, and nothing
+of it is delivered afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from specstate.core.request import FinishState, Req
+from specstate.engine.outputs import IntArray, OutputTable
+
+__all__ = ["Deliveries", "Delivery", "DeliverySnapshot"]
+
+Delivery = tuple[Req, tuple[int, ...], FinishState | None]
+"""One event: the request, its tokens since its last delivery, and its finish on the last one."""
+
+
+@attrs.frozen(kw_only=True)
+class DeliverySnapshot:
+    """The record at one instant.
+
+    Attributes:
+        active: a stream started, so every step is recorded.
+        queued: ids of the requests with something undelivered, in delivery order.
+        ended_waiting: how many of them ended and wait for their last event.
+    """
+
+    active: bool
+    queued: tuple[str, ...]
+    ended_waiting: int
+
+
+class Deliveries:
+    """Owner of what has been delivered per request (module docstring).
+
+    Args:
+        outputs: the engine's output table (read: its lengths and row holders).
+        history: how many ended requests may wait undelivered before the oldest are dropped.
+    """
+
+    def __init__(self, outputs: OutputTable, *, history: int) -> None:
+        self._outputs = outputs
+        self._history = history
+        self._seen: IntArray | None = None  # output lengths after the last step (None: off)
+        self._delivered: dict[Req, int] = {}  # tokens delivered, by request (hash: identity)
+        self._queued: dict[Req, None] = {}  # to look at, in the order their changes came
+        self._ended: dict[Req, None] = {}  # queued requests that ended (oldest first)
+
+    @property
+    def is_active(self) -> bool:
+        """True once a stream started: every step is then recorded."""
+        return self._seen is not None
+
+    def start(self) -> None:
+        """Record from now on (a no-op once started): the first ``stream(engine)`` calls it.
+
+        Tokens a running request emitted before are delivered with its next event.
+        """
+        if self._seen is None:
+            self._seen = self._outputs.all_lengths()
+
+    def note_step(self, ended: Sequence[Req]) -> None:
+        """After a step: queue the requests whose outputs changed, then those that ended."""
+        if self._seen is None:
+            return
+        now = self._outputs.all_lengths()
+        changed = np.flatnonzero(now != self._seen)
+        self._seen = now
+        for slot in changed.tolist():
+            req = self._outputs.holder(slot)
+            if req is not None:
+                self._queued[req] = None
+        for req in ended:
+            self._queued[req] = None
+            self._ended[req] = None
+        while len(self._ended) > self._history:  # nobody streams: forget the oldest
+            old = next(iter(self._ended))
+            self._forget(old)
+
+    def pop(self) -> Delivery | None:
+        """The next event, marked delivered as it is returned; None when nothing waits."""
+        while self._queued:
+            req = next(iter(self._queued))
+            del self._queued[req]
+            finished = req.is_finished
+            if finished and req not in self._ended:
+                continue  # its finish was delivered already (or dropped: nobody streamed)
+            emitted = req.emitted_ids
+            start = self._delivered.get(req, 0)
+            if len(emitted) <= start and not finished:
+                continue  # a change with nothing new for the user (a retraction's row)
+            if finished:
+                self._forget(req)
+            else:
+                self._delivered[req] = len(emitted)
+            return req, tuple(emitted[start:]), req.finish if finished else None
+        return None
+
+    def problems(self) -> list[str]:
+        """Debug (the invariant checker): requests delivered past what they emitted."""
+        return [
+            f"request {req.request_id}: {n} tokens delivered, {len(req.emitted_ids)} emitted"
+            for req, n in self._delivered.items()
+            if n > len(req.emitted_ids)
+        ]
+
+    def snapshot(self) -> DeliverySnapshot:
+        """What waits to be delivered."""
+        return DeliverySnapshot(
+            active=self._seen is not None,
+            queued=tuple(r.request_id for r in self._queued),
+            ended_waiting=len(self._ended),
+        )
+
+    def _forget(self, req: Req) -> None:
+        self._queued.pop(req, None)
+        self._ended.pop(req, None)
+        self._delivered.pop(req, None)

@@ -1,0 +1,240 @@
+"""Streams resume, share and survive manual steps; `Engine.close` ends live requests.
+
+The engine records what its streams delivered (`Deliveries`), so however the engine is driven —
+a stream left and re-entered, two streams advanced in turn, ``engine.step()`` calls between
+them, a consumer that raised — every request's events, concatenated, are exactly its
+``emitted_ids`` once, in order, with its finish on its last event and nothing after it. The
+workload retracts (a small pool) and accepts multi-token runs; the invariant checker runs after
+every step. `Engine.close` with live requests ends each with ABORT and a reason, and a stream
+still delivers those finishes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import pytest
+from hf_oracle import greedy
+from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
+
+from specstate import FinishReason, Req, RequestLimits, SamplingParams
+from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate.engine.invariants import check_engine
+from specstate.engine.stream import TokenEvent, stream
+from specstate.engine.trace import TraceRecorder
+
+NEW_TOKENS = 16
+
+
+def _engine(ckpt: SpecCheckpoints, *, overlap: bool, **config: object) -> Engine:
+    engine = Engine(
+        ckpt.worker("eagle", agreeing=False),
+        limits=RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64),
+        config=EngineConfig(
+            overlap=overlap,
+            page_size=4,
+            kv_tokens=56,
+            chunked_prefill=4,
+            mixed_chunk=True,
+            check_invariants=True,
+            check_ownership=True,
+            **config,  # type: ignore[arg-type]
+        ),
+    )
+    original = engine.step
+    engine.retracted = 0  # type: ignore[attr-defined]
+
+    def step() -> StepReport:
+        report = original()
+        engine.retracted += len(report.retracted)  # type: ignore[attr-defined]
+        check_engine(engine)
+        return report
+
+    engine.step = step  # type: ignore[method-assign]
+    return engine
+
+
+def _submit(engine: Engine) -> list[Req]:
+    return [
+        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        for i, p in enumerate(MIXED_PROMPTS)
+    ]
+
+
+def _check_events(
+    ckpt: SpecCheckpoints, reqs: list[Req], events: dict[str, list[TokenEvent]]
+) -> None:
+    """Each request: its tokens once, in order, exactly HF's; its finish last and once."""
+    for prompt, req in zip(MIXED_PROMPTS, reqs, strict=True):
+        got = events[req.request_id]
+        assert got and got[-1].finish is not None and got[-1].finish == req.finish
+        assert all(e.finish is None and e.tokens for e in got[:-1]), got
+        tokens = [t for e in got for t in e.tokens]
+        assert tokens == list(req.emitted_ids) == greedy(ckpt.hf, list(prompt), NEW_TOKENS)
+
+
+def _collect(into: dict[str, list[TokenEvent]], it: Iterator[TokenEvent], n: int) -> int:
+    """Take up to ``n`` events from ``it``; how many it gave."""
+    taken = 0
+    for event in it:
+        into[event.request_id].append(event)
+        taken += 1
+        if taken == n:
+            break
+    return taken
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_stream_left_and_entered_again_resumes(
+    partial_ckpt: SpecCheckpoints, overlap: bool
+) -> None:
+    """Leave after every 3 events (mid-step), enter again: nothing twice, nothing lost."""
+    engine = _engine(partial_ckpt, overlap=overlap)
+    reqs = _submit(engine)
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    entries = 0
+    while _collect(events, stream(engine), 3):
+        entries += 1
+    engine.close()
+    assert entries > 5 and engine.retracted > 0  # type: ignore[attr-defined]
+    _check_events(partial_ckpt, reqs, events)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_two_streams_advanced_in_turn_share_the_events(
+    partial_ckpt: SpecCheckpoints, overlap: bool
+) -> None:
+    """Two live iterators, one event from each in turn: every event goes to exactly one."""
+    engine = _engine(partial_ckpt, overlap=overlap)
+    reqs = _submit(engine)
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    streams = [stream(engine), stream(engine)]
+    got = [0, 0]
+    done = [False, False]
+    while not all(done):
+        for i, it in enumerate(streams):
+            if not done[i]:
+                n = _collect(events, it, 1)
+                got[i] += n
+                done[i] = n == 0
+    engine.close()
+    assert min(got) > 3, got
+    _check_events(partial_ckpt, reqs, events)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_manual_steps_between_streams_lose_nothing(
+    partial_ckpt: SpecCheckpoints, overlap: bool
+) -> None:
+    """Two events from a stream, then two ``engine.step()`` calls, again and again."""
+    engine = _engine(partial_ckpt, overlap=overlap)
+    reqs = _submit(engine)
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    it = stream(engine)
+    while True:
+        if not _collect(events, it, 2) and engine.is_idle:
+            break  # the stream returned: the engine is idle, every event delivered
+        for _ in range(2):
+            if not engine.is_idle:
+                engine.step()
+    engine.close()
+    _check_events(partial_ckpt, reqs, events)
+
+
+def test_a_consumer_that_raises_loses_nothing(partial_ckpt: SpecCheckpoints) -> None:
+    """The loop body raises after an event; the next stream goes on from the next one."""
+    engine = _engine(partial_ckpt, overlap=True)
+    reqs = _submit(engine)
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    raised = 0
+
+    def consume(it: Iterator[TokenEvent], fail_after: int) -> None:
+        for n, event in enumerate(it):
+            events[event.request_id].append(event)
+            if n == fail_after:
+                raise RuntimeError("the client went away")
+
+    for _ in range(100):
+        try:
+            consume(stream(engine), fail_after=4)
+            break
+        except RuntimeError:
+            raised += 1
+    engine.close()
+    assert raised > 2
+    _check_events(partial_ckpt, reqs, events)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_close_ends_live_requests_with_abort(partial_ckpt: SpecCheckpoints, overlap: bool) -> None:
+    """Waiting, prefilling and running requests end with ABORT and the reason; their tokens
+    so far are HF's; a stream after close delivers those finishes; the trace records them."""
+    trace = TraceRecorder()
+    engine = Engine(
+        partial_ckpt.worker("eagle", agreeing=False),
+        limits=RequestLimits(vocab_size=partial_ckpt.vocab_size, max_context_len=64),
+        config=EngineConfig(overlap=overlap, max_running=2, chunked_prefill=2, kv_tokens=512),
+        trace=trace,
+    )
+    reqs = _submit(engine)
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    _collect(events, stream(engine), 6)
+    states = {r.status.value for r in reqs if not r.is_finished}
+    assert {"waiting", "running"} <= states or {"waiting", "prefill"} <= states, states
+    engine.close("server shutting down")
+    assert engine.is_closed and all(r.is_finished for r in reqs)
+    for prompt, req in zip(MIXED_PROMPTS, reqs, strict=True):
+        assert req.finish is not None and req.finish.reason is FinishReason.ABORT
+        assert req.finish.detail == "server shutting down"
+        assert (
+            list(req.emitted_ids)
+            == greedy(partial_ckpt.hf, list(prompt), NEW_TOKENS)[: len(req.emitted_ids)]
+        )
+    _collect(events, stream(engine), 10_000)  # after close: the undelivered, then it stops
+    for req in reqs:
+        got = events[req.request_id]
+        assert got[-1].finish == req.finish
+        assert [t for e in got for t in e.tokens] == list(req.emitted_ids)
+    aborted = {e["id"] for e in trace.events if e["event"] == "abort"}
+    assert aborted == {r.request_id for r in reqs}
+
+
+def test_undelivered_ends_are_bounded_when_nobody_streams(partial_ckpt: SpecCheckpoints) -> None:
+    """After a stream, ``run_until_idle`` only: at most ``finished_history`` ended requests wait."""
+    engine = Engine(
+        partial_ckpt.worker("none"),
+        limits=RequestLimits(vocab_size=partial_ckpt.vocab_size, max_context_len=64),
+        config=EngineConfig(kv_tokens=512, finished_history=3),
+    )
+    with engine:
+        first = engine.submit("first", [1, 2], SamplingParams(max_new_tokens=2))
+        assert [e.request_id for e in stream(engine)] == ["first", "first"]
+        assert first.is_finished
+        for i in range(12):
+            engine.submit(f"x{i}", [3, 4], SamplingParams(max_new_tokens=2))
+            engine.run_until_idle()
+        snap = engine.deliveries.snapshot()
+        assert snap.active and snap.ended_waiting == 3
+        assert snap.queued == ("x9", "x10", "x11")
+        ids = [e.request_id for e in stream(engine) if e.finish is not None]
+    assert ids == ["x9", "x10", "x11"]
+
+
+def test_the_old_iterator_contract_still_holds(partial_ckpt: SpecCheckpoints) -> None:
+    """A single stream to the end, requests submitted between events: each token once."""
+    engine = _engine(partial_ckpt, overlap=True)
+    reqs = _submit(engine)[:2]
+    events: dict[str, list[TokenEvent]] = defaultdict(list)
+    late: Callable[[], None] = lambda: reqs.append(  # noqa: E731
+        engine.submit("late", [7, 7], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    )
+    for n, event in enumerate(stream(engine)):
+        events[event.request_id].append(event)
+        if n == 2:
+            late()
+    engine.close()
+    for req in reqs:
+        got = events[req.request_id]
+        assert [t for e in got for t in e.tokens] == list(req.emitted_ids)
+        assert got[-1].finish == req.finish and req.finish is not None
