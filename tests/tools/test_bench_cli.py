@@ -268,3 +268,20 @@ def test_timed_wait_worker_rejects_bad_settings(
     """The shipped worker refuses a negative wait, no draft step, or an accept outside [1, D]."""
     with pytest.raises(InvalidConfig, match=match):
         TimedWaitWorker(device_seconds=seconds, num_steps=steps, accept=accept)
+
+
+def test_engine_bench_both_loops(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--both-loops` times both loops, alternated, and reports overlap / normal medians."""
+    argv = ["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--both-loops", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["overlap"] == "both" and out["config"]["device_model"] == "async"
+    (row,) = out["results"]
+    assert row["rounds"] == 9  # three alternations of three rounds
+    overlap, normal = row["step_us"]["median"], row["normal_step_us"]["median"]
+    assert overlap > 0 and normal > 0
+    assert row["overlap_vs_normal"] == pytest.approx(overlap / normal, rel=1e-2)
+    assert main(["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--both-loops"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "the two loops alternated" in lines[0]
+    assert lines[2].split()[0] == "2" and lines[2].endswith("x")

@@ -179,6 +179,7 @@ class Engine:
             checker=self.checker,
             forward_timeout=config.forward_timeout_s,
             check=config.check_invariants,
+            asynchronous=caps.asynchronous,
         )
         worker.attach(
             WorkerMemory(

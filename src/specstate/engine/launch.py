@@ -174,6 +174,7 @@ class Launcher:
         checker: OwnershipChecker,
         forward_timeout: float | None = None,
         check: bool = False,
+        asynchronous: bool = False,
     ) -> None:
         self._worker = worker
         self._checker = checker
@@ -188,9 +189,15 @@ class Launcher:
         # On the host CPU a result is checked before anything is relayed; on a device, after
         # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.result_check`).
         self._on_host = device == torch.device("cpu")
-        # The normal loop runs the forward inline, unless a timeout needs it on a stream.
+        # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
+        # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a
+        # `CudaStream` launches on a GPU: its device time runs behind the result's copy event,
+        # so a stream thread would only add hand-offs.
         on_stream = overlap or forward_timeout is not None
-        self._stream: Stream | None = make_stream(device) if on_stream else None
+        self._inline = asynchronous and device.type == "cpu"
+        self._stream: Stream | None = (
+            make_stream(device) if on_stream and not self._inline else None
+        )
 
     def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
         """Run ``plan`` on the stream (overlap) or now; the handle to settle it with.
@@ -222,6 +229,10 @@ class Launcher:
             with flight.lock:
                 flight.abandoned = True
         old = self._stream
+        if old is None and self._inline:
+            # Launched inline: each forward's device work ends with its result's copy event.
+            events = [f.result.copy_done for f in flights if f.result is not None]
+            return lambda: all(e is None or e.query() for e in events)
         if old is None:
             raise RelayError("no forward stream to abandon (the forward ran inline)")
         drained = old.record_event()

@@ -87,6 +87,12 @@ class WorkerCapabilities:
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
             more than ``num_draft_steps + 1``.
+        asynchronous: ``forward_batch_generation`` only enqueues its device work and returns
+            before that work is done; the result's ``copy_done`` event completes once it is
+            (a GPU worker's kernels). The engine then launches every forward on the driving
+            thread, as on a CUDA stream, even on the CPU: no forward-stream thread, no
+            hand-off. A worker that computes inside the call (a CPU model) leaves it False, so
+            that under overlap its forward runs on the forward stream's own thread.
     """
 
     algorithm: str
@@ -103,6 +109,7 @@ class WorkerCapabilities:
     supports_seeds: bool = False
     supports_logprobs: bool = False
     supports_adaptive_steps: bool = False
+    asynchronous: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

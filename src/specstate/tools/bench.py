@@ -119,6 +119,17 @@ def _accept_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _device_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device-model",
+        choices=("async", "blocking"),
+        default="async",
+        help="async (default): the worker declares itself asynchronous, its forward is "
+        "enqueued and the result's copy event completes after the device time, as on a GPU; "
+        "blocking: the forward sleeps on the forward stream's thread",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
@@ -170,6 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per size")
     engine.add_argument("--page-size", type=_count(1), default=16)
     engine.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument(
+        "--both-loops",
+        action="store_true",
+        help="time the overlap and the normal loop, alternately, and print their ratio",
+    )
+    _device_model_option(engine)
     _accept_option(engine)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
     overlap = benches.add_parser("overlap", help="overlap efficiency against a timed device")
@@ -177,13 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overlap.add_argument("--batch-size", type=_count(1), default=64)
     overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
     overlap.add_argument("--page-size", type=_count(1), default=16)
-    overlap.add_argument(
-        "--device-model",
-        choices=("async", "blocking"),
-        default="async",
-        help="async: the forward is enqueued and the result's copy event completes after the "
-        "device time, as on a GPU; blocking: the forward stream's thread sleeps",
-    )
+    _device_model_option(overlap)
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
 
@@ -525,36 +536,88 @@ def _decode_step_seconds(
 
 @attrs.frozen(kw_only=True)
 class _EngineRow:
-    """`Engine.step` time per steady decode round for one batch size."""
+    """`Engine.step` time per steady decode round for one batch size.
+
+    With ``--both-loops``: ``step_us`` is the overlap loop's, ``normal_step_us`` the normal
+    loop's (runs alternated) and ``overlap_vs_normal`` the ratio of their medians.
+    """
 
     bs: int
     rounds: int
     step_us: _Stat
     step_us_per_req: float
+    normal_step_us: _Stat | None = None
+    overlap_vs_normal: float | None = None
+
+
+_LOOP_ALTERNATIONS: Final = 3
+"""``--both-loops``: runs of each loop per batch size, alternated; samples pooled."""
+
+
+def _engine_row(args: argparse.Namespace, bs: int) -> _EngineRow:
+    def seconds(overlap: bool) -> list[float]:
+        return _decode_step_seconds(
+            bs,
+            rounds=args.rounds,
+            page_size=args.page_size,
+            overlap=overlap,
+            device_seconds=0.0,
+            asynchronous=args.device_model == "async",
+            accept_rates=args.accept_rates,
+        )
+
+    if not args.both_loops:
+        step = _Stat.of(seconds(args.overlap))
+        return _EngineRow(
+            bs=bs, rounds=args.rounds, step_us=step, step_us_per_req=round(step.median / bs, 3)
+        )
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(_LOOP_ALTERNATIONS):
+        for overlap in (True, False):
+            runs[overlap] += seconds(overlap)
+    step, normal = _Stat.of(runs[True]), _Stat.of(runs[False])
+    return _EngineRow(
+        bs=bs,
+        rounds=len(runs[True]),
+        step_us=step,
+        step_us_per_req=round(step.median / bs, 3),
+        normal_step_us=normal,
+        overlap_vs_normal=round(step.median / normal.median, 3),
+    )
 
 
 def _run_engine(args: argparse.Namespace) -> int:
     rows = []
     for bs in args.batch_sizes:
         _progress(f"bench engine: bs {bs}, {args.rounds} timed rounds")
-        seconds = _decode_step_seconds(
-            bs,
-            rounds=args.rounds,
-            page_size=args.page_size,
-            overlap=args.overlap,
-            device_seconds=0.0,
-            accept_rates=args.accept_rates,
-        )
-        step = _Stat.of(seconds)
-        per_req = round(step.median / bs, 3)
-        rows.append(_EngineRow(bs=bs, rounds=args.rounds, step_us=step, step_us_per_req=per_req))
+        rows.append(_engine_row(args, bs))
     if args.json:
-        config = {"page_size": args.page_size, "overlap": args.overlap, "prompt_len": _PROMPT_LEN}
+        config = {
+            "page_size": args.page_size,
+            "overlap": "both" if args.both_loops else args.overlap,
+            "device_model": args.device_model,
+            "prompt_len": _PROMPT_LEN,
+        }
         report = {**_header("engine"), "config": config, "results": [attrs.asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
+    worker = f"{args.device_model} zero-cost worker"
+    if args.both_loops:
+        print(
+            f"Engine.step per steady decode round, µs (page {args.page_size}, {worker}; "
+            "the two loops alternated)"
+        )
+        print(f"{'bs':>5} {'overlap':>10} {'p90':>10} {'normal':>10} {'p90':>10} {'ratio':>7}")
+        for r in rows:
+            o, n = r.step_us, r.normal_step_us
+            assert n is not None
+            print(
+                f"{r.bs:>5} {o.median:>10.1f} {o.p90:>10.1f} {n.median:>10.1f} {n.p90:>10.1f} "
+                f"{r.overlap_vs_normal:>6.2f}x"
+            )
+        return 0
     loop = "overlap" if args.overlap else "normal"
-    print(f"Engine.step per steady decode round, µs ({loop} loop, page {args.page_size})")
+    print(f"Engine.step per steady decode round, µs ({loop} loop, page {args.page_size}); {worker}")
     print(f"{'bs':>5} {'median':>10} {'p90':>10} {'µs/req':>8}")
     for r in rows:
         step = r.step_us

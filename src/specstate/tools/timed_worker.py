@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
 import numpy as np
 import torch
 
@@ -99,6 +100,8 @@ class TimedWaitWorker:
         self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
         self._num_steps = num_steps
         self._accept = accept
+        chain = WorkerCapabilities.chain("timed_wait", num_steps=num_steps, keeps_draft_kv=True)
+        self._capabilities = attrs.evolve(chain, asynchronous=asynchronous)
 
     @property
     def device_seconds(self) -> float:
@@ -113,10 +116,11 @@ class TimedWaitWorker:
 
     @property
     def capabilities(self) -> WorkerCapabilities:
-        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap."""
-        return WorkerCapabilities.chain(
-            "timed_wait", num_steps=self._num_steps, keeps_draft_kv=True
-        )
+        """A chain drafter of ``num_steps`` that keeps its own draft KV; supports overlap.
+
+        The asynchronous device model declares ``asynchronous``: its forward only enqueues.
+        """
+        return self._capabilities
 
     def attach(self, memory: WorkerMemory) -> None:
         """Nothing to build: the worker keeps no KV of its own."""
