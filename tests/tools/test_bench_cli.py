@@ -35,6 +35,7 @@ def _report(peer: str, rows: Sequence[Row]) -> dict[str, object]:
             "total_us_best_repeat_median": best,
             "finished_requests": 3,
             "workload_digest": "d-same" if bs == 1 else f"d-{peer}",
+            **({"cpu_us": {"median": total * 0.8, "p90": total}} if bs == 1 else {}),
         }
         for p, bs, total, reserve, relay, settle, best in rows
     ]
@@ -83,6 +84,7 @@ def test_compare_json_ratios_and_missing_rows(
     assert (first["ours_total_us"], first["peer_total_us"]) == (100.0, 200.0)
     assert [first["ratio_total"], first["ratio_best_repeat"]] == [0.5, 0.45]
     assert first["same_workload"] is True
+    assert first["ratio_cpu"] == 0.5 and second["ratio_cpu"] is None  # CPU times where given
     assert (second["bs"], second["ratio_total"], second["same_workload"]) == (64, 1.0, False)
     assert second["ratio_best_repeat"] == 0.9
     assert out["missing"] == [
@@ -99,9 +101,9 @@ def test_compare_table(reports: tuple[Path, Path], capsys: pytest.CaptureFixture
     assert "setting workload: ours churn, peer churn" in lines
     assert "setting launch_us: ours 5.0, peer 4.0   <- differs" in lines
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "1"])
-    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "yes"]
+    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "0.50x", "yes"]
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "64"])
-    assert row[-1] == "NO"
+    assert row[-2:] == ["n/a", "NO"]
     assert "missing: P 16 bs 1 is only in ours" in lines
     assert "missing: P 16 bs 64 is only in peer" in lines
 

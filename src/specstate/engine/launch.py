@@ -66,9 +66,10 @@ class InFlight:
     result: GenerationBatchResult | None = None
     error: BaseException | None = None
     done: Event | None = None
-    # Set once the forward's host-side preparation (resolve, isolation, the ForwardBatch) is
-    # done and the worker is called, or the closure ended early.
-    started: threading.Event = attrs.field(factory=threading.Event)
+    # On a stream only (None when launched inline): set once the forward's host-side
+    # preparation (resolve, isolation, the ForwardBatch) is done and the worker is called,
+    # or the closure ended early.
+    started: threading.Event | None = None
     # Set by the host (under ``lock``) when it gives up on the batch; the closure checks it
     # (under ``lock``) before it touches anything shared.
     abandoned: bool = False
@@ -89,6 +90,8 @@ class InFlight:
         letting it run before the host settles the previous batch keeps the two from
         contending for the interpreter lock while the forward has not started yet.
         """
+        if self.started is None:
+            return  # launched inline: the launch is over
         while not self.started.wait(0.01):
             if self.done is None or self.done.query():
                 return  # the closure ended without calling the worker
@@ -208,6 +211,7 @@ class Launcher:
         if self._stream is None:
             self._run(flight)
         else:
+            flight.started = threading.Event()
             self._stream.submit(self._run, flight)
             flight.done = self._stream.record_event()
         return flight
@@ -248,7 +252,8 @@ class Launcher:
             if not flight.abandoned:
                 self._launch_on_stream(flight)
         finally:
-            flight.started.set()
+            if flight.started is not None:
+                flight.started.set()
             if marks is not None:
                 marks.append(time.perf_counter_ns())
 
@@ -271,7 +276,8 @@ class Launcher:
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
-                flight.started.set()
+                if flight.started is not None:
+                    flight.started.set()
                 if flight.marks is not None:
                     flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):

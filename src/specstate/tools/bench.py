@@ -242,6 +242,7 @@ class _HostRow:
     best_repeat: float
     finished: int | None = None
     digest: str | None = None
+    cpu: float | None = None  # median thread CPU time per round, for reports that give it
 
 
 def _number(item: Mapping[str, object], key: str, where: str, stat: str = "median") -> float:
@@ -285,6 +286,7 @@ def _host_rows(report: object, source: str) -> dict[tuple[int, int], _HostRow]:
             best_repeat=_number(item, "total_us_best_repeat_median", where),
             finished=_optional_int(item.get("finished_requests")),
             digest=_optional_str(item.get("workload_digest")),
+            cpu=_number(item, "cpu_us", where) if "cpu_us" in item else None,
         )
     return rows
 
@@ -354,6 +356,7 @@ class _CompareRow:
     ratio_total: float | None
     ratio_best_repeat: float | None
     same_workload: bool | None  # both runs finished the same requests (digests); None: unknown
+    ratio_cpu: float | None = None  # of the median CPU times, where both reports give them
 
 
 @attrs.frozen(kw_only=True)
@@ -404,6 +407,7 @@ def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
                 ratio_total=_ratio(a.total, b.total),
                 ratio_best_repeat=_ratio(a.best_repeat, b.best_repeat),
                 same_workload=same,
+                ratio_cpu=None if a.cpu is None or b.cpu is None else _ratio(a.cpu, b.cpu),
             )
         )
     return _Comparison(ours=ours, peer=peer, rows=tuple(rows), missing=tuple(missing))
@@ -431,13 +435,17 @@ def _run_compare(args: argparse.Namespace) -> int:
         flag = "" if a == b else "   <- differs"
         print(f"setting {key}: ours {a}, peer {b}{flag}")
     print("median µs per round; ratios are ours / peer, below 1 means ours is faster")
+    print(
+        "(cpu: of the thread's CPU time per round, which other tenants of a machine disturb less)"
+    )
     print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'ratio':>7} {'best rep':>9} "
-          f"{'same draws':>10}")  # fmt: skip
+          f"{'cpu':>7} {'same draws':>10}")  # fmt: skip
     for r in result.rows:
         same = {None: "unknown", True: "yes", False: "NO"}[r.same_workload]
         print(
             f"{r.page_size:>3} {r.bs:>5} {r.peer_total_us:>9.1f} {r.ours_total_us:>9.1f} "
-            f"{_times(r.ratio_total):>7} {_times(r.ratio_best_repeat):>9} {same:>10}"
+            f"{_times(r.ratio_total):>7} {_times(r.ratio_best_repeat):>9} "
+            f"{_times(r.ratio_cpu):>7} {same:>10}"
         )
     for m in result.missing:
         print(f"missing: P {m['page_size']} bs {m['bs']} is only in {m['only_in']}")
