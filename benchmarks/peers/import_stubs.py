@@ -33,7 +33,12 @@ class _StubType(type):
         return _stub(name)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], _StubType):
+        if (
+            len(args) == 1
+            and not kwargs
+            and callable(args[0])
+            and not isinstance(args[0], _StubType)
+        ):
             return args[0]  # a bare decorator
         return super().__call__(*args, **kwargs)
 

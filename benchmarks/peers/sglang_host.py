@@ -253,7 +253,13 @@ class _Replay:
         self.r2t = ReqToTokenPool(
             size=2 * bs + 2, max_context_len=width, device=DEVICE, enable_memory_saver=False
         )
-        common = dict(size=tokens, dtype=torch.bfloat16, device=DEVICE, kvcache=kv, need_sort=False)
+        common = {
+            "size": tokens,
+            "dtype": torch.bfloat16,
+            "device": DEVICE,
+            "kvcache": kv,
+            "need_sort": False,
+        }
         self.allocator = (
             TokenToKVPoolAllocator(**common)
             if page == 1
@@ -273,12 +279,12 @@ class _Replay:
         self.iso = _isolation_host()
         gen = torch.Generator().manual_seed(9012)
         self.payloads = [
-            dict(
-                bonus_tokens=torch.full((bs,), wl.FILLER, dtype=torch.int64),
-                topk_p=torch.rand((bs, TOPK), generator=gen),
-                topk_index=torch.randint(0, wl.VOCAB - 1, (bs, TOPK), generator=gen),
-                hidden_states=torch.randn((bs, HIDDEN), generator=gen).to(torch.bfloat16),
-            )
+            {
+                "bonus_tokens": torch.full((bs,), wl.FILLER, dtype=torch.int64),
+                "topk_p": torch.rand((bs, TOPK), generator=gen),
+                "topk_index": torch.randint(0, wl.VOCAB - 1, (bs, TOPK), generator=gen),
+                "hidden_states": torch.randn((bs, HIDDEN), generator=gen).to(torch.bfloat16),
+            }
             for _ in range(PAYLOAD_SETS)
         ]
         self.draws = wl.Draws(bs)
