@@ -1,7 +1,9 @@
 """The Launcher: runs one planned batch on the forward stream, inside forward isolation.
 
 It owns the FutureMap, the forward isolator and the forward stream. `Launcher.launch` submits one
-closure to the stream (overlap) or runs it at once (normal loop). The closure, in stream order:
+closure to the stream (overlap) or runs it at once (normal loop, or a worker that declares
+`WorkerCapabilities.asynchronous` on a CPU: it only enqueues, so it is launched on the driving
+thread as a `CudaStream` launches, with no stream thread). The closure, in stream order:
 
 1. resolves the batch's `Unresolved` frontier and bonus tokens from the FutureMap (the publish
    fence: on a stream, everything launched before is already done when this runs), and binds

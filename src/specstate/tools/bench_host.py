@@ -254,7 +254,7 @@ def _one_run(page: int, bs: int, settings: HostSettings) -> _Run:
 def _loop(replay: _Replay, settings: HostSettings) -> _Run:
     engine, outputs = replay.engine, replay.engine.outputs
     run = _Run()
-    sink: list[tuple[str, Sequence[int]]] = []
+    sink: list[tuple[Req, Sequence[int]]] = []
     seen = outputs.all_lengths()
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     gc.collect()
@@ -268,13 +268,9 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
         t0 = clock()
         report = engine.step()
         # What a streaming server reads: each request's new tokens.
-        now = outputs.all_lengths()
-        for s in np.flatnonzero(now != seen).tolist():
-            holder = outputs.holder(s)
-            if holder is not None:
-                sink.append((holder.request_id, outputs.read_outputs_since(s, int(seen[s]))))
+        sink.extend(outputs.read_all_since(seen))
         for req in report.ended:
-            sink.append((req.request_id, req.emitted_ids[int(seen[replay.slot[req]]) :]))
+            sink.append((req, req.emitted_ids[int(seen[replay.slot[req]]) :]))
         t1 = clock()
         c1 = cpu()
         if report.launched_mode != "decode" or report.launched_size != replay.bs:
