@@ -11,6 +11,7 @@ Python call count is held to a budget (the fixed cost that dominates a small bat
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -89,12 +90,17 @@ def _count_round(engine: Engine) -> tuple[int, int]:
             python_calls += 1
 
     counter = _CountTorch()
+    # NOTE: no collection inside the counted step: finalizers of objects that earlier tests
+    # left behind would run (and count) at whatever allocation happened to trigger them.
+    gc.collect()
+    gc.disable()
     with counter:
         sys.setprofile(profile)
         try:
             report = engine.step()
         finally:
             sys.setprofile(None)
+            gc.enable()
     assert report.launched_mode == "decode"
     check_engine(engine)
     return python_calls, counter.calls
