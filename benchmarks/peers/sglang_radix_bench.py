@@ -127,7 +127,7 @@ def _run_sglang(
     state: dict[int, tuple[Any, torch.Tensor]] = {}  # request -> (locked node, its slots)
 
     def admit(i: int) -> None:
-        prompt, out = requests[i]
+        prompt, _out = requests[i]
         limit = (len(prompt) - 1) // page_size * page_size
         res = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt), limit=limit)))
         node = res.last_device_node

@@ -5,11 +5,13 @@ Counted, not timed: Python-level calls (function calls and calls into C, through
 `Engine.step` of a steady decode round — schedule (reserve), launch (relay, isolation, the
 worker, publish, stash) and settle. The normal loop runs the whole round on this thread, so
 every call is seen. Equal counts at batch 4 and 64 prove there is no per-request Python or
-per-request torch work on the round's hot path; the torch count is also pinned.
+per-request torch work on the round's hot path; the torch count is also pinned, and the
+Python call count is held to a budget (the fixed cost that dominates a small batch).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -31,10 +33,18 @@ payload's bonus tokens: a result without one fails its batch). A page size of 1 
 pages every round (16 does not, in the counted round)."""
 
 
-TORCH_OPS_CHURNED_ROUND = 153
+PYTHON_CALLS_PER_ROUND = {1: 429, 16: 361}
+"""The most Python-level calls (``sys.setprofile`` "call" and "c_call" events) a steady decode
+round may make, by page size: the fixed cost of a round, which dominates at small batches (it
+was 517 and 449 before the launch stopped building a thread event, copying an unchanged
+sampling state and re-reading an unchanged relay write; the seams of the grammar table, the
+stream deliveries and the draft-policy guard add 8, with nothing for a batch without them)."""
+
+
+TORCH_OPS_CHURNED_ROUND = 139
 """Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
 requests finish (page 16): the changed rows' copy-on-write, the relay's patch, the release
-and the prefix cache's insert of the finished requests' pages (on by default; 152 without)."""
+and the prefix cache's insert of the finished requests' pages (on by default; one fewer without)."""
 
 
 class _CountTorch(TorchFunctionMode):
@@ -82,12 +92,17 @@ def _count_round(engine: Engine) -> tuple[int, int]:
             python_calls += 1
 
     counter = _CountTorch()
+    # NOTE: no collection inside the counted step: finalizers of objects that earlier tests
+    # left behind would run (and count) at whatever allocation happened to trigger them.
+    gc.collect()
+    gc.disable()
     with counter:
         sys.setprofile(profile)
         try:
             report = engine.step()
         finally:
             sys.setprofile(None)
+            gc.enable()
     assert report.launched_mode == "decode"
     check_engine(engine)
     return python_calls, counter.calls
@@ -106,7 +121,7 @@ def test_steady_round_cost_does_not_grow_with_the_batch(page_size: int) -> None:
             engine.close()
     (small_py, small_torch), (large_py, large_torch) = counts
     assert small_torch == large_torch == TORCH_OPS_PER_ROUND[page_size]
-    assert small_py == large_py
+    assert small_py == large_py <= PYTHON_CALLS_PER_ROUND[page_size]
 
 
 def _churned_engine(batch_size: int, finishing: int) -> Engine:

@@ -156,3 +156,28 @@ def test_batch_settlement_matches_the_finish_resolver(
             assert got.get(i) == (None if expect is None else (expect.reason, expect.finished_len))
             if expect is not None:
                 reqs[i].transition(ReqStatus.FINISHED, finish=expect)
+
+
+def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:
+    """`read_all_since` returns exactly the new outputs of every attached row that grew."""
+    table, checker = _table()
+    reqs = {s: _req(f"r{s}", SamplingParams(max_new_tokens=50), checker) for s in (2, 4, 5, 7)}
+    for slot, req in reqs.items():
+        _open(table, checker, slot, req)
+    slots = np.array(sorted(reqs))
+    with checker.acting(Role.RESULT_PROCESSOR):
+        table.append_runs(
+            slots, np.array([[4, 5, 6, 7]] * 4), np.array([2, 1, 3, 4]), verifies=True
+        )
+    seen = table.all_lengths()
+    grown = np.array([2, 5, 7])  # row 4 does not grow; row 7 ends before the read
+    with checker.acting(Role.RESULT_PROCESSOR):
+        table.append_runs(grown, np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 9, 10]]),
+                          np.array([1, 4, 2]), verifies=True)  # fmt: skip
+    reqs[7].transition(ReqStatus.PREFILL)
+    reqs[7].transition(ReqStatus.RETRACTED)  # leaves its row: read it from the request
+    read = table.read_all_since(seen)
+    assert [(req.request_id, run) for req, run in read] == [("r2", [1]), ("r5", [5, 6, 7, 8])]
+    for req, run in read:
+        assert run == list(req.output_ids[-len(run) :])
+    assert table.read_all_since(table.all_lengths()) == []

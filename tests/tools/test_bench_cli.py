@@ -35,6 +35,7 @@ def _report(peer: str, rows: Sequence[Row]) -> dict[str, object]:
             "total_us_best_repeat_median": best,
             "finished_requests": 3,
             "workload_digest": "d-same" if bs == 1 else f"d-{peer}",
+            **({"cpu_us": {"median": total * 0.8, "p90": total}} if bs == 1 else {}),
         }
         for p, bs, total, reserve, relay, settle, best in rows
     ]
@@ -83,6 +84,7 @@ def test_compare_json_ratios_and_missing_rows(
     assert (first["ours_total_us"], first["peer_total_us"]) == (100.0, 200.0)
     assert [first["ratio_total"], first["ratio_best_repeat"]] == [0.5, 0.45]
     assert first["same_workload"] is True
+    assert first["ratio_cpu"] == 0.5 and second["ratio_cpu"] is None  # CPU times where given
     assert (second["bs"], second["ratio_total"], second["same_workload"]) == (64, 1.0, False)
     assert second["ratio_best_repeat"] == 0.9
     assert out["missing"] == [
@@ -99,9 +101,9 @@ def test_compare_table(reports: tuple[Path, Path], capsys: pytest.CaptureFixture
     assert "setting workload: ours churn, peer churn" in lines
     assert "setting launch_us: ours 5.0, peer 4.0   <- differs" in lines
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "1"])
-    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "yes"]
+    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "0.50x", "yes"]
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "64"])
-    assert row[-1] == "NO"
+    assert row[-2:] == ["n/a", "NO"]
     assert "missing: P 16 bs 1 is only in ours" in lines
     assert "missing: P 16 bs 64 is only in peer" in lines
 
@@ -296,3 +298,20 @@ def test_every_bench_option_shows_its_default(
             assert "(default: " in " ".join(action.help.split()) or (
                 f"(default: {action.default})" in shown
             ), f"{bench} {action.option_strings[0]}: its default is not shown"
+
+
+def test_engine_bench_both_loops(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--both-loops` times both loops, alternated, and reports overlap / normal medians."""
+    argv = ["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--both-loops", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["overlap"] == "both" and out["config"]["device_model"] == "async"
+    (row,) = out["results"]
+    assert row["rounds"] == 9  # three alternations of three rounds
+    overlap, normal = row["step_us"]["median"], row["normal_step_us"]["median"]
+    assert overlap > 0 and normal > 0
+    assert row["overlap_vs_normal"] == pytest.approx(overlap / normal, rel=1e-2)
+    assert main(["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--both-loops"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "the two loops alternated" in lines[0]
+    assert lines[2].split()[0] == "2" and lines[2].endswith("x")

@@ -270,8 +270,13 @@ class SamplingInfo:
         )
 
     def copy_for_forward(self) -> SamplingInfo:
-        """The worker's copy: pending tokens folded once, counts frozen, no accumulator."""
-        counts = self.accumulator.fold() if self.accumulator is not None else self.penalty_counts
+        """The worker's copy: pending tokens folded once, counts frozen, no accumulator.
+
+        Without an accumulator that is this very (frozen) value.
+        """
+        if self.accumulator is None:
+            return self
+        counts = self.accumulator.fold()
         return attrs.evolve(self, penalty_counts=counts, accumulator=None)
 
     def apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

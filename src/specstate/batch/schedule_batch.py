@@ -16,7 +16,9 @@ request.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from typing import Final
 
 import attrs
 import torch
@@ -157,7 +159,7 @@ class ScheduleBatch:
 
     def field_bindings(self) -> dict[str, object]:
         """Every declared field's current binding (for a shallow snapshot)."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(ScheduleBatch)}
+        return dict(zip(_FIELD_NAMES, _read_fields(self), strict=True))
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), rebinding every field; frees no KV.
@@ -213,3 +215,8 @@ class ScheduleBatch:
         self.extend_lens = None
         self.positions = None
         self.grammar = None
+
+
+_FIELD_NAMES: Final = tuple(f.name for f in attrs.fields(ScheduleBatch))
+"""The declared fields, in order (read once: `field_bindings` runs every round)."""
+_read_fields: Final = operator.attrgetter(*_FIELD_NAMES)

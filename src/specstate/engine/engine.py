@@ -6,11 +6,12 @@ FutureMap, the forward isolator and the forward stream. Each `step` is one itera
     normal:   schedule N -> launch N -> settle N
     overlap:  schedule N+1 (host lags one batch) -> launch N+1 on the stream -> settle N
 
-A launched batch runs on the forward stream (a real worker thread on a CPU): resolve its relay
-values behind the publish fence, isolate it, call the worker with ``on_publish``, publish and
-stash the next round's inputs, then record the result copy event. The host settles a batch only
-after that event. A request that ends while a later batch is in flight keeps its KV until that
-batch retires (`DeferredReleases`).
+A launched batch runs on the forward stream (a real worker thread on a CPU, unless the worker
+only enqueues: `WorkerCapabilities.asynchronous`): resolve its relay values behind the publish
+fence, isolate it, call the worker with ``on_publish``, publish and stash the next round's
+inputs, then record the result copy event. The host settles a batch only after that event.
+A request that ends while a later batch is in flight keeps its KV until that batch retires
+(`DeferredReleases`).
 
 Threading: one thread drives an engine — `submit`, `abort`, `step`, `run_until_idle`,
 `generate` and `close` all come from the thread that first called one of them; a call from
@@ -216,6 +217,7 @@ class Engine:
             checker=self.checker,
             forward_timeout=config.forward_timeout_s,
             check=config.check_invariants,
+            asynchronous=caps.asynchronous,
         )
         worker.attach(
             WorkerMemory(

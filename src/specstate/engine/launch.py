@@ -1,7 +1,9 @@
 """The Launcher: runs one planned batch on the forward stream, inside forward isolation.
 
 It owns the FutureMap, the forward isolator and the forward stream. `Launcher.launch` submits one
-closure to the stream (overlap) or runs it at once (normal loop). The closure, in stream order:
+closure to the stream (overlap) or runs it at once (normal loop, or a worker that declares
+`WorkerCapabilities.asynchronous` on a CPU: it only enqueues, so it is launched on the driving
+thread as a `CudaStream` launches, with no stream thread). The closure, in stream order:
 
 1. resolves the batch's `Unresolved` frontier and bonus tokens from the FutureMap (the publish
    fence: on a stream, everything launched before is already done when this runs), and binds
@@ -69,9 +71,10 @@ class InFlight:
     result: GenerationBatchResult | None = None
     error: BaseException | None = None
     done: Event | None = None
-    # Set once the forward's host-side preparation (resolve, isolation, the ForwardBatch) is
-    # done and the worker is called, or the closure ended early.
-    started: threading.Event = attrs.field(factory=threading.Event)
+    # On a stream only (None when launched inline): set once the forward's host-side
+    # preparation (resolve, isolation, the ForwardBatch) is done and the worker is called,
+    # or the closure ended early.
+    started: threading.Event | None = None
     # Set by the host (under ``lock``) when it gives up on the batch; the closure checks it
     # (under ``lock``) before it touches anything shared.
     abandoned: bool = False
@@ -92,6 +95,8 @@ class InFlight:
         letting it run before the host settles the previous batch keeps the two from
         contending for the interpreter lock while the forward has not started yet.
         """
+        if self.started is None:
+            return  # launched inline: the launch is over
         while not self.started.wait(0.01):
             if self.done is None or self.done.query():
                 return  # the closure ended without calling the worker
@@ -204,6 +209,7 @@ class Launcher:
         checker: OwnershipChecker,
         forward_timeout: float | None = None,
         check: bool = False,
+        asynchronous: bool = False,
     ) -> None:
         self._worker = worker
         self._checker = checker
@@ -218,9 +224,15 @@ class Launcher:
         # On the host CPU a result is checked before anything is relayed; on a device, after
         # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.result_check`).
         self._on_host = device == torch.device("cpu")
-        # The normal loop runs the forward inline, unless a timeout needs it on a stream.
+        # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
+        # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a
+        # `CudaStream` launches on a GPU: its device time runs behind the result's copy event,
+        # so a stream thread would only add hand-offs.
         on_stream = overlap or forward_timeout is not None
-        self._stream: Stream | None = make_stream(device) if on_stream else None
+        self._inline = asynchronous and device.type == "cpu"
+        self._stream: Stream | None = (
+            make_stream(device) if on_stream and not self._inline else None
+        )
 
     def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
         """Run ``plan`` on the stream (overlap) or now; the handle to settle it with.
@@ -231,6 +243,7 @@ class Launcher:
         if self._stream is None:
             self._run(flight)
         else:
+            flight.started = threading.Event()
             self._stream.submit(self._run, flight)
             flight.done = self._stream.record_event()
         return flight
@@ -252,6 +265,10 @@ class Launcher:
             with flight.lock:
                 flight.abandoned = True
         old = self._stream
+        if old is None and self._inline:
+            # Launched inline: each forward's device work ends with its result's copy event.
+            events = [f.result.copy_done for f in flights if f.result is not None]
+            return lambda: all(e is None or e.query() for e in events)
         if old is None:
             raise RelayError("no forward stream to abandon (the forward ran inline)")
         drained = old.record_event()
@@ -267,7 +284,8 @@ class Launcher:
             if not flight.abandoned:
                 self._launch_on_stream(flight)
         finally:
-            flight.started.set()
+            if flight.started is not None:
+                flight.started.set()
             if marks is not None:
                 marks.append(time.perf_counter_ns())
 
@@ -290,7 +308,8 @@ class Launcher:
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None
-                flight.started.set()
+                if flight.started is not None:
+                    flight.started.set()
                 if flight.marks is not None:
                     flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):

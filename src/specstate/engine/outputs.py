@@ -143,6 +143,32 @@ class OutputTable:
         out: list[int] = self._output_tokens[slot, start:n].tolist()
         return out
 
+    def read_all_since(self, seen: IntArray) -> list[tuple[Req, list[int]]]:
+        """What a streaming reader takes after a step: each attached request whose settled
+        outputs grew since ``seen`` (an earlier `all_lengths`), with its outputs from
+        ``seen[slot]`` on, in slot order. One comparison and one gather for the whole table;
+        the Python per changed request is a list slice. A slot whose count fell (it changed
+        hands) or that no request holds (it ended: read it from the request) is skipped.
+        """
+        now = self._output_lengths
+        slots = np.flatnonzero(now > seen)
+        if not slots.size:
+            return []
+        start = seen[slots]
+        counts = now[slots] - start
+        ends = np.cumsum(counts)
+        # Run k's tokens sit at flat positions (row start + seen) + [0, counts[k]).
+        first = slots * self._width + start - (ends - counts)
+        flat = np.repeat(first, counts) + np.arange(int(ends[-1]))
+        tokens: list[int] = self._output_tokens_flat[flat].tolist()
+        bounds = ends.tolist()
+        holders = self._holders
+        return [
+            (req, tokens[a:b])
+            for slot, a, b in zip(slots.tolist(), [0, *bounds[:-1]], bounds, strict=True)
+            if (req := holders[slot]) is not None
+        ]
+
     def all_lengths(self) -> IntArray:
         """Settled output counts of every slot, as a new array (slot 0 is padding)."""
         return self._output_lengths.copy()

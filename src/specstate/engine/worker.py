@@ -112,6 +112,12 @@ class WorkerCapabilities:
             nothing; TOKEN: every per-position state (target KV, draft KV, features, token
             histories) lives at the position's token slot and depends on tokens ``[0, p]``;
             BIGRAM: as TOKEN, but the state at ``p`` may read token ``p + 1`` too.
+        asynchronous: ``forward_batch_generation`` only enqueues its device work and returns
+            before that work is done; the result's ``copy_done`` event completes once it is
+            (a GPU worker's kernels). The engine then launches every forward on the driving
+            thread, as on a CUDA stream, even on the CPU: no forward-stream thread, no
+            hand-off. A worker that computes inside the call (a CPU model) leaves it False, so
+            that under overlap its forward runs on the forward stream's own thread.
     """
 
     algorithm: str
@@ -131,6 +137,7 @@ class WorkerCapabilities:
     recurrent: RecurrentStateSpec | None = None
     supports_grammar: bool = False
     prefix_sharing: PrefixSharing = PrefixSharing.NONE
+    asynchronous: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

@@ -134,6 +134,17 @@ def _accept_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _device_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device-model",
+        choices=("async", "blocking"),
+        default="async",
+        help="async: the worker declares itself asynchronous, its forward is "
+        "enqueued and the result's copy event completes after the device time, as on a GPU; "
+        "blocking: the forward sleeps on the forward stream's thread",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
@@ -197,6 +208,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="the overlap loop (--no-overlap: the normal loop)",
     )
+    engine.add_argument(
+        "--both-loops",
+        action="store_true",
+        help="time the overlap and the normal loop, alternately, and print their ratio",
+    )
+    _device_model_option(engine)
     _accept_option(engine)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
     overlap = benches.add_parser(
@@ -212,13 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overlap.add_argument("--batch-size", type=_count(1), default=64, help="requests decoding")
     overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
     overlap.add_argument("--page-size", type=_count(1), default=16, help="KV page size")
-    overlap.add_argument(
-        "--device-model",
-        choices=("async", "blocking"),
-        default="async",
-        help="async: the forward is enqueued and the result's copy event completes after the "
-        "device time, as on a GPU; blocking: the forward stream's thread sleeps",
-    )
+    _device_model_option(overlap)
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
     from specstate.tools import bench_serve  # its own module; imports nothing heavy
@@ -299,6 +310,7 @@ class _HostRow:
     best_repeat: float
     finished: int | None = None
     digest: str | None = None
+    cpu: float | None = None  # median thread CPU time per round, for reports that give it
 
 
 def _number(item: Mapping[str, object], key: str, where: str, stat: str = "median") -> float:
@@ -342,6 +354,7 @@ def _host_rows(report: object, source: str) -> dict[tuple[int, int], _HostRow]:
             best_repeat=_number(item, "total_us_best_repeat_median", where),
             finished=_optional_int(item.get("finished_requests")),
             digest=_optional_str(item.get("workload_digest")),
+            cpu=_number(item, "cpu_us", where) if "cpu_us" in item else None,
         )
     return rows
 
@@ -411,6 +424,7 @@ class _CompareRow:
     ratio_total: float | None
     ratio_best_repeat: float | None
     same_workload: bool | None  # both runs finished the same requests (digests); None: unknown
+    ratio_cpu: float | None = None  # of the median CPU times, where both reports give them
 
 
 @attrs.frozen(kw_only=True)
@@ -461,6 +475,7 @@ def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
                 ratio_total=_ratio(a.total, b.total),
                 ratio_best_repeat=_ratio(a.best_repeat, b.best_repeat),
                 same_workload=same,
+                ratio_cpu=None if a.cpu is None or b.cpu is None else _ratio(a.cpu, b.cpu),
             )
         )
     return _Comparison(ours=ours, peer=peer, rows=tuple(rows), missing=tuple(missing))
@@ -488,13 +503,17 @@ def _run_compare(args: argparse.Namespace) -> int:
         flag = "" if a == b else "   <- differs"
         print(f"setting {key}: ours {a}, peer {b}{flag}")
     print("median µs per round; ratios are ours / peer, below 1 means ours is faster")
+    print(
+        "(cpu: of the thread's CPU time per round, which other tenants of a machine disturb less)"
+    )
     print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'ratio':>7} {'best rep':>9} "
-          f"{'same draws':>10}")  # fmt: skip
+          f"{'cpu':>7} {'same draws':>10}")  # fmt: skip
     for r in result.rows:
         same = {None: "unknown", True: "yes", False: "NO"}[r.same_workload]
         print(
             f"{r.page_size:>3} {r.bs:>5} {r.peer_total_us:>9.1f} {r.ours_total_us:>9.1f} "
-            f"{_times(r.ratio_total):>7} {_times(r.ratio_best_repeat):>9} {same:>10}"
+            f"{_times(r.ratio_total):>7} {_times(r.ratio_best_repeat):>9} "
+            f"{_times(r.ratio_cpu):>7} {same:>10}"
         )
     for m in result.missing:
         print(f"missing: P {m['page_size']} bs {m['bs']} is only in {m['only_in']}")
@@ -593,36 +612,88 @@ def _decode_step_seconds(
 
 @attrs.frozen(kw_only=True)
 class _EngineRow:
-    """`Engine.step` time per steady decode round for one batch size."""
+    """`Engine.step` time per steady decode round for one batch size.
+
+    With ``--both-loops``: ``step_us`` is the overlap loop's, ``normal_step_us`` the normal
+    loop's (runs alternated) and ``overlap_vs_normal`` the ratio of their medians.
+    """
 
     bs: int
     rounds: int
     step_us: _Stat
     step_us_per_req: float
+    normal_step_us: _Stat | None = None
+    overlap_vs_normal: float | None = None
+
+
+_LOOP_ALTERNATIONS: Final = 3
+"""``--both-loops``: runs of each loop per batch size, alternated; samples pooled."""
+
+
+def _engine_row(args: argparse.Namespace, bs: int) -> _EngineRow:
+    def seconds(overlap: bool) -> list[float]:
+        return _decode_step_seconds(
+            bs,
+            rounds=args.rounds,
+            page_size=args.page_size,
+            overlap=overlap,
+            device_seconds=0.0,
+            asynchronous=args.device_model == "async",
+            accept_rates=args.accept_rates,
+        )
+
+    if not args.both_loops:
+        step = _Stat.of(seconds(args.overlap))
+        return _EngineRow(
+            bs=bs, rounds=args.rounds, step_us=step, step_us_per_req=round(step.median / bs, 3)
+        )
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(_LOOP_ALTERNATIONS):
+        for overlap in (True, False):
+            runs[overlap] += seconds(overlap)
+    step, normal = _Stat.of(runs[True]), _Stat.of(runs[False])
+    return _EngineRow(
+        bs=bs,
+        rounds=len(runs[True]),
+        step_us=step,
+        step_us_per_req=round(step.median / bs, 3),
+        normal_step_us=normal,
+        overlap_vs_normal=round(step.median / normal.median, 3),
+    )
 
 
 def _run_engine(args: argparse.Namespace) -> int:
     rows = []
     for bs in args.batch_sizes:
         _progress(f"bench engine: bs {bs}, {args.rounds} timed rounds")
-        seconds = _decode_step_seconds(
-            bs,
-            rounds=args.rounds,
-            page_size=args.page_size,
-            overlap=args.overlap,
-            device_seconds=0.0,
-            accept_rates=args.accept_rates,
-        )
-        step = _Stat.of(seconds)
-        per_req = round(step.median / bs, 3)
-        rows.append(_EngineRow(bs=bs, rounds=args.rounds, step_us=step, step_us_per_req=per_req))
+        rows.append(_engine_row(args, bs))
     if args.json:
-        config = {"page_size": args.page_size, "overlap": args.overlap, "prompt_len": _PROMPT_LEN}
+        config = {
+            "page_size": args.page_size,
+            "overlap": "both" if args.both_loops else args.overlap,
+            "device_model": args.device_model,
+            "prompt_len": _PROMPT_LEN,
+        }
         report = {**_header("engine"), "config": config, "results": [attrs.asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
+    worker = f"{args.device_model} zero-cost worker"
+    if args.both_loops:
+        print(
+            f"Engine.step per steady decode round, µs (page {args.page_size}, {worker}; "
+            "the two loops alternated)"
+        )
+        print(f"{'bs':>5} {'overlap':>10} {'p90':>10} {'normal':>10} {'p90':>10} {'ratio':>7}")
+        for r in rows:
+            o, n = r.step_us, r.normal_step_us
+            assert n is not None
+            print(
+                f"{r.bs:>5} {o.median:>10.1f} {o.p90:>10.1f} {n.median:>10.1f} {n.p90:>10.1f} "
+                f"{r.overlap_vs_normal:>6.2f}x"
+            )
+        return 0
     loop = "overlap" if args.overlap else "normal"
-    print(f"Engine.step per steady decode round, µs ({loop} loop, page {args.page_size})")
+    print(f"Engine.step per steady decode round, µs ({loop} loop, page {args.page_size}); {worker}")
     print(f"{'bs':>5} {'median':>10} {'p90':>10} {'µs/req':>8}")
     for r in rows:
         step = r.step_us

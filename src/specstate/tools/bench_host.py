@@ -4,8 +4,8 @@ Each timed sample is one `Engine.step` of a decode round in the normal loop — 
 persistent rows, the 2L reservation), launch (relay, isolation, the worker, the result check,
 publish, stash), settle (commit, outputs, finishes), the end of finished requests and the
 release of their KV — plus what a streaming server reads after it: the new tokens of every
-request. Nothing is subtracted: the worker is a replay that returns precomputed results
-(about four tensor operations per round, counted against specstate).
+request. Only the forward is left out (as on a peer's side): the worker replays precomputed
+results, and the time inside its call is subtracted.
 
 The workloads (`specstate.tools.host_workload`): **churned** (default; requests finish on EOS
 inside accepted runs or on their cap, and new ones join every round at a steady batch size)
@@ -98,6 +98,7 @@ class _ReplayWorker:
         gen = torch.Generator().manual_seed(9012)
         self._payloads = [_payload(max(bs, 1), gen) for _ in range(PAYLOAD_SETS)]
         self._round = 0
+        self.spent = [0, 0]  # wall and CPU ns inside forwards since the loop reset it
 
     @property
     def capabilities(self) -> WorkerCapabilities:
@@ -111,6 +112,15 @@ class _ReplayWorker:
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
     ) -> GenerationBatchResult:
+        """The forward: not timed (its wall and CPU time are added to `spent`)."""
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return self._forward(batch)
+        finally:
+            self.spent[0] += time.perf_counter_ns() - t0
+            self.spent[1] += time.thread_time_ns() - c0
+
+    def _forward(self, batch: ForwardBatch) -> GenerationBatchResult:
         b = batch.batch_size
         self._round += 1
         payload = self._payloads[self._round % PAYLOAD_SETS]
@@ -157,6 +167,7 @@ def _rows(p: RelayPayload, b: int) -> RelayPayload:
 @attrs.define
 class _Run:
     samples: list[float] = attrs.Factory(list)
+    cpu: list[float] = attrs.Factory(list)  # the thread's CPU time per sample
     finished: list[tuple[int, int, int]] = attrs.Factory(list)
     emitted: int = 0
     loop_s: float = 0.0
@@ -243,32 +254,32 @@ def _one_run(page: int, bs: int, settings: HostSettings) -> _Run:
 def _loop(replay: _Replay, settings: HostSettings) -> _Run:
     engine, outputs = replay.engine, replay.engine.outputs
     run = _Run()
-    sink: list[tuple[str, Sequence[int]]] = []
+    sink: list[tuple[Req, Sequence[int]]] = []
     seen = outputs.all_lengths()
-    clock = time.perf_counter_ns
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
     gc.collect()
     gc.freeze()
     start = clock()
     for r in range(settings.warmup + settings.iters):
         replay.prepare(r)
         sink.clear()
+        replay.worker.spent[:] = (0, 0)
+        c0 = cpu()
         t0 = clock()
         report = engine.step()
         # What a streaming server reads: each request's new tokens.
-        now = outputs.all_lengths()
-        for s in np.flatnonzero(now != seen).tolist():
-            holder = outputs.holder(s)
-            if holder is not None:
-                sink.append((holder.request_id, outputs.read_outputs_since(s, int(seen[s]))))
+        sink.extend(outputs.read_all_since(seen))
         for req in report.ended:
-            sink.append((req.request_id, req.emitted_ids[int(seen[replay.slot[req]]) :]))
+            sink.append((req, req.emitted_ids[int(seen[replay.slot[req]]) :]))
         t1 = clock()
+        c1 = cpu()
         if report.launched_mode != "decode" or report.launched_size != replay.bs:
             raise RuntimeError(
                 f"round {r}: launched {report.launched_mode} of {report.launched_size}"
             )
-        if r >= settings.warmup:
-            run.samples.append((t1 - t0) / 1e3)
+        if r >= settings.warmup:  # the forward is not timed (as on the peer's side)
+            run.samples.append((t1 - t0 - replay.worker.spent[0]) / 1e3)
+            run.cpu.append((c1 - c0 - replay.worker.spent[1]) / 1e3)
         run.emitted += sum(len(t) for _, t in sink)
         for req in report.ended:
             d = replay.live.pop(req)
@@ -344,7 +355,8 @@ def host_benchmark(
         "config": {
             **attrs.asdict(settings),
             "algorithm": "eagle chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
-            "timed": "Engine.step of a decode round (normal loop) + the streaming read",
+            "timed": "Engine.step of a decode round (normal loop) but the forward, "
+            "+ the streaming read",
             "allocator_set": allocator_set,
             "torch_threads": 1,
         },
@@ -366,6 +378,7 @@ def _row(page: int, bs: int, runs: list[_Run]) -> dict[str, object]:
         "total_us_per_req": {k: round(v / bs, 3) for k, v in total.items()},
         "total_us_median_per_repeat": per_repeat,
         "total_us_best_repeat_median": min(per_repeat),
+        "cpu_us": _stats([x for r in runs for x in r.cpu]),
         "finished_requests": len(first.finished),
         "emitted_tokens": first.emitted,
         "workload_digest": wl.digest(first.finished),

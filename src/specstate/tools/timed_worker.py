@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
 import numpy as np
 import torch
 
@@ -100,6 +101,13 @@ class TimedWaitWorker:
         self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
         self._num_steps = num_steps
         self._accept = accept
+        chain = WorkerCapabilities.chain("timed_wait", num_steps=num_steps, keeps_draft_kv=True)
+        self._capabilities = attrs.evolve(
+            chain,
+            asynchronous=asynchronous,
+            supports_sampling=True,
+            prefix_sharing=PrefixSharing.TOKEN,
+        )
 
     @property
     def device_seconds(self) -> float:
@@ -118,16 +126,10 @@ class TimedWaitWorker:
 
         It declares ``supports_sampling``: its tokens are a constant whatever a request asks,
         and taking sampled requests lets a benchmark measure the host path of a sampled batch.
-        It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`).
+        It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`). The
+        asynchronous device model declares ``asynchronous``: its forward only enqueues.
         """
-        return WorkerCapabilities(
-            algorithm="timed_wait",
-            num_steps=self._num_steps,
-            num_draft_tokens=self._num_steps + 1,
-            keeps_draft_kv=True,
-            supports_sampling=True,
-            prefix_sharing=PrefixSharing.TOKEN,
-        )
+        return self._capabilities
 
     def attach(self, memory: WorkerMemory) -> None:
         """Nothing to build: the worker keeps no KV of its own."""

@@ -1,0 +1,175 @@
+"""What every peer harness shares with ``specstate bench host``: draws, settings, the report.
+
+A peer harness runs in the peer's own virtual environment, where specstate is not installed, so
+it loads the workload module (`specstate.tools.host_workload`, standard library only) by file
+path from this repository: both sides replay exactly the same requests, accept lengths and
+finishes, and `digest` fingerprints what each side did.
+
+The device-write model is the one ``specstate bench host`` states: a write that is one kernel
+launch on a GPU costs a fixed ``--launch-us`` spin on both sides. glibc's allocator thresholds are
+set with ``mallopt`` at start, the same defaults as specstate's bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import importlib.util
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "host_workload.py"
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+
+def load_workload() -> ModuleType:
+    """specstate's workload module, loaded by file path (no specstate install needed)."""
+    spec = importlib.util.spec_from_file_location("specstate_host_workload", WORKLOAD_PATH)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load the workload from {WORKLOAD_PATH}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def json_stdout() -> Any:
+    """Keep file descriptor 1 for the one JSON report; everything else printed goes to stderr."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return out
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every harness takes, with ``specstate bench host``'s defaults."""
+    p = argparse.ArgumentParser(description=description)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--churn", dest="workload", action="store_const", const="churn")
+    group.add_argument("--steady", dest="workload", action="store_const", const="steady")
+    p.set_defaults(workload="churn")
+    p.add_argument("--page-sizes", default="1,16")
+    p.add_argument("--batch-sizes", default="1,64,256,1024")
+    p.add_argument("--iters", type=int, default=300, help="timed rounds per run")
+    p.add_argument("--warmup", type=int, default=20, help="untimed rounds per run")
+    p.add_argument("--repeats", type=int, default=5, help="fresh runs per size")
+    p.add_argument("--launch-us", type=float, default=5.0, help="one device-write launch, µs")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=64 << 20)
+    p.add_argument("--malloc-trim-threshold", type=int, default=256 << 20)
+    return p
+
+
+def ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers."""
+    return tuple(int(x) for x in text.split(","))
+
+
+def set_allocator(mmap_threshold: int, trim_threshold: int) -> bool:
+    """glibc's mmap and trim thresholds, as ``specstate bench host`` sets them."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
+    return bool(ok and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1)
+
+
+def spin(ns: int) -> None:
+    """Busy-wait ``ns`` nanoseconds: one modelled device-write launch."""
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+class Excluded:
+    """Time spent inside a timed region that is not the harness's to count (ns)."""
+
+    def __init__(self) -> None:
+        self.ns = self.cpu_ns = 0
+
+    def reset(self) -> None:
+        """Start a new timed region."""
+        self.ns = self.cpu_ns = 0
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn``; its wall and CPU time are added to `ns` and `cpu_ns`."""
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.cpu_ns += time.thread_time_ns() - c0
+            self.ns += time.perf_counter_ns() - t0
+
+
+@dataclass
+class Run:
+    """One fresh run of one (page, bs): per-round samples in µs and what it did."""
+
+    samples: list[float] = field(default_factory=list)  # wall clock
+    cpu: list[float] = field(default_factory=list)  # the thread's CPU time
+    finished: list[tuple[int, int, int]] = field(default_factory=list)
+    emitted: int = 0
+    loop_s: float = 0.0
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:
+    """Median and nearest-rank p90, as ``specstate bench host`` computes them."""
+    ordered = sorted(values)
+    n = len(ordered)
+    median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    p90 = ordered[max(1, math.ceil(0.9 * n)) - 1]
+    return {"median": round(median, 2), "p90": round(p90, 2)}
+
+
+def row(page: int, bs: int, runs: list[Run], digest: Any) -> dict[str, object]:
+    """One (page, bs) entry of the report, in ``specstate bench host``'s shape."""
+    pooled = [x for run in runs for x in run.samples]
+    per_repeat = [stats(run.samples)["median"] for run in runs]
+    total = stats(pooled)
+    first = runs[0]
+    return {
+        "page_size": page,
+        "bs": bs,
+        "repeats": len(runs),
+        "samples": len(pooled),
+        "total_us": total,
+        "total_us_per_req": {k: round(v / bs, 3) for k, v in total.items()},
+        "total_us_median_per_repeat": per_repeat,
+        "total_us_best_repeat_median": min(per_repeat),
+        "cpu_us": stats([x for run in runs for x in run.cpu]),
+        "finished_requests": len(first.finished),
+        "emitted_tokens": first.emitted,
+        "workload_digest": digest(first.finished),
+        "loop_s": [round(run.loop_s, 2) for run in runs],
+    }
+
+
+def settings(args: argparse.Namespace, allocator_set: bool, timed: str) -> dict[str, object]:
+    """The report's ``config``: the keys ``specstate bench compare`` prints side by side."""
+    return {
+        "workload": args.workload,
+        "page_sizes": list(ints(args.page_sizes)),
+        "batch_sizes": list(ints(args.batch_sizes)),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "launch_us": args.launch_us,
+        "mmap_threshold": args.malloc_mmap_threshold,
+        "trim_threshold": args.malloc_trim_threshold,
+        "allocator_set": allocator_set,
+        "algorithm": "eagle chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
+        "timed": timed,
+        "torch_threads": 1,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs",
+    }

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# specstate against SGLang 0.5.23 and vLLM 0.33.0, host cost per decode round, alternated.
+#
+#   benchmarks/run_host_comparison.sh [OUT_DIR]          (default: ./host-comparison)
+#
+# Five alternations (ROUNDS): each runs specstate's bench, then each peer, every (page, bs)
+# once (300 timed rounds); then the churned workload and the steady one are each merged per
+# side (median of the five run medians) and compared with `specstate bench compare`.
+# Environment: SGLANG_VENV and VLLM_VENV name the peers' environments (built by
+# benchmarks/peers/setup_sglang.sh and setup_vllm.sh; a peer whose venv is missing is skipped),
+# SPECSTATE (default `specstate`), ROUNDS (5), WORKLOADS ("churn steady"), and EXTRA, options
+# passed to every bench (e.g. "--iters 100 --batch-sizes 1,64").
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+OUT="${1:-./host-comparison}"
+SGLANG_VENV="${SGLANG_VENV:-.peer-venvs/sglang}"
+VLLM_VENV="${VLLM_VENV:-.peer-venvs/vllm}"
+SPECSTATE="${SPECSTATE:-specstate}"
+ROUNDS="${ROUNDS:-5}"
+WORKLOADS="${WORKLOADS:-churn steady}"
+read -r -a EXTRA <<<"${EXTRA:-}"
+mkdir -p "$OUT"
+
+peers=()
+[ -x "$SGLANG_VENV/bin/python" ] && peers+=(sglang) || echo "no $SGLANG_VENV: SGLang skipped" >&2
+[ -x "$VLLM_VENV/bin/python" ] && peers+=(vllm) || echo "no $VLLM_VENV: vLLM skipped" >&2
+venv_of() { if [ "$1" = sglang ]; then echo "$SGLANG_VENV"; else echo "$VLLM_VENV"; fi; }
+
+echo "machine: $(nproc) CPUs, $(uname -m); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+for workload in $WORKLOADS; do
+    for ((i = 1; i <= ROUNDS; i++)); do
+        echo "[$(date +%T)] $workload, alternation $i/$ROUNDS: specstate" >&2
+        "$SPECSTATE" bench host "--$workload" --repeats 1 "${EXTRA[@]}" --json \
+            >"$OUT/specstate-$workload-$i.json" 2>/dev/null
+        for peer in "${peers[@]}"; do
+            echo "[$(date +%T)] $workload, alternation $i/$ROUNDS: $peer" >&2
+            "$(venv_of "$peer")/bin/python" "$HERE/peers/${peer}_host.py" "--$workload" \
+                --repeats 1 "${EXTRA[@]}" >"$OUT/$peer-$workload-$i.json" 2>/dev/null
+        done
+    done
+    for side in specstate "${peers[@]}"; do
+        python3 "$HERE/merge_reports.py" "$OUT/$side-$workload.json" "$OUT/$side-$workload-"[0-9]*.json
+    done
+    for peer in "${peers[@]}"; do
+        echo
+        echo "== $workload: specstate vs $peer ($ROUNDS alternations; medians of the run medians)"
+        "$SPECSTATE" bench compare "$OUT/specstate-$workload.json" "$OUT/$peer-$workload.json"
+    done
+done
+echo
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
