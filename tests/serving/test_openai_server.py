@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +32,10 @@ from specstate.serving.openai_server import ServedModel
 
 MODEL = "embedded-test"
 LIMITS = RequestLimits(
-    vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
+    vocab_size=embedded.VOCAB_SIZE,
+    max_context_len=1024,
+    eos_token_ids={embedded.EOS_ID},
+    grammar_vocabulary=embedded.grammar_vocabulary(),
 )
 TEXTS = (
     "def add(a, b):\n    return ",
@@ -347,6 +351,14 @@ BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
     ("seed too big", _body(seed=2**63), "seed"),
     ("speculative not bool", _body(speculative=1), "speculative"),
     ("options without stream", _body(stream_options={}), "stream_options"),
+    ("grammar of an unknown kind", _body(grammar={"glob": "*"}), "grammar"),
+    ("grammar that does not compile", _body(grammar={"regex": "(["}), "grammar"),
+    ("unknown response_format", _body(response_format={"type": "xml"}), "response_format"),
+    (
+        "grammar and response_format",
+        _body(grammar={"regex": "a+"}, response_format={"type": "json_object"}),
+        "grammar",
+    ),
 ]
 
 
@@ -409,3 +421,66 @@ def test_models_health_and_metrics(served: Served) -> None:
     verifies = snap.engine.metrics.num_verifies
     assert f"specstate_spec_verifies_total {float(verifies)}" in text
     assert "specstate_kv_free_pages" in text
+
+
+def test_grammar_and_response_format_constrain_the_output_as_the_engine_does(
+    served: Served,
+) -> None:
+    """A regex through the ``grammar`` extension and a JSON schema through OpenAI's
+    ``response_format``: outputs match their grammar and equal the same requests run through
+    `Engine` directly (greedy, speculative); `json_object` yields a JSON object."""
+    from specstate import Grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    regex = "(def|class) [a-z]{2,8}\\(\\):"
+    text = TEXTS[0]
+    client = served.client()
+    by_regex = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"grammar": {"regex": regex}},
+    ).choices[0]
+    by_schema = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+    ).choices[0]
+    as_object = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    ).choices[0]
+    direct = run_directly(
+        {
+            "regex": (
+                prompt_ids(text),
+                SamplingParams(max_new_tokens=40, grammar=Grammar.regex(regex)),
+            ),
+            "schema": (
+                prompt_ids(text),
+                SamplingParams(max_new_tokens=60, grammar=Grammar.json_schema(schema)),
+            ),
+        }
+    )
+    assert token_ids(by_regex) == direct["regex"]
+    assert token_ids(by_schema) == direct["schema"]
+    assert re.fullmatch(regex, by_regex.text), by_regex.text
+    assert by_regex.finish_reason == "stop"
+    assert by_schema.finish_reason == as_object.finish_reason == "stop"
+    parsed = json.loads(by_schema.text)
+    assert set(parsed) == {"name", "n"} and isinstance(parsed["n"], int)
+    assert isinstance(json.loads(as_object.text), dict)

@@ -12,10 +12,14 @@ Accepted fields (OpenAI's, with its defaults): ``model`` (the served model's nam
 (16), ``temperature`` (1.0), ``top_p`` (1.0), ``seed``, ``stop`` (strings when the model has a
 codec; lists of token ids), ``stream``, ``stream_options.include_usage``, ``logprobs`` (0: the
 chosen token's log-probability; top alternatives are not computed), ``frequency_penalty``,
-``presence_penalty``, and ``n``, ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``user`` at
-their defaults only. Extensions: ``speculative`` (false: this request does not speculate; its
-tokens are the same), ``top_k``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``. Anything else is refused.
+``presence_penalty``, ``response_format`` (``{"type": "text"}``, ``{"type": "json_object"}``, or
+``{"type": "json_schema", "json_schema": {"schema": {...}}}``: the output is constrained to
+JSON, or to that schema), and ``n``, ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``user``
+at their defaults only. Extensions: ``speculative`` (false: this request does not speculate;
+its tokens are the same), ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``grammar`` (the ``specstate generate`` request field:
+``{"json_schema": ...}``, ``{"regex": ...}``, ``{"ebnf": ...}`` or ``{"lark": ...}``; not
+together with a constraining ``response_format``). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Final
 import attrs
 
 from specstate.core.request import RequestLimits, SamplingParams
+from specstate.grammar.spec import Grammar
 from specstate.serving.text import TextCodec
 
 __all__ = ["ApiError", "CompletionRequest", "parse_completion"]
@@ -56,6 +61,7 @@ _FIELDS: Final = frozenset(
         "logprobs",
         "frequency_penalty",
         "presence_penalty",
+        "response_format",
         "user",
         *_AT_DEFAULT,
         # extensions
@@ -65,6 +71,7 @@ _FIELDS: Final = frozenset(
         "repetition_penalty",
         "stop_token_ids",
         "ignore_eos",
+        "grammar",
     }
 )
 
@@ -235,6 +242,47 @@ def _stops(
     return tuple(sequences)
 
 
+def _grammar(obj: Mapping[str, Any], limits: RequestLimits) -> Grammar | None:
+    """The request's grammar: ``grammar`` (the extension) or a constraining ``response_format``."""
+    raw, fmt = obj.get("grammar"), obj.get("response_format")
+    grammar = None if fmt is None else _response_format(fmt)
+    if raw is not None:
+        if grammar is not None:
+            raise ApiError(
+                "grammar and a constraining response_format were both given; give one",
+                param="grammar",
+            )
+        try:
+            grammar = Grammar.from_json(raw)
+        except ValueError as exc:
+            raise ApiError(f"grammar: {exc}", param="grammar") from None
+    if grammar is not None and limits.grammar_vocabulary is None:
+        raise ApiError(
+            "this model's vocabulary is not known as bytes, so it serves no grammar",
+            param="grammar" if raw is not None else "response_format",
+            code="unsupported_value",
+        )
+    return grammar
+
+
+def _response_format(fmt: object) -> Grammar | None:
+    """OpenAI's ``response_format``: None for text, else the grammar it asks for."""
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_schema({"type": "object"})
+    spec = fmt.get("json_schema") if isinstance(fmt, Mapping) else None
+    schema = spec.get("schema") if isinstance(spec, Mapping) else None
+    if kind == "json_schema" and isinstance(schema, Mapping):
+        return Grammar.json_schema(schema)
+    raise ApiError(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+        f'"json_schema", "json_schema": {{"schema": {{...}}}}}}, got {fmt!r:.80}',
+        param="response_format",
+    )
+
+
 def _check_known(obj: Mapping[str, Any], model: str) -> None:
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
@@ -327,6 +375,7 @@ def parse_completion(
         min_new_tokens=min_tokens,
         speculative=_flag(obj, "speculative", True),
         logprobs=logprobs is not None,
+        grammar=_grammar(obj, limits),
     )
     return CompletionRequest(
         prompt_ids=prompt,

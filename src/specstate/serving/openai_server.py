@@ -137,8 +137,9 @@ class _Routes:
     async def _submit(self, rid: str, parsed: CompletionRequest) -> RequestStream:
         try:
             return await self._front.submit(rid, parsed.prompt_ids, parsed.sampling)
-        except InvalidRequest as exc:
-            raise ApiError(str(exc)) from None
+        except InvalidRequest as exc:  # a grammar that does not compile is found here
+            grammar = parsed.sampling.grammar is not None and "grammar" in str(exc)
+            raise ApiError(str(exc), param="grammar" if grammar else None) from None
         except QueueFull as exc:
             raise ApiError(
                 str(exc), status=429, kind="rate_limit_error", code="queue_full"
