@@ -29,15 +29,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "host_workload.py"
+PREFIX_WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "prefix_workload.py"
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
-def load_workload() -> ModuleType:
-    """specstate's workload module, loaded by file path (no specstate install needed)."""
-    spec = importlib.util.spec_from_file_location("specstate_host_workload", WORKLOAD_PATH)
+def load_workload(path: Path = WORKLOAD_PATH, name: str = "specstate_host_workload") -> ModuleType:
+    """specstate's workload module (the host workload unless ``path`` names another), loaded
+    by file path (no specstate install needed)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load the workload from {WORKLOAD_PATH}")
+        raise SystemExit(f"cannot load the workload from {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
