@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from engine_driver import checked_config, run_checked, serve_to_completion, with_stops
-from hybrid_oracle import HybridCheckpoints, hybrid_greedy, make_hybrid_checkpoints
+from hf_oracle import greedy
+from hybrid_oracle import HybridCheckpoints, make_hybrid_checkpoints
 from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
@@ -50,7 +51,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> HybridCheckpoints:
 @pytest.fixture(scope="module")
 def expected(ckpt: HybridCheckpoints) -> list[list[int]]:
     """transformers' greedy continuations."""
-    return [hybrid_greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
+    return [greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_zero_draft_rounds_after_accepted_drafts(small: HybridCheckpoints, overl
     n-gram never occurred before.
     """
     prompts = [[p % SMALL_VOCAB for p in prompt] for prompt in PROMPTS]
-    want = [hybrid_greedy(small.hf, p, NEW_TOKENS) for p in prompts]
+    want = [greedy(small.hf, p, NEW_TOKENS) for p in prompts]
     spy = RoundSpy(small.worker("ngram"))
     config = checked_config(overlap=overlap, max_running=1)
     got = _serve(small, spy, prompts, [None] * len(prompts), config)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationMixin, LlamaConfig, LlamaForCausalLM
 
 
 def make_checkpoint(
@@ -33,8 +34,9 @@ def make_checkpoint(
     return model
 
 
-def greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of ``prompt`` (the lossless oracle)."""
+def greedy(model: GenerationMixin, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (the lossless oracle), for any causal LM
+    (a Llama, a NemotronH hybrid)."""
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(
@@ -45,3 +47,28 @@ def greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int) 
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def greedy_scored(
+    model: GenerationMixin, prompt: Sequence[int], max_new_tokens: int, **generate: Any
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens with more ``generate()`` options (stop ids, penalties, logits
+    processors), and the log-probability of every token under the processed scores."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **generate,
+        )
+    tokens = [int(t) for t in out.sequences[0, len(prompt) :]]
+    logprobs = [
+        float(torch.log_softmax(score[0].float(), dim=-1)[token])
+        for score, token in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
