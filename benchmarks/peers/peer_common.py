@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import gc
 import importlib.util
 import math
 import os
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "host_workload.py"
@@ -122,6 +123,40 @@ class Run:
     finished: list[tuple[int, int, int]] = field(default_factory=list)
     emitted: int = 0
     loop_s: float = 0.0
+
+
+class Replay(Protocol):
+    """A harness's replay of one (page, bs): its rounds, and a check of what it did."""
+
+    finished: list[tuple[int, int, int]]
+    emitted: int
+
+    def round(self, r: int) -> tuple[int, int]:
+        """Run round ``r``; its timed wall and CPU nanoseconds."""
+        ...
+
+    def check(self) -> None:
+        """Raise if the replay did not do what the draws say."""
+        ...
+
+
+def timed_run(replay: Replay, args: argparse.Namespace) -> Run:
+    """``args.warmup`` untimed rounds of ``replay``, then ``args.iters`` timed ones (the
+    collector frozen), then its check: one `Run`."""
+    run = Run()
+    gc.collect()
+    gc.freeze()
+    start = time.perf_counter()
+    for r in range(args.warmup + args.iters):
+        wall, cpu = replay.round(r)
+        if r >= args.warmup:
+            run.samples.append(wall / 1e3)
+            run.cpu.append(cpu / 1e3)
+    run.loop_s = time.perf_counter() - start
+    gc.unfreeze()
+    replay.check()
+    run.finished, run.emitted = replay.finished, replay.emitted
+    return run
 
 
 def stats(values: Sequence[float]) -> dict[str, float]:

@@ -55,7 +55,6 @@ import torch  # noqa: E402
 
 STUBBED = import_stubs.install()
 
-import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -459,21 +458,7 @@ class _Replay:
 
 
 def _one_run(page: int, bs: int, args: Any) -> peer_common.Run:
-    replay = _Replay(page, bs, args)
-    run = peer_common.Run()
-    gc.collect()
-    gc.freeze()
-    start = time.perf_counter()
-    for r in range(args.warmup + args.iters):
-        wall, cpu = replay.round(r)
-        if r >= args.warmup:
-            run.samples.append(wall / 1e3)
-            run.cpu.append(cpu / 1e3)
-    run.loop_s = time.perf_counter() - start
-    gc.unfreeze()
-    replay.check()
-    run.finished, run.emitted = replay.finished, replay.emitted
-    return run
+    return peer_common.timed_run(_Replay(page, bs, args), args)
 
 
 def main() -> None:

@@ -61,6 +61,31 @@ def test_the_harnesses_replay_specstates_draws(peer_common: ModuleType) -> None:
     assert peer_common.load_workload().steady_accepts(8, 5) == host_workload.steady_accepts(8, 5)
 
 
+def test_a_timed_run_keeps_the_measured_rounds_and_checks_the_replay(
+    peer_common: ModuleType,
+) -> None:
+    """`timed_run` (every harness's run) drops the warm-up rounds, keeps wall and CPU time of the
+    measured ones in µs, runs the replay's own check and carries what it finished."""
+
+    class Replay:
+        def __init__(self) -> None:
+            self.finished = [(1, 0, 5)]
+            self.emitted = 9
+            self.checked = False
+
+        def round(self, r: int) -> tuple[int, int]:
+            return 1000 * (r + 1), 500 * (r + 1)
+
+        def check(self) -> None:
+            self.checked = True
+
+    replay = Replay()
+    args = peer_common.parser("test").parse_args(["--warmup", "2", "--iters", "3"])
+    run = peer_common.timed_run(replay, args)
+    assert run.samples == [3.0, 4.0, 5.0] and run.cpu == [1.5, 2.0, 2.5]
+    assert replay.checked and (run.finished, run.emitted) == ([(1, 0, 5)], 9)
+
+
 def test_a_peer_report_reads_in_bench_compare(
     peer_common: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
