@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -157,6 +157,28 @@ def timed_run(replay: Replay, args: argparse.Namespace) -> Run:
     replay.check()
     run.finished, run.emitted = replay.finished, replay.emitted
     return run
+
+
+def sweep(
+    args: argparse.Namespace,
+    name: str,
+    replay: Callable[[int, int, argparse.Namespace], Replay],
+    digest: Any,
+) -> list[dict[str, object]]:
+    """``args.repeats`` alternations over every (page, bs) of ``args``, a fresh ``replay(page,
+    bs, args)`` timed by `timed_run` each time (progress on stderr); the report's rows."""
+    pages, sizes = ints(args.page_sizes), ints(args.batch_sizes)
+    runs: dict[tuple[int, int], list[Run]] = {}
+    for rep in range(args.repeats):
+        for page in pages:
+            for bs in sizes:
+                print(
+                    f"{name}: repeat {rep + 1}/{args.repeats}, page {page}, bs {bs}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs.setdefault((page, bs), []).append(timed_run(replay(page, bs, args), args))
+    return [row(page, bs, done, digest) for (page, bs), done in runs.items()]
 
 
 def stats(values: Sequence[float]) -> dict[str, float]:
