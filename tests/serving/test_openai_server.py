@@ -161,13 +161,24 @@ def test_usage_reports_the_prefix_cache_hits_of_the_prompt(served: Served) -> No
         second = engine.submit("2", prompt, SamplingParams(max_new_tokens=NEW))
         engine.run_until_idle()
     assert first.cached_tokens == 0 and 0 < second.cached_tokens < len(prompt)
+    client = served.client()
+    usages = [
+        client.completions.create(model=MODEL, prompt=text, max_tokens=NEW, temperature=0).usage
+    ]
+    chunks = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages.append(list(chunks)[-1].usage)
+    usages.append(
+        client.completions.create(model=MODEL, prompt=text, max_tokens=NEW, temperature=0).usage
+    )
     cached = []
-    for stream in (False, True, False):
-        kwargs: dict[str, Any] = {"stream_options": {"include_usage": True}} if stream else {}
-        made = served.client().completions.create(
-            model=MODEL, prompt=text, max_tokens=NEW, temperature=0, stream=stream, **kwargs
-        )
-        usage = list(made)[-1].usage if stream else made.usage
+    for usage in usages:
         assert usage is not None and usage.prompt_tokens_details is not None
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached == [0, second.cached_tokens, second.cached_tokens]
