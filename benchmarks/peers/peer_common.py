@@ -15,29 +15,32 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import gc
 import importlib.util
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "host_workload.py"
+PREFIX_WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "prefix_workload.py"
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
-def load_workload() -> ModuleType:
-    """specstate's workload module, loaded by file path (no specstate install needed)."""
-    spec = importlib.util.spec_from_file_location("specstate_host_workload", WORKLOAD_PATH)
+def load_workload(path: Path = WORKLOAD_PATH, name: str = "specstate_host_workload") -> ModuleType:
+    """specstate's workload module (the host workload unless ``path`` names another), loaded
+    by file path (no specstate install needed)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load the workload from {WORKLOAD_PATH}")
+        raise SystemExit(f"cannot load the workload from {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -120,6 +123,62 @@ class Run:
     finished: list[tuple[int, int, int]] = field(default_factory=list)
     emitted: int = 0
     loop_s: float = 0.0
+
+
+class Replay(Protocol):
+    """A harness's replay of one (page, bs): its rounds, and a check of what it did."""
+
+    finished: list[tuple[int, int, int]]
+    emitted: int
+
+    def round(self, r: int) -> tuple[int, int]:
+        """Run round ``r``; its timed wall and CPU nanoseconds."""
+        ...
+
+    def check(self) -> None:
+        """Raise if the replay did not do what the draws say."""
+        ...
+
+
+def timed_run(replay: Replay, args: argparse.Namespace) -> Run:
+    """``args.warmup`` untimed rounds of ``replay``, then ``args.iters`` timed ones (the
+    collector frozen), then its check: one `Run`."""
+    run = Run()
+    gc.collect()
+    gc.freeze()
+    start = time.perf_counter()
+    for r in range(args.warmup + args.iters):
+        wall, cpu = replay.round(r)
+        if r >= args.warmup:
+            run.samples.append(wall / 1e3)
+            run.cpu.append(cpu / 1e3)
+    run.loop_s = time.perf_counter() - start
+    gc.unfreeze()
+    replay.check()
+    run.finished, run.emitted = replay.finished, replay.emitted
+    return run
+
+
+def sweep(
+    args: argparse.Namespace,
+    name: str,
+    replay: Callable[[int, int, argparse.Namespace], Replay],
+    digest: Any,
+) -> list[dict[str, object]]:
+    """``args.repeats`` alternations over every (page, bs) of ``args``, a fresh ``replay(page,
+    bs, args)`` timed by `timed_run` each time (progress on stderr); the report's rows."""
+    pages, sizes = ints(args.page_sizes), ints(args.batch_sizes)
+    runs: dict[tuple[int, int], list[Run]] = {}
+    for rep in range(args.repeats):
+        for page in pages:
+            for bs in sizes:
+                print(
+                    f"{name}: repeat {rep + 1}/{args.repeats}, page {page}, bs {bs}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs.setdefault((page, bs), []).append(timed_run(replay(page, bs, args), args))
+    return [row(page, bs, done, digest) for (page, bs), done in runs.items()]
 
 
 def stats(values: Sequence[float]) -> dict[str, float]:

@@ -55,7 +55,6 @@ import torch  # noqa: E402
 
 STUBBED = import_stubs.install()
 
-import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -100,7 +99,6 @@ from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 wl = peer_common.load_workload()
-log = logging.getLogger("sglang_host")
 
 STEPS, TOPK, DRAFT_TOKENS = 3, 1, 4
 HIDDEN = 256
@@ -458,24 +456,6 @@ class _Replay:
                 raise AssertionError(f"{req.rid}: committed {req.kv.kv_committed_len}")
 
 
-def _one_run(page: int, bs: int, args: Any) -> peer_common.Run:
-    replay = _Replay(page, bs, args)
-    run = peer_common.Run()
-    gc.collect()
-    gc.freeze()
-    start = time.perf_counter()
-    for r in range(args.warmup + args.iters):
-        wall, cpu = replay.round(r)
-        if r >= args.warmup:
-            run.samples.append(wall / 1e3)
-            run.cpu.append(cpu / 1e3)
-    run.loop_s = time.perf_counter() - start
-    gc.unfreeze()
-    replay.check()
-    run.finished, run.emitted = replay.finished, replay.emitted
-    return run
-
-
 def main() -> None:
     args = peer_common.parser(__doc__.split("\n\n")[0]).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
@@ -485,14 +465,7 @@ def main() -> None:
     )
     torch.set_num_threads(1)
     install_device_model(args.launch_us)
-    pages, sizes = peer_common.ints(args.page_sizes), peer_common.ints(args.batch_sizes)
-    runs: dict[tuple[int, int], list[peer_common.Run]] = {}
-    for rep in range(args.repeats):
-        for page in pages:
-            for bs in sizes:
-                log.info("sglang: repeat %d/%d, page %d, bs %d", rep + 1, args.repeats, page, bs)
-                runs.setdefault((page, bs), []).append(_one_run(page, bs, args))
-    results = [peer_common.row(page, bs, done, wl.digest) for (page, bs), done in runs.items()]
+    results = peer_common.sweep(args, "sglang", _Replay, wl.digest)
     timed = (
         "SGLang's running-batch update, launch-side relay and isolation, result processing, "
         "release of finished requests and the streaming read (normal-loop order)"

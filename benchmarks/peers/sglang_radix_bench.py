@@ -1,7 +1,8 @@
 """Prefix-cache cost per scheduler round: SGLang 0.5.23's ``RadixCache`` on a shared workload.
 
-Replays the workload of ``make_workload`` (below; ``specstate bench prefix`` replays the same
-one) through SGLang's own radix tree, on CPU, and times the tree's work of each round:
+Replays the workload of specstate's ``src/specstate/tools/prefix_workload.py`` (loaded by file
+path with ``peer_common``; ``specstate bench prefix`` replays the same one) through SGLang's own
+radix tree, on CPU, and times the tree's work of each round:
 
   finish   for each request that ends this round: ``insert`` its committed tokens (prompt +
            output minus the pending last token, page-aligned down) with its KV slot indices,
@@ -17,83 +18,26 @@ not the tree's, and specstate's side does not time its pool either). Output: one
 on stdout with the median microseconds per round for every (page size, concurrency), the
 workload config echoed; progress on stderr.
 
-Run with the SGLang venv's python (it needs ``stubs.py`` from this folder, which fakes
-``triton`` and ``torchvision`` for the import):
+Run with the SGLang venv's python (it needs ``import_stubs.py`` from this folder, which stubs
+``torchvision``, and ``triton`` where it is not installed, for the import):
 
     /path/to/peer-venv/bin/python benchmarks/peers/sglang_radix_bench.py > sglang-prefix.json
 
-``make_workload`` imports nothing beyond the standard library, so specstate's tests import this
-file to check that both sides replay the same requests.
+This file and the workload module import nothing beyond the standard library at import time,
+so specstate's tests load this file to check that both sides replay the same requests.
 """
 
 from __future__ import annotations
 
-import random
+import os
+import sys
 from typing import Any
 
-GROUPS = 8  # shared system prompts
-SYSTEM_LEN = 1024  # tokens of each system prompt
-USER_LEN = 128  # tokens of a new user message
-FOLLOW_LEN = 32  # tokens of a follow-up message (the next turn of a conversation)
-OUTPUT_LEN = 128  # tokens a request outputs
-MAX_LEN = 2048  # a conversation longer than this starts over
-VOCAB = 32000
-NEXT_TURN = 0.5  # share of arrivals that continue a finished conversation
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_common  # standard library only
 
-
-def make_workload(*, concurrency: int, rounds: int, seed: int = 0) -> dict[str, Any]:
-    """The requests, in arrival order, and how many finish and arrive each round.
-
-    ``concurrency`` requests are live at once. Each round the ``churn`` oldest finish and as
-    many arrive: half the time the next turn of a conversation that just finished (its
-    prompt, its output, a follow-up), else a new conversation on one of ``GROUPS`` system
-    prompts. Every request is ``(prompt, output)``, token lists; the first ``concurrency``
-    are live before round 0.
-    """
-    rng = random.Random(seed)
-    systems = [[rng.randrange(VOCAB) for _ in range(SYSTEM_LEN)] for _ in range(GROUPS)]
-
-    def fresh() -> list[int]:
-        user = [rng.randrange(VOCAB) for _ in range(USER_LEN)]
-        return systems[rng.randrange(GROUPS)] + user
-
-    def output() -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(OUTPUT_LEN)]
-
-    churn = max(1, concurrency // 32)
-    requests: list[tuple[list[int], list[int]]] = []
-    for _ in range(concurrency):
-        requests.append((fresh(), output()))
-    live = list(range(concurrency))
-    for _ in range(rounds):
-        done, live = live[:churn], live[churn:]
-        for i in done:
-            prompt, out = requests[i]
-            if rng.random() < NEXT_TURN and len(prompt) + OUTPUT_LEN + FOLLOW_LEN < MAX_LEN:
-                follow = [rng.randrange(VOCAB) for _ in range(FOLLOW_LEN)]
-                new = prompt + out + follow
-            else:
-                new = fresh()
-            requests.append((new, output()))
-            live.append(len(requests) - 1)
-    budget = concurrency * 256 + GROUPS * SYSTEM_LEN  # the tree evicts in the steady state
-    return {"requests": requests, "churn": churn, "budget_tokens": budget}
-
-
-def config(concurrency: int, rounds: int, seed: int) -> dict[str, int | float]:
-    """The workload's parameters, echoed in the report."""
-    return {
-        "concurrency": concurrency,
-        "rounds": rounds,
-        "seed": seed,
-        "groups": GROUPS,
-        "system_len": SYSTEM_LEN,
-        "user_len": USER_LEN,
-        "follow_len": FOLLOW_LEN,
-        "output_len": OUTPUT_LEN,
-        "max_len": MAX_LEN,
-        "next_turn": NEXT_TURN,
-    }
+workload = peer_common.load_workload(peer_common.PREFIX_WORKLOAD_PATH, "specstate_prefix_workload")
+make_workload = workload.make_workload
 
 
 def _run_sglang(
@@ -183,14 +127,11 @@ def main() -> None:
     """Run the sweep; print the JSON report on stdout."""
     import argparse
     import json
-    import os
     import statistics
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import stubs
+    import import_stubs  # before anything imports sglang
 
-    stubs.install_default()
+    import_stubs.install()
     import torch
 
     torch.set_num_threads(1)
@@ -226,7 +167,7 @@ def main() -> None:
         "version": sglang.__version__,
         "torch": torch.__version__,
         "bench": "prefix",
-        "config": config(0, args.rounds, args.seed) | {"warmup": args.warmup},
+        "config": workload.config(args.rounds, args.warmup, args.seed),
         "results": results,
     }
     print(json.dumps(report, indent=2))

@@ -41,7 +41,6 @@ import torch  # noqa: E402
 
 STUBBED = import_stubs.install()
 
-import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -64,7 +63,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 wl = peer_common.load_workload()
-log = logging.getLogger("vllm_host")
 
 STEPS = 3  # EAGLE chain: 3 drafts a round, verify width 4
 CONTEXT = 4096
@@ -201,24 +199,6 @@ class _Replay:
                 raise AssertionError(f"{req.request_id}: computed {req.num_computed_tokens}")
 
 
-def _one_run(page: int, bs: int, args: Any) -> peer_common.Run:
-    replay = _Replay(page, bs, args)
-    run = peer_common.Run()
-    gc.collect()
-    gc.freeze()
-    start = time.perf_counter()
-    for r in range(args.warmup + args.iters):
-        wall, cpu = replay.round(r)
-        if r >= args.warmup:
-            run.samples.append(wall / 1e3)
-            run.cpu.append(cpu / 1e3)
-    run.loop_s = time.perf_counter() - start
-    gc.unfreeze()
-    replay.check()
-    run.finished, run.emitted = replay.finished, replay.emitted
-    return run
-
-
 def main() -> None:
     args = peer_common.parser(__doc__.split("\n\n")[0]).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
@@ -227,14 +207,7 @@ def main() -> None:
         args.malloc_mmap_threshold, args.malloc_trim_threshold
     )
     torch.set_num_threads(1)
-    pages, sizes = peer_common.ints(args.page_sizes), peer_common.ints(args.batch_sizes)
-    runs: dict[tuple[int, int], list[peer_common.Run]] = {}
-    for rep in range(args.repeats):
-        for page in pages:
-            for bs in sizes:
-                log.info("vllm: repeat %d/%d, page %d, bs %d", rep + 1, args.repeats, page, bs)
-                runs.setdefault((page, bs), []).append(_one_run(page, bs, args))
-    results = [peer_common.row(page, bs, done, wl.digest) for (page, bs), done in runs.items()]
+    results = peer_common.sweep(args, "vllm", _Replay, wl.digest)
     timed = (
         "vLLM's KV manager (allocate_slots with the EAGLE lookahead, free) and accept "
         "bookkeeping (_update_request_with_output), drafts set, the streaming read; "

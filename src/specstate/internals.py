@@ -3,10 +3,11 @@
 Most users need only the top-level ``specstate`` module. What is here is stable but lower
 level: the KV ledger and its typed role views (`KvLedger.views`: one writer per counter), the
 slot pools and the KV allocator with its 2x speculative reservation, the prefix cache (a radix
-tree of committed KV pages) and the rows' holds on it, retraction, the FutureMap
-relay and its batch helpers, forward isolation, the CPU/CUDA forward streams, the scheduler's
-`ScheduleBatch`, finish resolution, and the grammar owner (`GrammarTable`, with each request's
-`GrammarState`). `OwnershipChecker` and `Role` are the run-time half of ownership checking.
+tree of committed KV pages) and the rows' holds on it, the recurrent-state pool of hybrid
+models (`RecurrentStatePool`), retraction, the FutureMap relay and its batch helpers, forward
+isolation, the CPU/CUDA forward streams, the scheduler's `ScheduleBatch`, finish resolution,
+and the grammar owner (`GrammarTable`, with each request's `GrammarState`).
+`OwnershipChecker` and `Role` are the run-time half of ownership checking.
 
 The ledger is built only by a composing factory (`specstate.Engine` is one); everyone else
 receives a typed view of it. The project's ruff configuration bans importing `KvLedger`

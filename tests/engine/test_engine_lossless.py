@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine_driver import serve_to_completion
+from engine_driver import checked_config, serve_to_completion, with_stops
 from hf_oracle import greedy
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.engine import Engine
 
 PROMPTS = [list(p) for p in MIXED_PROMPTS]
 NEW_TOKENS = 14
@@ -54,30 +54,13 @@ def _run(
     **options: object,
 ) -> tuple[list[list[int]], float]:
     """Run PROMPTS to completion; checks off is production mode (the checker still runs)."""
-    config = EngineConfig(
-        kv_tokens=2048,
-        check_invariants=checks,
-        check_ownership=checks,
-        debug_relay=checks,
-        **options,  # type: ignore[arg-type]
-    )
+    config = checked_config(checks=checks, **options)
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     stops = stops or [None] * len(PROMPTS)
     with Engine(ckpt.worker(algorithm), limits=limits, config=config) as engine:
         reqs = serve_to_completion(engine, PROMPTS, max_new_tokens=NEW_TOKENS, stops=stops)
         mean_accept = engine.snapshot().metrics.mean_accept_length
     return [list(r.emitted_ids) for r in reqs], mean_accept
-
-
-def _with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[int]]]:
-    """Every other request stops at a token from the middle of its output (inside a run)."""
-    stops: list[int | None] = []
-    wants = []
-    for i, out in enumerate(expected):
-        stop = out[6] if i % 2 == 0 else None
-        stops.append(stop)
-        wants.append(out if stop is None else out[: out.index(stop) + 1])
-    return stops, wants
 
 
 MATRIX = list(
@@ -97,7 +80,7 @@ def test_lossless_matrix(
 ) -> None:
     """Greedy outputs equal HF generate token for token, stops inside runs included."""
     chunked, mixed = chunking
-    stops, wants = _with_stops(expected)
+    stops, wants = with_stops(expected)
     outs, accept = _run(
         ckpt,
         algorithm,
@@ -147,7 +130,7 @@ def test_production_mode_is_lossless(
     chunking: tuple[int | None, bool],
 ) -> None:
     """Checks off (the hot path's fast branches): the same tokens, stops inside runs included."""
-    stops, wants = _with_stops(expected)
+    stops, wants = with_stops(expected)
     outs, accept = _run(
         ckpt,
         algorithm,

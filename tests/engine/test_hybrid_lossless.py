@@ -16,17 +16,18 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-import attrs
 import pytest
-from engine_driver import run_checked, serve_to_completion
-from hybrid_oracle import HybridCheckpoints, hybrid_greedy, make_hybrid_checkpoints
+from engine_driver import checked_config, run_checked, serve_to_completion, with_stops
+from hf_oracle import greedy
+from hybrid_oracle import HybridCheckpoints, make_hybrid_checkpoints
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.worker import OnPublish, WorkerProtocol
 
 PROMPTS = [
     [3, 14, 15, 92, 65, 35, 89],
@@ -50,7 +51,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> HybridCheckpoints:
 @pytest.fixture(scope="module")
 def expected(ckpt: HybridCheckpoints) -> list[list[int]]:
     """transformers' greedy continuations."""
-    return [hybrid_greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
+    return [greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -59,40 +60,21 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> HybridCheckpoints:
     return make_hybrid_checkpoints(tmp_path_factory.mktemp("hybrid12"), vocab_size=SMALL_VOCAB)
 
 
-@attrs.define
-class RoundSpy:
+class RoundSpy(SpyWorker):
     """Delegates to a worker; records the width and accept lengths of every decode round."""
 
-    inner: WorkerProtocol
-    rounds: list[tuple[int, list[int]]] = attrs.field(factory=list)
-
-    @property
-    def capabilities(self) -> WorkerCapabilities:
-        """The inner worker's."""
-        return self.inner.capabilities
-
-    def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
-        self.inner.attach(memory)
+    def __init__(self, inner: WorkerProtocol) -> None:
+        super().__init__(inner)
+        self.rounds: list[tuple[int, list[int]]] = []
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
     ) -> GenerationBatchResult:
         """Delegate; remember (stride, accept lengths) of a decode round."""
-        result = self.inner.forward_batch_generation(batch, on_publish=on_publish)
+        result = super().forward_batch_generation(batch, on_publish=on_publish)
         if batch.forward_mode is ForwardMode.DECODE:
             self.rounds.append((result.stride, result.accept_lens.tolist()))
         return result
-
-
-def _config(*, checks: bool = True, **options: object) -> EngineConfig:
-    return EngineConfig(
-        kv_tokens=options.pop("kv_tokens", 2048),  # type: ignore[arg-type]
-        check_invariants=checks,
-        check_ownership=checks,
-        debug_relay=checks,
-        **options,  # type: ignore[arg-type]
-    )
 
 
 def _serve(
@@ -106,17 +88,6 @@ def _serve(
     with Engine(worker, limits=limits, config=config) as engine:
         reqs = serve_to_completion(engine, prompts, max_new_tokens=NEW_TOKENS, stops=stops)
     return [list(r.emitted_ids) for r in reqs]
-
-
-def _with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[int]]]:
-    """Every other request stops at a token from the middle of its output (inside a run)."""
-    stops: list[int | None] = []
-    wants = []
-    for i, out in enumerate(expected):
-        stop = out[6] if i % 2 == 0 else None
-        stops.append(stop)
-        wants.append(out if stop is None else out[: out.index(stop) + 1])
-    return stops, wants
 
 
 def _partial_accepts(rounds: list[tuple[int, list[int]]], max_accept: int) -> bool:
@@ -136,9 +107,9 @@ def test_hybrid_lossless_matrix(
     chunking: tuple[int | None, bool],
 ) -> None:
     """Greedy outputs equal HF generate token for token, stops inside accepted runs included."""
-    stops, wants = _with_stops(expected)
+    stops, wants = with_stops(expected)
     spy = RoundSpy(ckpt.worker(algorithm))
-    config = _config(
+    config = checked_config(
         overlap=overlap, page_size=page_size, chunked_prefill=chunking[0], mixed_chunk=chunking[1]
     )
     assert _serve(ckpt, spy, PROMPTS, stops, config) == wants
@@ -154,9 +125,9 @@ def test_zero_draft_rounds_after_accepted_drafts(small: HybridCheckpoints, overl
     n-gram never occurred before.
     """
     prompts = [[p % SMALL_VOCAB for p in prompt] for prompt in PROMPTS]
-    want = [hybrid_greedy(small.hf, p, NEW_TOKENS) for p in prompts]
+    want = [greedy(small.hf, p, NEW_TOKENS) for p in prompts]
     spy = RoundSpy(small.worker("ngram"))
-    config = _config(overlap=overlap, max_running=1)
+    config = checked_config(overlap=overlap, max_running=1)
     got = _serve(small, spy, prompts, [None] * len(prompts), config)
     assert got == want
     widths = [stride for stride, _ in spy.rounds]
@@ -180,7 +151,7 @@ def test_retraction_under_pressure_is_lossless(
 ) -> None:
     """A pool too small for every request retracts some (their states discarded and rebuilt
     by re-prefill); every request still emits HF's tokens."""
-    config = _config(overlap=overlap, page_size=page_size, kv_tokens=112)
+    config = checked_config(overlap=overlap, page_size=page_size, kv_tokens=112)
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     with Engine(ckpt.worker(algorithm), limits=limits, config=config) as engine:
@@ -198,7 +169,7 @@ def test_aborts_leave_the_others_lossless(
     their state records close with their slots (checked after every step)."""
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    config = _config(overlap=overlap, chunked_prefill=4, mixed_chunk=True)
+    config = checked_config(overlap=overlap, chunked_prefill=4, mixed_chunk=True)
     with Engine(ckpt.worker("draft_model"), limits=limits, config=config) as engine:
         reqs = [engine.submit(f"p{i}", p, params) for i, p in enumerate(PROMPTS)]
         for _ in range(4):
@@ -218,8 +189,8 @@ def test_production_mode_is_lossless(
     ckpt: HybridCheckpoints, expected: list[list[int]], algorithm: str, overlap: bool
 ) -> None:
     """Checks off (the fast branches of every commit): the same tokens."""
-    stops, wants = _with_stops(expected)
-    config = _config(checks=False, overlap=overlap, page_size=16, chunked_prefill=4)
+    stops, wants = with_stops(expected)
+    config = checked_config(checks=False, overlap=overlap, page_size=16, chunked_prefill=4)
     assert _serve(ckpt, ckpt.worker(algorithm), PROMPTS, stops, config) == wants
 
 
@@ -249,7 +220,7 @@ def test_seeded_sampling_is_independent_of_the_drafts(
     spies = {}
     for algorithm in ("none", "ngram", "draft_model"):
         spies[algorithm] = spy = RoundSpy(ckpt.worker(algorithm))
-        with Engine(spy, limits=limits, config=_config(overlap=overlap)) as engine:
+        with Engine(spy, limits=limits, config=checked_config(overlap=overlap)) as engine:
             reqs = [engine.submit(f"s{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
             run_checked(engine)
         outputs[algorithm] = [list(r.emitted_ids) for r in reqs]

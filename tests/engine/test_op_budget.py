@@ -11,14 +11,8 @@ Python call count is held to a budget (the fixed cost that dominates a small bat
 
 from __future__ import annotations
 
-import gc
-import sys
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
-
 import pytest
-from torch.overrides import TorchFunctionMode
+from op_count import count_decode_step, steady_engine
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.engine.invariants import check_engine
@@ -47,76 +41,16 @@ requests finish (page 16): the changed rows' copy-on-write, the relay's patch, t
 and the prefix cache's insert of the finished requests' pages (on by default; one fewer without)."""
 
 
-class _CountTorch(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _steady_engine(batch_size: int, page_size: int) -> Engine:
-    """An engine whose whole batch decodes (no request can finish for many rounds)."""
-    config = EngineConfig(
-        overlap=False,
-        page_size=page_size,
-        kv_tokens=batch_size * 512 + 64,
-        max_running=batch_size,
-        check_invariants=False,
-    )
-    worker = TimedWaitWorker(device_seconds=0.0, accept=2)
-    engine = Engine(worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config)
-    for i in range(batch_size):
-        engine.submit(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=200, ignore_eos=True))
-    for _ in range(4):  # prefill, then decode rounds until the running batch is steady
-        engine.step()
-        check_engine(engine)
-    return engine
-
-
-def _count_round(engine: Engine) -> tuple[int, int]:
-    """(Python calls, torch operations) of one `Engine.step`."""
-    python_calls = 0
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal python_calls
-        if event in ("call", "c_call"):
-            python_calls += 1
-
-    counter = _CountTorch()
-    # NOTE: no collection inside the counted step: finalizers of objects that earlier tests
-    # left behind would run (and count) at whatever allocation happened to trigger them.
-    gc.collect()
-    gc.disable()
-    with counter:
-        sys.setprofile(profile)
-        try:
-            report = engine.step()
-        finally:
-            sys.setprofile(None)
-            gc.enable()
-    assert report.launched_mode == "decode"
-    check_engine(engine)
-    return python_calls, counter.calls
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_steady_round_cost_does_not_grow_with_the_batch(page_size: int) -> None:
     """Batch 4 and batch 64 make exactly the same calls in a steady decode round."""
     counts = []
     for batch_size in (4, 64):
-        engine = _steady_engine(batch_size, page_size)
+        worker = TimedWaitWorker(device_seconds=0.0, accept=2)
+        engine = steady_engine(worker, batch_size, page_size)
         try:
-            _count_round(engine)  # page-boundary effects settle after one more round
-            counts.append(_count_round(engine))
+            count_decode_step(engine)  # page-boundary effects settle after one more round
+            counts.append(count_decode_step(engine))
         finally:
             engine.close()
     (small_py, small_torch), (large_py, large_torch) = counts
@@ -159,7 +93,7 @@ def test_a_churned_round_costs_the_same_whatever_the_batch_and_the_finishes() ->
     for batch_size, finishing in ((8, 1), (32, 1), (32, 3)):
         engine = _churned_engine(batch_size, finishing)
         try:
-            calls, ops = _count_round(engine)
+            calls, ops = count_decode_step(engine)
             assert len(engine.scheduler.waiting) == 0
             counts[batch_size, finishing] = (calls, ops)
             assert (

@@ -9,16 +9,9 @@ a small fixed number.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
-
 import pytest
-from torch.overrides import TorchFunctionMode
+from op_count import count_decode_step, steady_engine
 
-from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
-from specstate.engine.invariants import check_engine
 from specstate.tools.bench_recurrent import StatefulTimedWorker
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -27,65 +20,12 @@ EXTRA_PYTHON_CALLS = 4
 pool's settle and commit: one vectorized add)."""
 
 
-class _CountTorch(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _steady_engine(batch_size: int, page_size: int, *, stateful: bool) -> Engine:
-    config = EngineConfig(
-        overlap=False,
-        page_size=page_size,
-        kv_tokens=batch_size * 512 + 64,
-        max_running=batch_size,
-        check_invariants=False,
-    )
-    worker = (StatefulTimedWorker if stateful else TimedWaitWorker)(device_seconds=0.0, accept=2)
-    engine = Engine(worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config)
-    for i in range(batch_size):
-        engine.submit(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=200, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-        check_engine(engine)
-    return engine
-
-
-def _count_round(engine: Engine) -> tuple[int, int]:
-    python_calls = 0
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        nonlocal python_calls
-        if event in ("call", "c_call"):
-            python_calls += 1
-
-    counter = _CountTorch()
-    with counter:
-        sys.setprofile(profile)
-        try:
-            report = engine.step()
-        finally:
-            sys.setprofile(None)
-    assert report.launched_mode == "decode"
-    check_engine(engine)
-    return python_calls, counter.calls
-
-
 def _counts(batch_size: int, page_size: int, *, stateful: bool) -> tuple[int, int]:
-    engine = _steady_engine(batch_size, page_size, stateful=stateful)
+    worker = (StatefulTimedWorker if stateful else TimedWaitWorker)(device_seconds=0.0, accept=2)
+    engine = steady_engine(worker, batch_size, page_size)
     try:
-        _count_round(engine)
-        return _count_round(engine)
+        count_decode_step(engine)
+        return count_decode_step(engine)
     finally:
         engine.close()
 

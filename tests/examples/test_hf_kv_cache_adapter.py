@@ -13,16 +13,25 @@ slot; and feeds the model only the new tokens of a forward (the rest comes from 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from engine_driver import run_checked
+from engine_driver import checked_config
+from example_harness import (
+    NEW_TOKENS,
+    PROMPTS,
+    STEPS,
+    Served,
+    assert_quotes_verbatim,
+    clear_greedy,
+    load_example,
+    serve,
+    stops_mid_output,
+)
+from hf_oracle import greedy
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from specstate import (
@@ -32,33 +41,15 @@ from specstate import (
     KvLayout,
     RequestLimits,
     SamplingParams,
-    check_engine,
     kv_bytes_for_tokens,
 )
 from specstate.testing.conformance import assert_worker_conforms
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_kv_cache_adapter.py"
-NEW_TOKENS = 20
-STEPS = 3  # K; D = 4
-PROMPTS = [
-    [62, 93, 3, 60, 5, 62, 93, 3, 60, 5],
-    [70, 32, 4, 70, 32, 4],
-    [75, 48, 75],
-    [11, 12, 13, 14, 15, 16, 17, 18],
-    [42],
-]
-"""Repetition makes n-gram drafts hit, fully or in part; one 1-token prompt."""
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
     """The example file, imported by path."""
-    spec = importlib.util.spec_from_file_location("hf_kv_cache_adapter", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("hf_kv_cache_adapter")
 
 
 @pytest.fixture(scope="module")
@@ -89,38 +80,11 @@ def model(checkpoint: Path) -> GPT2LMHeadModel:
     return loaded
 
 
-def _greedy(model: GPT2LMHeadModel, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-            pad_token_id=0,
-        )  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 @pytest.fixture(scope="module")
 def expected(model: GPT2LMHeadModel) -> list[list[int]]:
-    """transformers' greedy ``generate()`` of every prompt, checked to be free of near-ties
-    (the adapter's attention and HF's round differently; at a near-tie argmax may differ)."""
-    outputs = [_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + out]), use_cache=False).logits
-        top2 = logits[0, len(prompt) - 1 :].topk(2, dim=-1).values
-        margin = float((top2[:, 0] - top2[:, 1]).min())
-        assert margin > 1e-3, f"prompt {prompt} has an argmax near-tie ({margin}); pick another"
-    return outputs
-
-
-def _checked(**options: object) -> EngineConfig:
-    """An engine config with every check on: invariants, ownership, consume-once relay."""
-    return EngineConfig(
-        check_invariants=True,
-        check_ownership=True,
-        debug_relay=True,
-        **options,  # type: ignore[arg-type]
-    )
+    """transformers' greedy ``generate()`` of every prompt, clear of near-ties (the adapter's
+    attention and HF's round differently)."""
+    return clear_greedy(model)
 
 
 def _serve(
@@ -130,36 +94,10 @@ def _serve(
     stops: list[int | None],
     *,
     abort: str | None = None,
-) -> tuple[list[list[int]], list[str], dict[int, int], tuple[str, ...]]:
-    """Serve PROMPTS with the invariant checker after every step: tokens, finish reasons, the
-    accept-length histogram and the retracted requests. ``abort`` goes after the third step."""
-    limits = RequestLimits(vocab_size=model.config.vocab_size, max_context_len=64)
+) -> Served:
+    """Serve PROMPTS on the example's worker (`example_harness.serve`)."""
     worker = example.GPT2SlotWorker(model, num_steps=STEPS)
-    with Engine(worker, limits=limits, config=config) as engine:
-        reqs = [
-            engine.submit(
-                f"p{i}",
-                prompt,
-                SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=() if s is None else (s,)),
-            )
-            for i, (prompt, s) in enumerate(zip(PROMPTS, stops, strict=True))
-        ]
-        retracted: list[str] = []
-        if abort is not None:
-            for _ in range(3):
-                retracted.extend(engine.step().retracted)
-                check_engine(engine)
-            engine.abort(abort)
-        log = run_checked(engine)
-        snap = engine.snapshot()
-    assert snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
-    reasons = [r.finish.reason.value if r.finish is not None else "none" for r in reqs]
-    return (
-        [list(r.emitted_ids) for r in reqs],
-        reasons,
-        dict(snap.metrics.histogram),
-        (*retracted, *log.retracted),
-    )
+    return serve(worker, model.config.vocab_size, config, stops, abort=abort)
 
 
 def test_the_adapter_conforms(example: ModuleType, model: GPT2LMHeadModel) -> None:
@@ -167,7 +105,7 @@ def test_the_adapter_conforms(example: ModuleType, model: GPT2LMHeadModel) -> No
     assert_worker_conforms(
         lambda: example.GPT2SlotWorker(model, num_steps=STEPS),
         vocab_size=model.config.vocab_size,
-        oracle=lambda prompt, n: _greedy(model, list(prompt), n),
+        oracle=lambda prompt, n: greedy(model, prompt, n),
     )
 
 
@@ -184,12 +122,8 @@ def test_lossless_against_generate(
     chunking: tuple[int | None, bool],
 ) -> None:
     """Equal to generate() token for token; every other request stops at a token mid-output."""
-    stops = [out[9] if i % 2 == 0 else None for i, out in enumerate(expected)]
-    wants = [
-        out if s is None else out[: out.index(s) + 1]
-        for out, s in zip(expected, stops, strict=True)
-    ]
-    config = _checked(
+    stops, wants = stops_mid_output(expected)
+    config = checked_config(
         overlap=overlap,
         page_size=page_size,
         kv_tokens=2048,
@@ -207,7 +141,7 @@ def test_lossless_under_retraction_and_abort(
 ) -> None:
     """A pool too small for every request retracts some (their KV is recomputed into new
     slots); one is aborted; the rest are exact."""
-    config = _checked(overlap=overlap, page_size=4, kv_tokens=96)
+    config = checked_config(overlap=overlap, page_size=4, kv_tokens=96)
     outputs, reasons, _, retracted = _serve(
         example, model, config, [None] * len(PROMPTS), abort="p1"
     )
@@ -222,7 +156,7 @@ def test_the_adapter_really_speculates(
 ) -> None:
     """Drafts hit in part and in full: accept lengths 2..K and D = K + 1 all occur."""
     outputs, _, histogram, _ = _serve(
-        example, model, _checked(overlap=True, kv_tokens=2048), [None] * len(PROMPTS)
+        example, model, checked_config(overlap=True, kv_tokens=2048), [None] * len(PROMPTS)
     )
     assert outputs == expected
     assert set(histogram) <= set(range(1, STEPS + 2)), histogram
@@ -259,7 +193,9 @@ def test_a_forward_feeds_the_model_only_its_new_tokens(
     try:
         worker = example.GPT2SlotWorker(model, num_steps=STEPS)
         limits = RequestLimits(vocab_size=model.config.vocab_size, max_context_len=64)
-        with Engine(worker, limits=limits, config=_checked(overlap=False, kv_tokens=512)) as e:
+        with Engine(
+            worker, limits=limits, config=checked_config(overlap=False, kv_tokens=512)
+        ) as e:
             req = e.submit("a", PROMPTS[0], SamplingParams(max_new_tokens=NEW_TOKENS))
             e.run_until_idle()
     finally:
@@ -275,7 +211,7 @@ def test_a_sampled_request_is_refused(example: ModuleType, model: GPT2LMHeadMode
     assert worker.capabilities.supports_sampling is False
     limits = RequestLimits(vocab_size=model.config.vocab_size, max_context_len=64)
     with (
-        Engine(worker, limits=limits, config=_checked(kv_tokens=256)) as engine,
+        Engine(worker, limits=limits, config=checked_config(kv_tokens=256)) as engine,
         pytest.raises(InvalidRequest, match="greedy-only"),
     ):
         engine.submit("s", [1, 2], SamplingParams(max_new_tokens=4, temperature=0.7))
@@ -293,10 +229,4 @@ def test_main_checks_itself_against_generate(
 
 def test_the_walk_through_quotes_the_example_verbatim() -> None:
     """Every ``py-excerpt`` block of docs/example-kv-adapter.md is a run of the example's lines."""
-    doc = EXAMPLE.parents[1] / "docs" / "example-kv-adapter.md"
-    blocks = re.findall(r"```py-excerpt\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)
-    source = "\n".join(line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines())
-    assert len(blocks) >= 6
-    for block in blocks:
-        quoted = "\n".join(line.strip() for line in block.strip("\n").splitlines())
-        assert f"\n{quoted}\n" in f"\n{source}\n", f"not in the example:\n{block}"
+    assert_quotes_verbatim("hf_kv_cache_adapter", "example-kv-adapter.md", at_least=6)

@@ -12,6 +12,7 @@ import pytest
 from engine_driver import run_checked
 from grammar_oracle import EOS, GRAMMARS, VOCAB, ascii_vocabulary, matches
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
+from spy_worker import SpyWorker
 
 from specstate import FinishReason, InvalidRequest, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
@@ -19,7 +20,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import InvariantViolation, check_engine
 from specstate.engine.trace import TraceRecorder
-from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.worker import OnPublish, WorkerProtocol
 from specstate.grammar.spec import Grammar
 from specstate.reference.workers import default_registry
 
@@ -162,27 +163,16 @@ def test_a_dead_end_ends_its_request_with_a_grammar_error(
     assert snap.num_dead_ends == 1 and snap.num_violations == 0
 
 
-class IgnoresGrammar:
-    """A worker that hands the real worker its batch without the grammar view."""
-
-    def __init__(self, inner: WorkerProtocol) -> None:
-        self._inner = inner
-
-    @property
-    def capabilities(self) -> WorkerCapabilities:
-        """The inner worker's, grammar declared."""
-        return self._inner.capabilities
-
-    def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
-        self._inner.attach(memory)
+class IgnoresGrammar(SpyWorker):
+    """A worker that hands the real worker its batch without the grammar view (it still
+    declares grammar support: the inner worker's capabilities)."""
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
     ) -> GenerationBatchResult:
         """The inner forward, blind to the grammar."""
         blind = attrs.evolve(batch, grammar=None)
-        return self._inner.forward_batch_generation(blind, on_publish=on_publish)
+        return super().forward_batch_generation(blind, on_publish=on_publish)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -15,11 +15,12 @@ drafters), and retraction in the middle of a grammar under a small pool.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import attrs
 import pytest
 from controls_oracle import run_bounds
-from engine_driver import DriveLog, run_checked
+from engine_driver import DriveLog, checked_config, run_checked
 from grammar_oracle import (
     EOS,
     GRAMMARS,
@@ -73,16 +74,10 @@ def limits() -> RequestLimits:
 
 
 def serve(
-    ckpt: SpecCheckpoints, algorithm: str, *, agreeing: bool = False, **options: object
+    ckpt: SpecCheckpoints, algorithm: str, *, agreeing: bool = False, **options: Any
 ) -> Served:
     """Serve PROMPTS under KINDS with every check on; the requests and what happened."""
-    settings: dict[str, object] = {"kv_tokens": 2048, **options}
-    config = EngineConfig(
-        check_invariants=True,
-        check_ownership=True,
-        debug_relay=True,
-        **settings,  # type: ignore[arg-type]
-    )
+    config = checked_config(**options)
     worker = ckpt.worker(algorithm, num_steps=STEPS, agreeing=agreeing)
     with Engine(worker, limits=limits(), config=config) as engine:
         reqs = [

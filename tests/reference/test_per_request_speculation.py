@@ -18,13 +18,14 @@ from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
 )
+from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason, Req
 from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.engine.worker import OnPublish, WorkerProtocol
 
 NEW_TOKENS = 16
 STEPS = 3
@@ -108,20 +109,9 @@ def test_a_seeded_sampled_request_emits_the_same_tokens_with_or_without_speculat
         assert any(a > 1 for r in reqs[0::2] for a in r.accept_lengths)
 
 
-class IgnoresTheSwitch:
-    """Delegates to a reference worker but hides ``speculative`` from it: every row drafts."""
-
-    def __init__(self, inner: WorkerProtocol) -> None:
-        self._inner = inner
-
-    @property
-    def capabilities(self) -> WorkerCapabilities:
-        """The inner worker's (it claims the switch)."""
-        return self._inner.capabilities
-
-    def attach(self, memory: WorkerMemory) -> None:
-        """Attach the inner worker."""
-        self._inner.attach(memory)
+class IgnoresTheSwitch(SpyWorker):
+    """Delegates to a reference worker but hides ``speculative`` from it: every row drafts
+    (it still claims the switch: the inner worker's capabilities)."""
 
     def forward_batch_generation(
         self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
@@ -129,7 +119,7 @@ class IgnoresTheSwitch:
         """Forward with every row speculating."""
         sampling = attrs.evolve(batch.sampling_info, speculative=None, speculative_host=None)
         hidden = attrs.evolve(batch, sampling_info=sampling)
-        return self._inner.forward_batch_generation(hidden, on_publish=on_publish)
+        return super().forward_batch_generation(hidden, on_publish=on_publish)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])

@@ -12,10 +12,12 @@ decode rows (``out_cache_loc`` in an extend), also under overlap.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import torch
-from engine_driver import serve_to_completion
+from engine_driver import checked_config, serve_to_completion, with_stops
 from hf_oracle import greedy
 from spec_checkpoints import (
     MIXED_PROMPTS,
@@ -26,7 +28,7 @@ from specstate import RequestLimits
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.reference.model import KvCache
 from specstate.reference.workers import (
@@ -142,19 +144,13 @@ def run_engine(
     ckpt: SpecCheckpoints,
     worker: TreeRoundWorker,
     stops: list[int | None],
-    **config: object,
+    **config: Any,
 ) -> TreeRun:
     """Serve PROMPTS to completion with every check on; audit writes; collect the verdicts."""
     rounds: list[VerifiedTree] = []
     worker.observer = rounds.append
     audited = AuditedWorker(worker)
-    engine_config = EngineConfig(
-        kv_tokens=2048,
-        check_invariants=True,
-        check_ownership=True,
-        debug_relay=True,
-        **config,  # type: ignore[arg-type]
-    )
+    engine_config = checked_config(**config)
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     with Engine(audited, limits=limits, config=engine_config) as engine:
         reqs = serve_to_completion(engine, PROMPTS, max_new_tokens=NEW_TOKENS, stops=stops)
@@ -164,17 +160,6 @@ def run_engine(
         accept_lens=[a for r in rounds for a in r.verdict.accept_lens.tolist()],
         non_first_branch=sum(int(r.verdict.non_first_branch(r.tree).sum()) for r in rounds),
     )
-
-
-def with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[int]]]:
-    """Every other request stops at a token from the middle of its output (inside a run)."""
-    stops: list[int | None] = []
-    wants = []
-    for i, out in enumerate(expected):
-        stop = out[6] if i % 2 == 0 else None
-        stops.append(stop)
-        wants.append(out if stop is None else out[: out.index(stop) + 1])
-    return stops, wants
 
 
 def check_tree_exercised(run: TreeRun, nodes: int) -> None:

@@ -154,6 +154,40 @@ def test_streaming_yields_the_same_tokens_with_usage_last(
     assert chunks[-1].usage.completion_tokens == NEW
 
 
+def test_usage_reports_the_prefix_cache_hits_of_the_prompt(served: Served) -> None:
+    """A prompt sent twice: the second's ``cached_tokens`` is what the engine's cache supplied
+    (`Req.cached_tokens` of the same two requests run directly), the first's 0; streamed too."""
+    text = "# usage.cached_tokens: the prompt of this test is sent twice, whole\n" * 2
+    prompt = prompt_ids(text)
+    with embedded_engine() as engine:
+        first = engine.submit("1", prompt, SamplingParams(max_new_tokens=NEW))
+        engine.run_until_idle()
+        second = engine.submit("2", prompt, SamplingParams(max_new_tokens=NEW))
+        engine.run_until_idle()
+    assert first.cached_tokens == 0 and 0 < second.cached_tokens < len(prompt)
+    client = served.client()
+    usages = [
+        client.completions.create(model=MODEL, prompt=text, max_tokens=NEW, temperature=0).usage
+    ]
+    chunks = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages.append(list(chunks)[-1].usage)
+    usages.append(
+        client.completions.create(model=MODEL, prompt=text, max_tokens=NEW, temperature=0).usage
+    )
+    cached = []
+    for usage in usages:
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached == [0, second.cached_tokens, second.cached_tokens]
+
+
 def test_token_id_prompts_and_stop_sequences(served: Served) -> None:
     """Token-id prompt and stops (and a stop string): the stop is cut, as OpenAI does."""
     prompt = prompt_ids(TEXTS[2])

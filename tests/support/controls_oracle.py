@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+from hf_oracle import greedy_scored
 from sampling_oracle import last_logits, reference_filter
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -65,32 +66,20 @@ def hf_greedy(
 
     ``eos`` are the ids that stop generation (and that ``min_new_tokens`` masks).
     """
-    ids = torch.tensor([list(prompt)])
     processors = LogitsProcessorList()
     if controls.frequency_penalty or controls.presence_penalty:
         processors.append(
             OpenAIPenalties(len(prompt), controls.frequency_penalty, controls.presence_penalty)
         )
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=list(eos) or None,
-            repetition_penalty=controls.repetition_penalty,
-            min_new_tokens=controls.min_new_tokens or None,
-            logits_processor=processors,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = [int(t) for t in out.sequences[0, len(prompt) :]]
-    logprobs = [
-        float(torch.log_softmax(score[0].float(), dim=-1)[token])
-        for score, token in zip(out.scores, tokens, strict=False)
-    ]
-    return tokens[: len(logprobs)], logprobs
+    return greedy_scored(
+        model,
+        prompt,
+        max_new_tokens,
+        eos_token_id=list(eos) or None,
+        repetition_penalty=controls.repetition_penalty,
+        min_new_tokens=controls.min_new_tokens or None,
+        logits_processor=processors,
+    )
 
 
 def controlled_logits(

@@ -1,13 +1,15 @@
-"""Test-only: step an engine to idle with the invariant checker after every step."""
+"""Test-only: an engine with every check on, driven to idle with the invariant checker after
+every step, and the stops a lossless test puts inside accepted runs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from specstate import Req, SamplingParams
-from specstate.engine.engine import Engine
+from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import check_engine
 
 
@@ -59,3 +61,27 @@ def serve_to_completion(
     reasons = [r.finish is not None and r.finish.reason.value for r in reqs]
     assert reasons == ["length" if stop is None else "stop" for stop in stops]
     return reqs
+
+
+def checked_config(*, checks: bool = True, **options: Any) -> EngineConfig:
+    """An `EngineConfig` with the invariant checker, ownership checks and the consume-once relay
+    on (``checks=False``: production mode, every check off); ``options`` are the other fields
+    (``kv_tokens`` 2048 unless given)."""
+    return EngineConfig(
+        check_invariants=checks,
+        check_ownership=checks,
+        debug_relay=checks,
+        **{"kv_tokens": 2048, **options},
+    )
+
+
+def with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[int]]]:
+    """Every other request stops at a token from the middle of its output (inside a run): the
+    stop token of each request (None for none) and the output it must then emit."""
+    stops: list[int | None] = []
+    wants = []
+    for i, out in enumerate(expected):
+        stop = out[6] if i % 2 == 0 else None
+        stops.append(stop)
+        wants.append(out if stop is None else out[: out.index(stop) + 1])
+    return stops, wants

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hf_oracle import greedy_scored
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from specstate.grammar.spec import Grammar, GrammarVocabulary
@@ -85,30 +86,18 @@ def hf_grammar_scored(
     """`hf_grammar_greedy` with HF's repetition penalty (applied before the grammar's mask, as
     transformers runs its own processors before the ones it is given), and the log-probability
     of every token under the processed scores."""
-    ids = torch.tensor([list(prompt)])
     processors = LogitsProcessorList()
     if grammar is not None:
         _, matcher = compiler().compile(grammar)
         processors.append(GrammarProcessor(matcher, len(prompt)))
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=EOS if grammar is not None else None,
-            repetition_penalty=repetition_penalty,
-            logits_processor=processors,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = [int(t) for t in out.sequences[0, len(prompt) :]]
-    logprobs = [
-        float(torch.log_softmax(score[0].float(), dim=-1)[token])
-        for score, token in zip(out.scores, tokens, strict=True)
-    ]
-    return tokens, logprobs
+    return greedy_scored(
+        model,
+        prompt,
+        max_new_tokens,
+        eos_token_id=EOS if grammar is not None else None,
+        repetition_penalty=repetition_penalty,
+        logits_processor=processors,
+    )
 
 
 # The grammars of the exactness tests: each ends within a few dozen tokens whatever the model,

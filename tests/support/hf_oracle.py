@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationMixin, LlamaConfig, LlamaForCausalLM
 
 
 def make_checkpoint(
@@ -33,8 +34,12 @@ def make_checkpoint(
     return model
 
 
-def greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of ``prompt`` (the lossless oracle)."""
+def greedy_scores(
+    model: GenerationMixin, prompt: Sequence[int], max_new_tokens: int, **generate: Any
+) -> tuple[list[int], tuple[torch.Tensor, ...]]:
+    """transformers' greedy tokens of ``prompt`` and the processed scores of every step, with
+    more ``generate()`` options (stop ids, penalties, logits processors), for any causal LM (a
+    Llama, a NemotronH hybrid)."""
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(
@@ -43,5 +48,26 @@ def greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int) 
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **generate,
         )
-    return [int(t) for t in out[0, len(prompt) :]]
+    return [int(t) for t in out.sequences[0, len(prompt) :]], tuple(out.scores)
+
+
+def greedy(model: GenerationMixin, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (the lossless oracle)."""
+    return greedy_scores(model, prompt, max_new_tokens)[0]
+
+
+def greedy_scored(
+    model: GenerationMixin, prompt: Sequence[int], max_new_tokens: int, **generate: Any
+) -> tuple[list[int], list[float]]:
+    """`greedy_scores`' tokens and the log-probability of every token under the processed
+    scores."""
+    tokens, scores = greedy_scores(model, prompt, max_new_tokens, **generate)
+    logprobs = [
+        float(torch.log_softmax(score[0].float(), dim=-1)[token])
+        for score, token in zip(scores, tokens, strict=True)
+    ]
+    return tokens, logprobs

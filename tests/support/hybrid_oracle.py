@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -126,19 +125,3 @@ def make_hybrid_checkpoints(
     return HybridCheckpoints(
         target=root / "target", hf=hf, partial=partial, llama=root / "llama", vocab_size=vocab_size
     )
-
-
-def hybrid_greedy(
-    model: NemotronHForCausalLM, prompt: Sequence[int], max_new_tokens: int
-) -> list[int]:
-    """transformers' greedy continuation of ``prompt`` (the lossless oracle)."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]

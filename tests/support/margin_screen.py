@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-import torch
+from hf_oracle import greedy_scores
 from transformers import LlamaForCausalLM
 
 MARGIN = 1e-3
@@ -21,19 +21,8 @@ def greedy_with_margin(
     hf: LlamaForCausalLM, prompt: tuple[int, ...], max_new_tokens: int
 ) -> tuple[list[int], float]:
     """HF's greedy tokens of ``prompt`` and the smallest top-2 logit margin on the way."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    margin = min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
-    return [int(t) for t in out.sequences[0, len(prompt) :]], margin
+    tokens, scores = greedy_scores(hf, prompt, max_new_tokens)
+    return tokens, min(float(s[0].topk(2).values.diff().abs()) for s in scores)
 
 
 def screen(

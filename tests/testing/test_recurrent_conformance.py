@@ -7,7 +7,8 @@ from functools import partial
 
 import pytest
 import torch
-from hybrid_oracle import HybridCheckpoints, hybrid_greedy, make_hybrid_checkpoints
+from hf_oracle import greedy
+from hybrid_oracle import HybridCheckpoints, make_hybrid_checkpoints
 from spy_worker import SpyWorker
 
 from specstate.batch.forward_batch import ForwardBatch
@@ -27,7 +28,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> HybridCheckpoints:
 
 
 def _oracle(ckpt: HybridCheckpoints) -> partial[list[int]]:
-    return partial(hybrid_greedy, ckpt.hf)
+    return partial(greedy, ckpt.hf)
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])

@@ -12,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from specstate.tools.bench_prefix import make_workload, run_rounds
+from specstate.tools import prefix_workload
+from specstate.tools.bench_prefix import config, make_workload, run_rounds
 from specstate.tools.cli import main
 
 PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "sglang_radix_bench.py"
@@ -28,9 +29,14 @@ def _peer_module() -> ModuleType:
 
 @pytest.mark.parametrize("concurrency", [4, 64])
 def test_the_workload_is_the_peer_harness_workload(concurrency: int) -> None:
-    """Both sides replay exactly the same requests, churn and budget."""
-    peer = _peer_module().make_workload(concurrency=concurrency, rounds=30, seed=3)
-    assert make_workload(concurrency=concurrency, rounds=30, seed=3) == peer
+    """The peer harness loads specstate's workload module by file path: both sides replay
+    exactly the same requests, churn and budget, and echo the same workload settings."""
+    peer = _peer_module()
+    ours = Path(prefix_workload.__file__).read_text(encoding="utf-8")
+    assert Path(peer.workload.__file__).read_text(encoding="utf-8") == ours
+    theirs = peer.make_workload(concurrency=concurrency, rounds=30, seed=3)
+    assert make_workload(concurrency=concurrency, rounds=30, seed=3) == theirs
+    assert peer.workload.config(30, 5, 3) == config(30, 5, 3)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

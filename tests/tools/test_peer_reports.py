@@ -61,6 +61,55 @@ def test_the_harnesses_replay_specstates_draws(peer_common: ModuleType) -> None:
     assert peer_common.load_workload().steady_accepts(8, 5) == host_workload.steady_accepts(8, 5)
 
 
+class _Replay:
+    """A stand-in replay: round ``r`` takes ``(r + 1)`` µs of wall and half of it of CPU."""
+
+    def __init__(self, page: int, bs: int) -> None:
+        self.finished = [(page, bs, 5)]
+        self.emitted = 9
+        self.checked = False
+
+    def round(self, r: int) -> tuple[int, int]:
+        return 1000 * (r + 1), 500 * (r + 1)
+
+    def check(self) -> None:
+        self.checked = True
+
+
+def test_a_timed_run_keeps_the_measured_rounds_and_checks_the_replay(
+    peer_common: ModuleType,
+) -> None:
+    """`timed_run` (every harness's run) drops the warm-up rounds, keeps wall and CPU time of the
+    measured ones in µs, runs the replay's own check and carries what it finished."""
+    replay = _Replay(16, 4)
+    args = peer_common.parser("test").parse_args(["--warmup", "2", "--iters", "3"])
+    run = peer_common.timed_run(replay, args)
+    assert run.samples == [3.0, 4.0, 5.0] and run.cpu == [1.5, 2.0, 2.5]
+    assert replay.checked and (run.finished, run.emitted) == ([(16, 4, 5)], 9)
+
+
+def test_a_sweep_times_a_fresh_replay_per_setting_and_repeat(peer_common: ModuleType) -> None:
+    """`sweep` (every harness's main loop) builds one replay per (page, bs) and repeat, times
+    each, and reports one row per (page, bs) with every repeat in it."""
+    built: list[tuple[int, int]] = []
+
+    def replay(page: int, bs: int, args: object) -> _Replay:
+        built.append((page, bs))
+        return _Replay(page, bs)
+
+    argv = ["--warmup", "1", "--iters", "2", "--repeats", "2"]
+    args = peer_common.parser("test").parse_args(
+        [*argv, "--page-sizes", "1,16", "--batch-sizes", "4"]
+    )
+    rows = peer_common.sweep(args, "test", replay, host_workload.digest)
+    assert built == [(1, 4), (16, 4), (1, 4), (16, 4)]
+    assert [(r["page_size"], r["bs"], r["repeats"], r["samples"]) for r in rows] == [
+        (1, 4, 2, 4),
+        (16, 4, 2, 4),
+    ]
+    assert rows[0]["workload_digest"] == host_workload.digest([(1, 4, 5)])
+
+
 def test_a_peer_report_reads_in_bench_compare(
     peer_common: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

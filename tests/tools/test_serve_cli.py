@@ -8,6 +8,8 @@ and stops the server with Ctrl-C (exit 0). Every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
 import re
@@ -25,8 +27,10 @@ import pytest
 import torch
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate.memory.planning import kv_layouts, kv_tokens_for_budget
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
+from specstate.tools import serve
 from specstate.tools.serve import INSTALL_HINT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +91,30 @@ def test_serve_with_a_missing_checkpoint_exits_2(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert out.stderr.startswith("specstate serve: ") and len(out.stderr.splitlines()) == 1
+
+
+def test_serve_builds_the_engine_generate_flags_describe(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`serve` takes generate's worker and engine flags: the engine it builds has the prefix
+    cache off, the page size, the running cap and the pool a ``--kv-memory`` budget buys (one
+    stderr line says so), and the n-gram worker with the steps asked for."""
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    argv = ["--algorithm", "ngram", "--num-steps", "3", "--no-prefix-cache", "--page-size", "16"]
+    args = parser.parse_args([*argv, "--kv-memory", "8MiB", "--max-running", "7"])
+    front, model = serve.build(args)
+    try:
+        read = front.read(lambda engine: (engine.config, engine.worker.capabilities))
+        config, caps = asyncio.run(asyncio.wait_for(read, BOUND_S))
+    finally:
+        asyncio.run(asyncio.wait_for(front.close(), BOUND_S))
+    layouts = kv_layouts(embedded.target_dir(), dtype=torch.float32)
+    assert config.kv_tokens == kv_tokens_for_budget(8 * 2**20, layouts, page_size=16)
+    assert (config.prefix_cache, config.page_size, config.max_running) == (False, 16, 7)
+    assert (caps.algorithm, caps.num_steps, model.name) == ("ngram", 3, serve.EMBEDDED_NAME)
+    bought = f"specstate serve: --kv-memory 8 MiB: --kv-tokens {config.kv_tokens}, "
+    assert capsys.readouterr().err.startswith(bought)
 
 
 def _docs_curl(port: int) -> list[str]:

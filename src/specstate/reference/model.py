@@ -55,6 +55,7 @@ __all__ = [
     "RMSNorm",
     "TreeAttentionBatch",
     "TreeMask",
+    "paged_attention",
     "plan_forward",
     "shard_config",
 ]
@@ -454,22 +455,41 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
-        num_tokens, num_reqs = x.shape[0], plan.kv_slots.shape[0]
+        num_tokens = x.shape[0]
         q = _apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan.cos, plan.sin)
         k = _apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan.cos, plan.sin)
         v = self.v_proj(x).view(num_tokens, kv_heads, dim)
-        # NOTE: write before gather — a new token must see its own K/V through the table.
-        cache.write(self.layer, plan.out_cache_loc, k, v)
-        keys, values = cache.gather(self.layer, plan.kv_slots)  # [B, max_kv, kv_heads, dim]
-        group = heads // kv_heads  # query head h reads kv head h // group, as HF's repeat_kv
-        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
-        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-        queries = q.new_zeros(num_reqs, plan.mask.shape[2], heads, dim)
-        queries[plan.token_req, plan.token_offset] = q
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, plan.mask)
-        out = out.transpose(1, 2)[plan.token_req, plan.token_offset]
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
+        projected: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
         return projected
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    plan: ForwardPlan,
+    cache: KvCache,
+) -> torch.Tensor:
+    """Grouped-query attention of the batch's new tokens over their rows' KV, ``[N, H * d]``.
+
+    Writes the new tokens' ``k`` and ``v`` (``[N, KV, d]``) of ``layer`` at ``out_cache_loc``
+    first, then gathers every row's KV through the slot table and attends with the queries
+    ``q`` (``[N, H, d]``) under ``plan.mask``; query head ``h`` reads KV head ``h // (H/KV)``,
+    as Hugging Face's ``repeat_kv``.
+    """
+    num_tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    # NOTE: write before gather — a new token must see its own K/V through the table.
+    cache.write(layer, plan.out_cache_loc, k, v)
+    keys, values = cache.gather(layer, plan.kv_slots)  # [B, max_kv, kv_heads, dim]
+    group = heads // kv_heads
+    keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
+    values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+    queries = q.new_zeros(plan.kv_slots.shape[0], plan.mask.shape[2], heads, dim)
+    queries[plan.token_req, plan.token_offset] = q
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, plan.mask)
+    return out.transpose(1, 2)[plan.token_req, plan.token_offset].reshape(num_tokens, heads * dim)
 
 
 class _Mlp(nn.Module):

@@ -113,15 +113,17 @@ class ChoiceOutput:
         }
 
 
-def _usage(prompt_tokens: int, generated: int, accept_lengths: Sequence[int]) -> dict[str, Any]:
+def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[str, Any]:
+    accept_lengths = stream.accept_lengths
     verifies = len(accept_lengths)
     accepted = sum(accept_lengths)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": generated,
         "total_tokens": prompt_tokens + generated,
-        # Always 0 for now: a prefix cache that reuses prompt KV will report its hits here.
-        "prompt_tokens_details": {"cached_tokens": 0},
+        # The prefix cache's share of the prompt (a re-admitted request's count may include
+        # its earlier outputs, which OpenAI does not count as prompt).
+        "prompt_tokens_details": {"cached_tokens": min(stream.cached_tokens, prompt_tokens)},
         "speculative": {
             "accepted_tokens": accepted,
             "verifies": verifies,
@@ -190,7 +192,7 @@ async def collect_completion(
     whole = Piece(
         tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), logprobs
     )
-    usage = _usage(len(request.prompt_ids), output.num_generated, stream.accept_lengths)
+    usage = _usage(len(request.prompt_ids), output.num_generated, stream)
     return ids.wrap([_choice(output, whole, _FINISH_REASONS[finish.reason])], usage=usage)
 
 
@@ -221,5 +223,5 @@ async def stream_completion(
             elif piece.token_ids:
                 yield ids.wrap([_choice(output, piece, None)])
     if request.include_usage:
-        usage = _usage(len(request.prompt_ids), output.num_generated, stream.accept_lengths)
+        usage = _usage(len(request.prompt_ids), output.num_generated, stream)
         yield ids.wrap([], usage=usage)

@@ -206,8 +206,11 @@ class Driver:
                 continue
             del self._routes[event.request_id]
             self._ended += 1
-            accept = route.req.accept_lengths
-            self._send(route.stream, Update(event, logprobs, accept_lengths=accept))
+            req = route.req
+            update = Update(
+                event, logprobs, accept_lengths=req.accept_lengths, cached_tokens=req.cached_tokens
+            )
+            self._send(route.stream, update)
             # NOTE: the engine names the error type first in an ERROR finish's detail.
             prefix = f"{ForwardTimeout.__name__}: "
             if finish.reason is FinishReason.ERROR and finish.detail.startswith(prefix):

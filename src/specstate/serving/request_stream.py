@@ -35,11 +35,13 @@ class Accepted:
 
 @attrs.frozen
 class Update:
-    """One step's event of a request, its log-probabilities and, at the end, its acceptance."""
+    """One step's event of a request, its log-probabilities and, at the end, its acceptance
+    and how many of its tokens the prefix cache supplied."""
 
     event: TokenEvent
     logprobs: tuple[float, ...] | None
     accept_lengths: tuple[int, ...] = ()
+    cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -64,6 +66,8 @@ class RequestStream:
         logprobs: with ``sampling.logprobs``, the log-probability of every token yielded so
             far (aligned with them); else None.
         accept_lengths: once ended, the accept length of every verify of the request.
+        cached_tokens: once ended, the tokens whose KV the prefix cache supplied
+            (`Req.cached_tokens`).
         num_tokens: tokens yielded so far.
     """
 
@@ -80,6 +84,7 @@ class RequestStream:
         self.finish: FinishState | None = None
         self.logprobs: list[float] | None = [] if sampling.logprobs else None
         self.accept_lengths: tuple[int, ...] = ()
+        self.cached_tokens = 0
         self.num_tokens = 0
         self._cancel = cancel
         self._accepted: asyncio.Future[None] = self.loop.create_future()
@@ -147,6 +152,7 @@ class RequestStream:
             self._ended = True
             self.finish = event.finish
             self.accept_lengths = item.accept_lengths
+            self.cached_tokens = item.cached_tokens
         return event
 
     @property

@@ -31,14 +31,12 @@ A round of ``bench engine`` / ``bench overlap``, for a batch of B requests::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, TypeVar
 
@@ -46,6 +44,7 @@ import attrs
 import torch
 
 from specstate.tools import bench_grammar, bench_recurrent, bench_tp
+from specstate.tools.bench_steady import decode_whole, quiet_heap, steady_config
 
 __all__ = ["add_arguments", "run"]
 
@@ -535,20 +534,6 @@ class _Stat:
         return cls(round(statistics.median(ordered) * 1e6, 2), round(p90 * 1e6, 2))
 
 
-@contextmanager
-def _quiet_heap() -> Iterator[None]:
-    """One torch thread and a collected, frozen heap while a timed window runs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        torch.set_num_threads(threads)
-
-
 def _decode_step_seconds(
     batch_size: int,
     *,
@@ -565,7 +550,7 @@ def _decode_step_seconds(
         RuntimeError: the batch never decoded whole, or a request finished in the window
             (the sizing below is meant to prevent both).
     """
-    from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+    from specstate import Engine, RequestLimits, SamplingParams
     from specstate.tools.timed_worker import TimedWaitWorker
 
     worker = TimedWaitWorker(
@@ -574,16 +559,13 @@ def _decode_step_seconds(
     # Every round before and in the window, plus slack for the overlap loop's lookahead.
     max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
     context = _PROMPT_LEN + max_new
-    reserve = worker.capabilities.spec_window(page_size).reserve
-    per_request = -(-(context + reserve) // page_size) * page_size + 2 * page_size
-    config = EngineConfig(
-        overlap=overlap,
+    config = steady_config(
+        worker.capabilities,
+        batch_size=batch_size,
+        context=context,
+        prompt_len=_PROMPT_LEN,
         page_size=page_size,
-        kv_tokens=batch_size * per_request + 2 * page_size,
-        max_running=batch_size,
-        max_prefill_tokens=max(4096, batch_size * _PROMPT_LEN),
-        check_invariants=False,
-        check_ownership=False,
+        overlap=overlap,
     )
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     prompt = range(1, _PROMPT_LEN + 1)
@@ -591,16 +573,11 @@ def _decode_step_seconds(
         worker, limits=RequestLimits(vocab_size=32, max_context_len=context), config=config
     ) as engine:
         reqs = [engine.submit(f"bench-{i}", prompt, params) for i in range(batch_size)]
-        for _ in range(64 + batch_size):
-            report = engine.step()
-            if report.launched_mode == "decode" and report.launched_size == batch_size:
-                break
-        else:
-            raise RuntimeError(f"bs {batch_size}: the batch never decoded whole")
+        decode_whole(engine, batch_size)
         for _ in range(_WARMUP_DECODE_ROUNDS):
             engine.step()
         samples = []
-        with _quiet_heap():
+        with quiet_heap():
             for _ in range(rounds):
                 start = time.perf_counter()
                 engine.step()

@@ -44,6 +44,7 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.grammar.rows import RowMasks
 from specstate.grammar.spec import Grammar, GrammarVocabulary
 from specstate.relay.future_map import RelayPayload
+from specstate.tools.bench_steady import decode_whole
 
 __all__ = ["GrammarBenchWorker", "add_arguments", "run"]
 
@@ -263,12 +264,7 @@ def _run(batch_size: int, rounds: int, *, grammar: bool, overlap: bool) -> _Run:
     table.attach = _timed(table_time, table.attach)  # the seams the round calls
     table.settle = _timed(table_time, table.settle)
     with engine:
-        for _ in range(64 + batch_size):
-            report = engine.step()
-            if report.launched_mode == "decode" and report.launched_size == batch_size:
-                break
-        else:
-            raise RuntimeError(f"bs {batch_size}: the batch never decoded whole")
+        decode_whole(engine, batch_size)
         for _ in range(_WARMUP):
             engine.step()
         first = len(worker.grammar_seconds)

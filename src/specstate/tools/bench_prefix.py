@@ -1,9 +1,8 @@
 """``specstate bench prefix``: the prefix cache's work per scheduler round, on a peer's workload.
 
-Replays the workload of `make_workload` through `PrefixCache` and times the tree's work of each
-round, exactly as ``benchmarks/peers/sglang_radix_bench.py`` times SGLang's ``RadixCache`` on
-the same requests (that file defines the workload; `make_workload` here is a copy, and a test
-checks that both produce the same requests)::
+Replays the workload of `specstate.tools.prefix_workload` through `PrefixCache` and times the
+tree's work of each round, exactly as ``benchmarks/peers/sglang_radix_bench.py`` times SGLang's
+``RadixCache`` on the same requests (it loads that module by file path)::
 
     finish   each request that ends: insert its committed tokens (prompt + output minus the
              pending last token, whole pages) with its KV pages, then unlock its match
@@ -19,7 +18,6 @@ the peer's report is shown beside it.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from typing import Any
@@ -27,55 +25,9 @@ from typing import Any
 import numpy as np
 
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch, PrefixSharing, as_token_array
+from specstate.tools.prefix_workload import OUTPUT_LEN, config, make_workload
 
-__all__ = ["make_workload", "prefix_benchmark", "run_rounds"]
-
-GROUPS = 8
-SYSTEM_LEN = 1024
-USER_LEN = 128
-FOLLOW_LEN = 32
-OUTPUT_LEN = 128
-MAX_LEN = 2048
-VOCAB = 32000
-NEXT_TURN = 0.5
-
-
-def make_workload(*, concurrency: int, rounds: int, seed: int = 0) -> dict[str, Any]:
-    """The requests, in arrival order, and how many finish and arrive each round.
-
-    A copy of the peer harness's generator (see the module docstring): ``concurrency``
-    requests live at once; each round the ``churn`` oldest finish and as many arrive, half the
-    time the next turn of a conversation that just finished, else a new conversation on one of
-    ``GROUPS`` shared system prompts.
-    """
-    rng = random.Random(seed)
-    systems = [[rng.randrange(VOCAB) for _ in range(SYSTEM_LEN)] for _ in range(GROUPS)]
-
-    def fresh() -> list[int]:
-        user = [rng.randrange(VOCAB) for _ in range(USER_LEN)]
-        return systems[rng.randrange(GROUPS)] + user
-
-    def output() -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(OUTPUT_LEN)]
-
-    churn = max(1, concurrency // 32)
-    requests: list[tuple[list[int], list[int]]] = []
-    for _ in range(concurrency):
-        requests.append((fresh(), output()))
-    live = list(range(concurrency))
-    for _ in range(rounds):
-        done, live = live[:churn], live[churn:]
-        for i in done:
-            prompt, out = requests[i]
-            if rng.random() < NEXT_TURN and len(prompt) + OUTPUT_LEN + FOLLOW_LEN < MAX_LEN:
-                follow = [rng.randrange(VOCAB) for _ in range(FOLLOW_LEN)]
-                new = prompt + out + follow
-            else:
-                new = fresh()
-            requests.append((new, output()))
-            live.append(len(requests) - 1)
-    budget = concurrency * 256 + GROUPS * SYSTEM_LEN  # the tree evicts in the steady state
-    return {"requests": requests, "churn": churn, "budget_tokens": budget}
+__all__ = ["config", "make_workload", "prefix_benchmark", "run_rounds"]
 
 
 def run_rounds(
@@ -169,22 +121,6 @@ def prefix_benchmark(
                 }
             )
     return results
-
-
-def config(rounds: int, warmup: int, seed: int) -> dict[str, int | float]:
-    """The workload's parameters, as the peer echoes them."""
-    return {
-        "rounds": rounds,
-        "warmup": warmup,
-        "seed": seed,
-        "groups": GROUPS,
-        "system_len": SYSTEM_LEN,
-        "user_len": USER_LEN,
-        "follow_len": FOLLOW_LEN,
-        "output_len": OUTPUT_LEN,
-        "max_len": MAX_LEN,
-        "next_turn": NEXT_TURN,
-    }
 
 
 # ------------------------------------------------------------------- hit rates

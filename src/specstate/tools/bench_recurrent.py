@@ -38,6 +38,7 @@ from specstate.memory.recurrent_layout import (
     RecurrentStateSpec,
     StateTensorSpec,
 )
+from specstate.tools.bench_steady import decode_whole
 from specstate.tools.timed_worker import TimedWaitWorker
 
 __all__ = ["STATE_SPEC", "StatefulTimedWorker", "add_parser", "run"]
@@ -155,12 +156,7 @@ def _step_us(batch_size: int, rounds: int, *, stateful: bool) -> float:
     with Engine(worker, limits=limits, config=config) as engine:
         for i in range(batch_size):
             engine.submit(f"bench-{i}", range(1, 9), params)
-        for _ in range(64 + batch_size):
-            report = engine.step()
-            if report.launched_mode == "decode" and report.launched_size == batch_size:
-                break
-        else:
-            raise RuntimeError(f"bs {batch_size}: the batch never decoded whole")
+        decode_whole(engine, batch_size)
         samples = []
         for _ in range(rounds):
             start = time.perf_counter()

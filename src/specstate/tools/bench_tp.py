@@ -29,7 +29,6 @@ from typing import Final
 
 import attrs
 import numpy as np
-import torch
 
 from specstate.core.request import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
@@ -37,6 +36,7 @@ from specstate.distributed.groups import RankGroup
 from specstate.distributed.spawn import spawn_ranks
 from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
+from specstate.tools.bench_steady import decode_whole, quiet_heap, steady_config
 from specstate.tools.timed_worker import TimedWaitWorker
 
 __all__ = ["TpRow", "add_parser", "print_table", "run"]
@@ -178,14 +178,13 @@ def _workload(
     probe = TimedWaitWorker(device_seconds=0.0)
     max_new = probe.accept * (2 * rounds + _WARMUP_ROUNDS + 16)
     context = _PROMPT_LEN + max_new
-    reserve = probe.capabilities.spec_window(page_size).reserve
-    per_request = -(-(context + reserve) // page_size) * page_size + 2 * page_size
-    config = EngineConfig(
-        overlap=overlap,
+    config = steady_config(
+        probe.capabilities,
+        batch_size=bs,
+        context=context,
+        prompt_len=_PROMPT_LEN,
         page_size=page_size,
-        kv_tokens=bs * per_request + 2 * page_size,
-        max_running=bs,
-        max_prefill_tokens=max(4096, bs * _PROMPT_LEN),
+        overlap=overlap,
     )
     limits = RequestLimits(vocab_size=32, max_context_len=context)
     return config, limits, SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -207,26 +206,16 @@ def _alternate(
         for engine in engines.values():
             for i in range(bs):
                 engine.submit(f"bench-{i}", range(1, _PROMPT_LEN + 1), params)
-            for _ in range(64 + bs):
-                report = engine.step()
-                if report.launched_mode == "decode" and report.launched_size == bs:
-                    break
+            decode_whole(engine, bs)
             for _ in range(_WARMUP_ROUNDS):
                 engine.step()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        gc.collect()
-        gc.freeze()
-        try:
+        with quiet_heap():
             for _ in range(max(1, rounds // block)):
                 for label, engine in engines.items():
                     for _ in range(block):
                         start = time.perf_counter()
                         engine.step()
                         samples[label].append(time.perf_counter() - start)
-        finally:
-            gc.unfreeze()
-            torch.set_num_threads(threads)
         for engine in engines.values():  # the workload must not have finished in the window
             for i in range(bs):
                 if engine.request(f"bench-{i}").is_finished:

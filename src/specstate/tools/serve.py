@@ -1,7 +1,8 @@
 """``specstate serve``: an OpenAI-compatible completions server over one engine.
 
-Builds the worker the way ``specstate generate`` does (`specstate.tools.generate.build_worker`,
-or ``--worker MODULE:FACTORY``), puts the engine behind an `AsyncEngine` and serves
+Takes ``specstate generate``'s worker and engine flags (`specstate.tools.engine_options`) and
+builds the worker and the engine the way it does (`specstate.tools.generate.build_worker`, or
+``--worker MODULE:FACTORY``), puts the engine behind an `AsyncEngine` and serves
 `specstate.serving.openai_server` with uvicorn on ``--host:--port`` until interrupted (then
 the live requests are aborted and the engine closes). Without ``--model`` (and ``--worker``)
 it serves the embedded byte-level model, its draft model and EAGLE head included, so it runs
@@ -17,14 +18,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specstate.core.errors import InvalidConfig, SpecStateError
-from specstate.core.request import RequestLimits
+from specstate.core.errors import SpecStateError
+from specstate.tools.engine_options import (
+    THREADS_NOTE,
+    add_engine_options,
+    add_worker_options,
+    engine_config,
+    positive,
+)
 
 if TYPE_CHECKING:
-    from specstate.engine.worker import WorkerProtocol
     from specstate.serving.async_engine import AsyncEngine
     from specstate.serving.openai_server import ServedModel
 
@@ -32,46 +37,23 @@ __all__ = ["add_arguments", "build", "run"]
 
 INSTALL_HINT = "specstate serve: the server needs the 'serve' extra: pip install 'specstate[serve]'"
 EMBEDDED_NAME = "specstate-embedded"
-ALGORITHMS = ("none", "draft_model", "eagle", "ngram")
-"""The reference algorithms (as ``specstate generate``; spelled out so --help stays light)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``serve`` command's arguments."""
+    """The ``serve`` command's arguments: ``generate``'s worker and engine flags, the server's."""
     parser.description = "Serve an OpenAI-compatible /v1/completions endpoint over one engine."
     parser.epilog = (
         "Without --model it serves the embedded byte-level model (--draft defaults to its "
         "draft model or EAGLE head). Routes: POST /v1/completions, GET /v1/models, "
         "GET /health, GET /metrics. Needs: pip install 'specstate[serve]'."
     )
-    parser.add_argument("--model", type=Path, help="HF Llama checkpoint dir (default: embedded)")
-    parser.add_argument("--draft", type=Path, help="draft checkpoint (draft_model) or head (eagle)")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
-    parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
-    parser.add_argument("--topk", type=int, default=1, help="draft branches per step (a tree)")
-    parser.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per round")
-    parser.add_argument("--adaptive", action="store_true", help="adaptive draft length")
-    parser.add_argument(
-        "--worker", metavar="MODULE:FACTORY", help="a custom worker (as `specstate generate`)"
-    )
+    add_worker_options(parser, model_help="HF Llama checkpoint dir (default: the embedded model)")
     parser.add_argument("--served-model-name", help="the model's name in requests")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests (429 past)")
-    parser.add_argument("--page-size", type=int, default=1, help="KV page size")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV token slots")
-    parser.add_argument("--max-running", type=int, default=32, help="most requests at once")
-    parser.add_argument("--chunked-prefill", type=int, help="prefill tokens per forward")
-    parser.add_argument("--seed", type=int, help="seed of the worker's own generator")
-    parser.add_argument(
-        "--threads", type=int, metavar="N", help="torch intra-op threads (torch.set_num_threads)"
-    )
-    parser.add_argument("--forward-timeout", type=float, metavar="SECONDS")
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16", "checkpoint"), default="float32"
-    )
-    parser.add_argument("--check-invariants", action="store_true")
+    add_engine_options(parser)
+    parser.add_argument("--threads", type=positive, metavar="N", help=THREADS_NOTE)
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
@@ -89,52 +71,36 @@ def _embedded_defaults(args: argparse.Namespace) -> str:
     return str(args.served_model_name or EMBEDDED_NAME)
 
 
-def _worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimits]:
-    from specstate.engine.worker import WorkerProtocol
-    from specstate.tools.generate import build_worker, load_factory
-
-    if args.worker is None:
-        return build_worker(args)
-    built: object = load_factory(args.worker)(args)
-    if isinstance(built, tuple) and len(built) == 2:
-        worker, limits = built
-        if isinstance(worker, WorkerProtocol) and isinstance(limits, RequestLimits):
-            return worker, limits
-    raise InvalidConfig(f"--worker {args.worker}: the factory must return (worker, limits)")
-
-
 def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
     """The front door and the served model of the parsed arguments.
+
+    The worker and the engine are built as ``specstate generate`` builds them
+    (`specstate.tools.generate.workers.load_engine`), a ``--kv-memory`` or ``--kv-fraction``
+    budget included (one line on stderr says what it bought).
 
     Raises:
         SpecStateError: bad options, or a checkpoint or worker that cannot be built.
     """
-    from specstate.engine.engine import Engine, EngineConfig
     from specstate.serving.async_engine import AsyncEngine
     from specstate.serving.openai_server import ServedModel
+    from specstate.tools.generate.kv_memory import resolve_kv_tokens
+    from specstate.tools.generate.workers import load_engine, load_factory
 
     name = _embedded_defaults(args)
-    config = EngineConfig(
-        overlap=args.overlap,
-        page_size=args.page_size,
-        kv_tokens=args.kv_tokens,
-        max_running=args.max_running,
-        chunked_prefill=args.chunked_prefill,
-        check_invariants=args.check_invariants,
-        check_ownership=args.check_invariants,
-        forward_timeout_s=args.forward_timeout,
-        adaptive_draft=args.adaptive,
-    )
+    bought = resolve_kv_tokens(args)
+    if bought is not None:
+        print(f"specstate serve: {bought}", file=sys.stderr)
+    config = engine_config(args)
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    worker, limits = _worker(args)
+    factory = load_factory(args.worker) if args.worker is not None else None
+    engine = load_engine(args, config, None, factory)
     if args.model is not None:
-        model = ServedModel.from_checkpoint(args.model, limits, name=name)
+        model = ServedModel.from_checkpoint(args.model, engine.limits, name=name)
     else:
-        model = ServedModel(name=name, limits=limits)
-    engine = Engine(worker, limits=limits, config=config)
+        model = ServedModel(name=name, limits=engine.limits)
     return AsyncEngine(engine, max_waiting=args.max_waiting), model
 
 

@@ -51,6 +51,7 @@ _SIZES: Final = (
     "n_groups",
     "ssm_state_size",
 )
+"""The sizes a `HybridConfig` refuses below 1."""
 
 
 class LayerKind(enum.Enum):
@@ -98,19 +99,7 @@ class HybridConfig:
     dtype: torch.dtype = torch.float32
 
     def __attrs_post_init__(self) -> None:
-        sizes = [
-            "vocab_size",
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "mamba_num_heads",
-            "mamba_head_dim",
-            "n_groups",
-            "ssm_state_size",
-        ]
-        for name in sizes:
+        for name in _SIZES:
             if getattr(self, name) < 1:
                 raise InvalidConfig(f"HybridConfig: {name} must be >= 1, got {getattr(self, name)}")
         if self.conv_kernel < 2 or not self.layer_types:

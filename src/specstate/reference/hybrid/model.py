@@ -36,6 +36,7 @@ from specstate.reference.model import (
     ModelConfig,
     ModelOutput,
     TreeAttentionBatch,
+    paged_attention,
     plan_forward,
 )
 
@@ -91,21 +92,11 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
-        num_tokens, num_reqs = x.shape[0], plan.kv_slots.shape[0]
+        num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, heads, dim)
         k = self.k_proj(x).view(num_tokens, kv_heads, dim)
         v = self.v_proj(x).view(num_tokens, kv_heads, dim)
-        # NOTE: write before gather — a new token must see its own K/V through the table.
-        cache.write(self.index, plan.out_cache_loc, k, v)
-        keys, values = cache.gather(self.index, plan.kv_slots)
-        group = heads // kv_heads
-        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
-        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-        queries = q.new_zeros(num_reqs, plan.mask.shape[2], heads, dim)
-        queries[plan.token_req, plan.token_offset] = q
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, plan.mask)
-        out = out.transpose(1, 2)[plan.token_req, plan.token_offset]
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
+        projected: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.index, plan, cache))
         return projected
 
 

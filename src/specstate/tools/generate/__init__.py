@@ -43,9 +43,10 @@ and returns ``(worker, limits)``, a `WorkerProtocol` and the `RequestLimits` of 
 
 The command is split by owner:
 
-* `specstate.tools.generate.options` — the flags (one function per group) and the
-  `EngineConfig` they make (`engine_config`): a new engine flag is one ``add_argument`` and
-  one keyword there;
+* `specstate.tools.generate.options` — the flags, one function per group; the worker and engine
+  flags and the `EngineConfig` they make (`engine_config`) are shared with ``specstate serve``
+  in `specstate.tools.engine_options`: a new engine flag is one ``add_argument`` and one
+  keyword there;
 * `specstate.tools.generate.request_lines` — reading and validating the JSONL requests;
 * `specstate.tools.generate.codec` — text prompts on a byte-level checkpoint;
 * `specstate.tools.generate.workers` — the worker and the engine (`build_worker`,
