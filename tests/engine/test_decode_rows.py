@@ -138,3 +138,30 @@ def test_a_churned_engine_stays_consistent_and_relays_the_right_rows(overlap: bo
     for req in reqs:
         assert req.finish is not None and req.finish.reason.value == "length"
         assert len(req.emitted_ids) == req.sampling.max_new_tokens
+
+
+def test_plain_and_general_patches_match_a_fresh_build() -> None:
+    """Requests with and without sampling controls join and leave: every patched set of rows
+    (host arrays for plain rows, tensors otherwise) equals the columns built from scratch."""
+    worker = TimedWaitWorker(device_seconds=0.0, accept=2)
+    config = EngineConfig(
+        overlap=False, page_size=4, kv_tokens=8192, max_running=6, check_invariants=True
+    )
+    with Engine(
+        worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config
+    ) as eng:
+        for i in range(36):
+            plain = i < 18 or i % 3  # later, every third request has a seed: not plain
+            params = SamplingParams(
+                max_new_tokens=3 + (5 * i) % 11,
+                ignore_eos=True,
+                temperature=(0.0, 0.7, 1.3)[i % 3],
+                top_k=None if i % 4 else 5 + i,
+                top_p=1.0 if i % 5 else 0.5,
+                seed=None if plain else i,
+            )
+            eng.submit(f"r{i}", [1 + i % 3] * (3 + i % 4), params)
+        eng.run_until_idle()
+        rows = eng.scheduler.decode_rows_snapshot()
+    assert rows.num_plain_patches > 3
+    assert rows.num_patches - rows.num_plain_patches > 3  # the general path ran too

@@ -41,10 +41,13 @@ sampling state and re-reading an unchanged relay write; the seams of the grammar
 stream deliveries and the draft-policy guard add 8, with nothing for a batch without them)."""
 
 
-TORCH_OPS_CHURNED_ROUND = 139
+TORCH_OPS_CHURNED_ROUND = 68
 """Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
-requests finish (page 16): the changed rows' copy-on-write, the relay's patch, the release
-and the prefix cache's insert of the finished requests' pages (on by default; one fewer without)."""
+requests finish (page 16): the changed rows' columns (plain rows: two host arrays, viewed),
+the relay's patch (one gather per buffer and one write of the joined rows), the release and
+the prefix cache's insert of the finished requests' pages (on by default). It was 139 while
+every column was patched with torch operations and the rows that left were moved into the
+relay's buffers."""
 
 
 class _CountTorch(TorchFunctionMode):

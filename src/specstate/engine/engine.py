@@ -188,6 +188,7 @@ class Engine:
                 chunked_prefill=config.chunked_prefill is not None,
                 vocab_size=limits.vocab_size,
                 mixed_chunk=config.mixed_chunk,
+                validate=config.check_invariants,
             ),
             allocator=self.allocator,
             ledger=views.scheduler,

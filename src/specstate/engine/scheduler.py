@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
@@ -28,8 +29,14 @@ from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req, ReqStatus
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows
+from specstate.core.request import Req, ReqStatus, SamplingParams
+from specstate.engine.decode_rows import (
+    DecodeColumns,
+    DecodeRows,
+    DecodeRowsSnapshot,
+    PlainRows,
+    plain_columns,
+)
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
@@ -49,6 +56,8 @@ class SchedulerConfig:
     chunked_prefill: bool
     vocab_size: int
     mixed_chunk: bool = False
+    validate: bool = False
+    """Check every patched set of decode rows against a fresh build (``check_invariants``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -143,12 +152,22 @@ class Scheduler:
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self.admitted: list[Req] = []  # admitted by the last `schedule` call (trace events)
         self._progress: dict[int, _Progress] = {}
-        self._rows = DecodeRows(self._build_rows)  # the persistent decode rows
+        # The persistent decode rows.
+        self._rows = DecodeRows(
+            self._build_rows,
+            self._plain_rows,
+            device,
+            reference=self._general_rows if config.validate else None,
+        )
 
     @property
     def running(self) -> list[Req]:
         """The running requests (decode candidates), in admission order (a new list)."""
         return list(self._running)
+
+    def decode_rows_snapshot(self) -> DecodeRowsSnapshot:
+        """How the persistent decode rows changed so far (`specstate.engine.decode_rows`)."""
+        return self._rows.snapshot()
 
     @property
     def num_running(self) -> int:
@@ -450,17 +469,48 @@ class Scheduler:
         return self._rows.columns(lambda: tuple(self._running))
 
     def _build_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
+        incarnations = tuple(r.incarnation for r in reqs)
+        request_ids = tuple(r.request_id for r in reqs)
+        plain = self._plain_rows(reqs)
+        if plain is not None:
+            return plain_columns(reqs, incarnations, request_ids, plain, self._device)
+        return self._general_rows(reqs)
+
+    def _general_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
+        """The columns of ``reqs`` built from their parameters (any sampling control)."""
+        incarnations = tuple(r.incarnation for r in reqs)
+        request_ids = tuple(r.request_id for r in reqs)
         slots = self._slots(reqs)
         return DecodeColumns(
             reqs=reqs,
             slots=slots,
             slots_host=slots.numpy(),
             device_slots=slots.to(self._device),
-            incarnations=tuple(r.incarnation for r in reqs),
+            incarnations=incarnations,
             sampling=self._sampling(reqs),
             epochs=self._outputs.epochs(slots.numpy()),
-            request_ids=tuple(r.request_id for r in reqs),
+            request_ids=request_ids,
         )
+
+    def _plain_rows(self, reqs: tuple[Req, ...]) -> PlainRows | None:
+        """The host values of ``reqs``' rows, or None when one of them is not plain (it uses a
+        sampling control beyond temperature, top-k and top-p): Python per joining request."""
+        vocab = self._config.vocab_size
+        ints = np.empty((3, len(reqs)), dtype=np.int64)
+        temps, top_ks, top_ps, slots = [], [], [], []
+        slot_of = self._allocator.slot_of
+        for req in reqs:
+            p = req.sampling
+            if not _is_plain(p):
+                return None
+            slots.append(slot_of(req))
+            temps.append(p.temperature)
+            top_ks.append(min(p.top_k or vocab, vocab))  # past the vocabulary: every token
+            top_ps.append(p.top_p)
+        ints[0] = slots
+        ints[1] = self._outputs.epochs(ints[0])
+        ints[2] = top_ks
+        return PlainRows(ints=ints, floats=np.array([temps, top_ps], dtype=np.float32))
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(
@@ -470,3 +520,17 @@ class Scheduler:
             prompt_lens=[len(r.prompt_ids) for r in reqs],
             eos_token_ids=self._outputs.eos_token_ids,
         )
+
+
+def _is_plain(p: SamplingParams) -> bool:
+    """True when a request's sampling is temperature, top-k and top-p only: its row of a
+    `SamplingInfo` has no optional tensor (`SamplingInfo.from_params` would build none)."""
+    return (
+        p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.min_new_tokens == 0
+        and p.seed is None
+        and p.speculative
+        and not p.logprobs
+    )

@@ -27,8 +27,10 @@ unchanged since the previous round) returns the pending tensors themselves: no s
 gather, whatever the batch size. Writes and reads that bring the host copy of their indices
 (``host=``, as the engine's do) go further: a read takes each row from the write that holds
 its slot's latest value, so a persistent batch whose rows stay in place when members leave and
-join reads its unchanged rows from the previous round's tensor (one copy) and only the changed
-rows from elsewhere. Every read sees exactly what eager writes would have left in the buffers.
+join reads its unchanged rows from the previous round's tensor (one gather) and only the joined
+rows from elsewhere. Every read sees exactly what eager writes would have left in the buffers,
+except at the slots of requests that left a persistent batch: no one reads those before their
+next holder writes them (`specstate.relay.write_log`).
 Written tensors are owned by the map once written (the worker's result contract), and the map
 never writes them, so sharing them is safe.
 
@@ -160,6 +162,8 @@ class FutureMapSnapshot:
     num_stashes: int
     num_fence_waits: int
     num_host_mirrors: int
+    num_kept_writes: int = 0
+    """Writes kept by reference now (both logs): what a read may still build rows from."""
 
 
 class FutureMap:
@@ -371,6 +375,7 @@ class FutureMap:
             num_stashes=self._num_stashes,
             num_fence_waits=self._num_fence_waits,
             num_host_mirrors=self._num_host_mirrors,
+            num_kept_writes=self._lens_log.num_entries + self._payload_log.num_entries,
         )
 
     def _buffer(self, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
