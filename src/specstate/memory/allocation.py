@@ -52,7 +52,6 @@ from specstate.memory.pools import (
     TokenSlotAllocator,
     free_rows,
     grow_rows,
-    has_duplicates,
     host_index,
 )
 from specstate.memory.prefix_cache import PrefixMatch
@@ -92,7 +91,17 @@ class ReleasedBatch:
     cache_protected_len: IntArray = attrs.field(eq=False)
     kv_committed_len: IntArray = attrs.field(eq=False)
     kv_allocated_len: IntArray = attrs.field(eq=False)
-    num_freed_pages: IntArray = attrs.field(eq=False)
+    page_size: int = 1
+    num_cached_pages: IntArray | None = attrs.field(default=None, eq=False)
+    """Per row, its own pages the prefix cache kept (None: none)."""
+
+    @property
+    def num_freed_pages(self) -> IntArray:
+        """Per row, the pages it gave back to the pool (computed when read)."""
+        p = self.page_size
+        start, stop = self.cache_protected_len, self.kv_allocated_len
+        pages: IntArray = np.maximum(-(-stop // p) - -(-start // p), 0)
+        return pages if self.num_cached_pages is None else pages - self.num_cached_pages
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -122,7 +131,6 @@ _NOTHING_RELEASED: Final = ReleasedBatch(
     cache_protected_len=np.zeros(0, dtype=np.int64),
     kv_committed_len=np.zeros(0, dtype=np.int64),
     kv_allocated_len=np.zeros(0, dtype=np.int64),
-    num_freed_pages=np.zeros(0, dtype=np.int64),
 )
 
 
@@ -396,16 +404,15 @@ class KvAllocator:
         except KeyError:
             self._refuse_release(reqs, [held.get(r, 0) for r in reqs])
             raise  # _refuse_release always raises
-        index = np.array(slots, dtype=np.int64)
-        if has_duplicates(index):
+        if len(set(slots)) != len(slots):
             self._refuse_release(reqs, slots)
+        index = np.array(slots, dtype=np.int64)
         generations = self._admitted_generation[index]
         if self._validate:
             for req, slot, gen in zip(reqs, slots, generations.tolist(), strict=True):
                 if not self._req_pool.is_current(SlotHandle(slot, gen)):
                     raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
-        index_t = torch.from_numpy(index)
-        protected = self._ledger.protected(index_t).numpy()
+        protected = self._ledger.host_protected(index)
         committed, allocated = self._ledger.host_lengths(index)
         start, kept = protected, None
         if self.prefix is not None:  # cache what the rows may share first (module docstring)
@@ -414,10 +421,10 @@ class KvAllocator:
             self._req_pool, self._token_pool, index, start, allocated, validate=self._validate
         )
         with self._checker.acting(Role.ALLOCATOR):
-            self._ledger.close_slots(index_t)
+            self._ledger.close_slots(torch.from_numpy(index))
             if self._recurrent is not None:  # the states go with the slots
                 self._recurrent.close_states(index)
-        self._req_pool.free_slots(index, generations)
+        self._req_pool.free_slots(index, generations, distinct=True)
         deque(map(self._holders.pop, slots), maxlen=0)  # C loops: no Python per request
         deque(map(held.pop, reqs), maxlen=0)
         return ReleasedBatch(
@@ -426,8 +433,8 @@ class KvAllocator:
             cache_protected_len=protected,
             kv_committed_len=committed,
             kv_allocated_len=allocated,
-            num_freed_pages=self._pages_per_row(protected, allocated)
-            - (0 if kept is None else kept),
+            page_size=self._token_pool.page_size,
+            num_cached_pages=kept,
         )
 
     def _refuse_release(self, reqs: Sequence[Req], slots: list[int]) -> None:
@@ -436,11 +443,6 @@ class KvAllocator:
                 raise DoubleRelease(f"request {req.request_id}: release of KV it does not hold")
         names = ", ".join(r.request_id for r in reqs[:4])
         raise DoubleRelease(f"requests {names}: the same request is released twice")
-
-    def _pages_per_row(self, start: IntArray, stop: IntArray) -> IntArray:
-        p = self._token_pool.page_size
-        pages: IntArray = np.maximum(-(-stop // p) - -(-start // p), 0)
-        return pages
 
     def _name(self, slot: int) -> str:
         holder = self._holders.get(slot)
