@@ -128,6 +128,8 @@ class OutputTable:
         self._holders: list[Req | None] = [None] * size
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
+        self._num_opened = 0  # rows opened so far (`_row_constants` keys on it)
+        self._constants: tuple[IntArray, int, IntArray, IntArray, IntArray] | None = None
 
     # ------------------------------------------------------------------ reads
     def read_outputs(self, slot: int) -> list[int]:
@@ -255,6 +257,7 @@ class OutputTable:
         self._open_sequences(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
+        self._num_opened += 1
 
     def detach(self, slot: int) -> None:
         """The request leaves ``slot`` (called by `Req.transition`); bumps the slot's epoch."""
@@ -290,35 +293,48 @@ class OutputTable:
         width = min(tokens.shape[1], self._max_run)
         run = tokens[:, :width]
         steps = self._steps[:width]
+        base, stops, caps = self._row_constants(slots)
         before = self._output_lengths[slots]
         after = before + accept
-        base = slots * self._width
         # Whole runs are stored (the tail past ``accept`` is scratch beyond the new length).
-        self._output_tokens_flat[(base + before)[:, None] + steps] = run
+        at = (base + before)[:, None] + steps
+        self._output_tokens_flat[at] = run
         if logprobs is not None:
-            self._output_logprobs_flat[(base + before)[:, None] + steps] = logprobs[:, :width]
+            self._output_logprobs_flat[at] = logprobs[:, :width]
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
             self._accepts[rounds, slots] = accept
             self._rounds[slots] = rounds + 1
             self._histogram += np.bincount(accept, minlength=self._histogram.size)
-        stops = self._stops[slots]
         if stops.shape[1] == 1:  # the common case: one stop id (EOS) per row
             hit = run == stops
         else:
             hit = (run[:, :, None] == stops[:, None, :]).any(axis=2)
-        hit &= steps < accept[:, None]
-        if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
-            hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
+        stopped = 0
+        if np.count_nonzero(hit):  # some stop id in the run: is it in the accepted part?
+            hit &= steps < accept[:, None]
+            if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
+                hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
+            stopped = np.count_nonzero(hit)
         matched = None
         if self._num_seq_rows:
             matched = self._match_sequences(slots, run, before, accept)
-        caps = self._caps[slots]
         capped = after >= caps
-        if not (np.count_nonzero(hit) or np.count_nonzero(capped) or matched is not None):
+        if not (stopped or np.count_nonzero(capped) or matched is not None):
             return None  # nobody stops or reaches the cap: the steady round ends here
         return self._finished_rows(run, hit, before, caps, capped, matched)
+
+    def _row_constants(self, slots: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """``slots``' flat row starts, stop ids and caps; kept while the same slots array (a
+        persistent batch) comes back and no row was opened since (only `open_row` changes
+        them)."""
+        kept = self._constants
+        if kept is not None and kept[0] is slots and kept[1] == self._num_opened:
+            return kept[2], kept[3], kept[4]
+        base, stops, caps = slots * self._width, self._stops[slots], self._caps[slots]
+        self._constants = (slots, self._num_opened, base, stops, caps)
+        return base, stops, caps
 
     def _match_sequences(
         self, slots: IntArray, run: IntArray, before: IntArray, accept: IntArray
@@ -370,31 +386,47 @@ class OutputTable:
         capped: npt.NDArray[np.bool_],
         matched: tuple[IntArray, IntArray] | None,
     ) -> FinishedRows | None:
-        """The rows that end, and where: the first stop unless it lies past the cap."""
+        """The rows that end, and where: the first stop unless it lies past the cap.
+
+        Only the candidate rows (a stop hit, a sequence end or the cap) are looked at.
+        """
+        found = hit.any(axis=1)
+        candidates = found | capped
+        if matched is not None:
+            candidates |= matched[0] < _NEVER
+        rows = np.flatnonzero(candidates)
+        hit, run, before, found = hit[rows], run[rows], before[rows], found[rows]
         first = hit.argmax(axis=1)
-        stop_at = np.where(hit.any(axis=1), before + first + 1, _NEVER)
-        stop_token = run[np.arange(run.shape[0]), first]
+        stop_at = np.where(found, before + first + 1, _NEVER)
+        at = np.arange(rows.size)
+        stop_token = run[at, first]
         sequence = None
         if matched is not None:
-            seq_at, seq_index = matched
+            seq_at, seq_index = matched[0][rows], matched[1][rows]
             by_sequence = seq_at < stop_at
             stop_at = np.where(by_sequence, seq_at, stop_at)
-            last = run[np.arange(run.shape[0]), np.clip(seq_at - before - 1, 0, run.shape[1] - 1)]
+            last = run[at, np.clip(seq_at - before - 1, 0, run.shape[1] - 1)]
             stop_token = np.where(by_sequence, last, stop_token)
             sequence = np.where(by_sequence, seq_index, -1)
-        is_stop = stop_at <= caps
-        ends = is_stop | capped
-        if not ends.any():
-            return None  # a stop past the cap of a row that has not reached it: impossible
-        rows = np.flatnonzero(ends)
-        stop = is_stop[rows]
+        is_stop = stop_at <= caps[rows]
+        ends = is_stop | capped[rows]
+        if not ends.all():  # a stop past the cap of a row that has not reached it
+            rows, is_stop, stop_at, stop_token = (
+                rows[ends],
+                is_stop[ends],
+                stop_at[ends],
+                stop_token[ends],
+            )
+            sequence = None if sequence is None else sequence[ends]
+            if not rows.size:
+                return None
         return FinishedRows(
             rows=tuple(rows.tolist()),
-            stop_at=tuple(np.where(stop, stop_at[rows], -1).tolist()),
-            stop_token=tuple(np.where(stop, stop_token[rows], -1).tolist()),
+            stop_at=tuple(np.where(is_stop, stop_at, -1).tolist()),
+            stop_token=tuple(np.where(is_stop, stop_token, -1).tolist()),
             stop_sequence=()
             if sequence is None
-            else tuple(np.where(stop, sequence[rows], -1).tolist()),
+            else tuple(np.where(is_stop, sequence, -1).tolist()),
         )
 
     def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:

@@ -175,6 +175,7 @@ class KvAllocator:
         self._req_pool = req_pool
         self._token_pool = token_pool
         self.window = window
+        self._page_size, self._reserve = window.page_size, window.reserve  # read every round
         self._checker = checker
         self._validate = validate
         self._recurrent = recurrent
@@ -312,11 +313,13 @@ class KvAllocator:
         """
         s = host_index(slots)
         committed, cur = self._ledger.host_lengths(s)
-        p, r = self.window.page_size, self.window.reserve
-        nxt = np.maximum(cur, -(-(committed + r) // p) * p)
+        p, target = self._page_size, committed + self._reserve
+        # ceil_P(target) > cur exactly when target > floor_P(cur): most rounds nothing grows.
+        if not np.count_nonzero(target > (cur if p == 1 else cur // p * p)):
+            return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(cur), needed=0)
+        nxt = np.maximum(cur, target if p == 1 else -(-target // p) * p)
         needed = int((nxt - cur).sum())
-        if needed:
-            self._grow(s, cur, nxt, counter="spec reserve")
+        self._grow(s, cur, nxt, counter="spec reserve")
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
     def decode_tokens_needed(self, slots: torch.Tensor) -> int:
@@ -467,15 +470,17 @@ class DeferredReleases:
     def __init__(self, allocator: KvAllocator) -> None:
         self._allocator = allocator
         self._pending: list[tuple[int, Req]] = []
+        self._waiting: set[Req] = set()  # the requests of ``_pending`` (a Req hashes by identity)
         self._oldest = _NEVER  # the smallest batch id in _pending
         # Quarantined: requests of an abandoned forward, released once ``until()`` is true.
         self._held: list[tuple[Callable[[], bool], Req]] = []
 
     def defer(self, req: Req, *, until_batch: int) -> None:
         """Release ``req`` when batch ``until_batch`` retires."""
-        if any(r is req for _, r in self._pending):
+        if req in self._waiting:
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._pending.append((until_batch, req))
+        self._waiting.add(req)
         self._oldest = min(self._oldest, until_batch)
 
     def hold(self, req: Req, *, until: Callable[[], bool]) -> None:
@@ -484,7 +489,7 @@ class DeferredReleases:
         For the requests of a forward the engine abandoned (a timeout): the forward may still
         write their pages, so they are not reused until its stream is past it (maybe never).
         """
-        if any(r is req for _, r in self._pending) or any(r is req for _, r in self._held):
+        if req in self._waiting or any(r is req for _, r in self._held):
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._held.append((until, req))
 
@@ -512,6 +517,7 @@ class DeferredReleases:
         due = [r for b, r in self._pending if b <= retired_batch]
         released = self._allocator.release_many(due)
         self._pending = [(b, r) for b, r in self._pending if b > retired_batch]
+        self._waiting.difference_update(due)
         self._oldest = min((b for b, _ in self._pending), default=_NEVER)
         return released
 

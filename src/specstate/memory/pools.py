@@ -50,6 +50,8 @@ Indices = Tensor | IntArray
 
 def host_index(values: Indices) -> IntArray:
     """``values`` as a 1-D int64 host array (no copy for a CPU int64 tensor or array)."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the hot path: already one (a contiguous copy is not needed to index)
     if isinstance(values, Tensor):
         values = values.detach().to("cpu", _I64).numpy()
     return np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
