@@ -165,3 +165,24 @@ def test_plain_and_general_patches_match_a_fresh_build() -> None:
         rows = eng.scheduler.decode_rows_snapshot()
     assert rows.num_plain_patches > 3
     assert rows.num_patches - rows.num_plain_patches > 3  # the general path ran too
+
+
+def test_running_slots_see_pending_changes_without_patching() -> None:
+    """Admission asks for the next round's slots: rows that left are out, joiners are in,
+    and the columns are not patched for it (the round patches once, when it is built)."""
+    reqs = [_req(i) for i in range(6)]
+    slot_of = {r: i + 1 for i, r in enumerate(reqs)}
+    rows = DecodeRows(_builder(slot_of))  # type: ignore[arg-type]
+    assert rows.running_slots(slot_of.__getitem__) is None  # nothing built yet
+    rows.columns(lambda: tuple(reqs))
+    new = _req(9)
+    slot_of[new] = 9
+    for i in (1, 4):
+        rows.leave(reqs[i])
+    rows.join(new)
+    pending = rows.running_slots(slot_of.__getitem__)
+    assert pending is not None and sorted(pending.tolist()) == [1, 3, 4, 6, 9]
+    assert rows.snapshot().num_patches == 0
+    cols = rows.columns(lambda: ())
+    assert sorted(cols.slots_host.tolist()) == sorted(pending.tolist())
+    assert rows.snapshot().num_patches == 1

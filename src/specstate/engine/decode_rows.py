@@ -212,6 +212,20 @@ class DecodeRows:
         self._columns = cols
         return cols
 
+    def running_slots(self, slot_of: Callable[[Req], int]) -> IntArray | None:
+        """The host slots of the requests the next round decodes (the rows left out, the
+        joiners added), without patching the columns; None before the first build."""
+        cols = self._columns
+        if cols is None:
+            return None
+        slots = cols.slots_host
+        if self._left:
+            slots = _without(slots, np.array(self._left, dtype=np.int64))
+        if self._joined:
+            joined = np.array([slot_of(r) for r in self._joined], dtype=np.int64)
+            slots = np.concatenate([slots, joined])
+        return slots
+
     def relay_patch(self, cols: DecodeColumns) -> RowPatch | None:
         """How ``cols`` (about to launch as a decode round) derive from the last round's.
 
@@ -255,7 +269,7 @@ class DecodeRows:
             base=last.device_slots,
             host=cols.slots_host,
             gather=torch.from_numpy(gather).to(device),
-            kept_host=np.delete(cols.slots_host, joined_rows) if joined else cols.slots_host,
+            kept_host=_without(cols.slots_host, joined_rows) if joined else cols.slots_host,
             joined_rows=torch.from_numpy(joined_rows).to(device),
             joined=torch.from_numpy(joined_host).to(device),
             joined_host=joined_host,
@@ -377,6 +391,13 @@ class DecodeRows:
         )
         self._same = (cols, patch)
         return patch
+
+
+def _without(values: IntArray, rows: IntArray) -> IntArray:
+    """``values`` without the entries at ``rows`` (a mask: `np.delete` costs far more)."""
+    keep = np.ones(values.size, dtype=np.bool_)
+    keep[rows] = False
+    return values[keep]
 
 
 _NO_ROWS: Final = PlainRows(

@@ -307,10 +307,9 @@ class OutputTable:
             self._accepts[rounds, slots] = accept
             self._rounds[slots] = rounds + 1
             self._histogram += np.bincount(accept, minlength=self._histogram.size)
-        if stops.shape[1] == 1:  # the common case: one stop id (EOS) per row
-            hit = run == stops
-        else:
-            hit = (run[:, :, None] == stops[:, None, :]).any(axis=2)
+        hit = run == stops[:, :1]  # the common case: one stop id (EOS) per row
+        for q in range(1, stops.shape[1]):  # a few more (a reduction along them is slower)
+            hit |= run == stops[:, q : q + 1]
         stopped = 0
         if np.count_nonzero(hit):  # some stop id in the run: is it in the accepted part?
             hit &= steps < accept[:, None]
@@ -388,16 +387,31 @@ class OutputTable:
     ) -> FinishedRows | None:
         """The rows that end, and where: the first stop unless it lies past the cap.
 
-        Only the candidate rows (a stop hit, a sequence end or the cap) are looked at.
+        Only the candidate rows (a stop hit, a sequence end or the cap) are looked at; a row's
+        first hit is found from the flat positions of the hits (no reduction along the run,
+        which NumPy does slowly for a short run).
         """
-        found = hit.any(axis=1)
-        candidates = found | capped
-        if matched is not None:
-            candidates |= matched[0] < _NEVER
+        n, width = run.shape
+        candidates = capped if matched is None else capped | (matched[0] < _NEVER)
+        flat = np.flatnonzero(hit)
+        hit_rows = flat // width
+        if hit_rows.size > 1:  # the first hit of each row (flat positions are in row order)
+            first_of_row = np.empty(hit_rows.size, dtype=np.bool_)
+            first_of_row[0] = True
+            np.not_equal(hit_rows[1:], hit_rows[:-1], out=first_of_row[1:])
+            flat, hit_rows = flat[first_of_row], hit_rows[first_of_row]
+        if hit_rows.size:
+            candidates = candidates.copy()
+            candidates[hit_rows] = True
         rows = np.flatnonzero(candidates)
-        hit, run, before, found = hit[rows], run[rows], before[rows], found[rows]
-        first = hit.argmax(axis=1)
-        stop_at = np.where(found, before + first + 1, _NEVER)
+        # Per candidate row: the output count up to its first stop token, or never.
+        stop_at = np.full(rows.size, _NEVER, dtype=np.int64)
+        first = np.zeros(rows.size, dtype=np.int64)
+        if hit_rows.size:
+            where = np.searchsorted(rows, hit_rows)
+            first[where] = flat - hit_rows * width
+            stop_at[where] = before[hit_rows] + first[where] + 1
+        run, before = run[rows], before[rows]
         at = np.arange(rows.size)
         stop_token = run[at, first]
         sequence = None
@@ -405,18 +419,14 @@ class OutputTable:
             seq_at, seq_index = matched[0][rows], matched[1][rows]
             by_sequence = seq_at < stop_at
             stop_at = np.where(by_sequence, seq_at, stop_at)
-            last = run[at, np.clip(seq_at - before - 1, 0, run.shape[1] - 1)]
+            last = run[at, np.clip(seq_at - before - 1, 0, width - 1)]
             stop_token = np.where(by_sequence, last, stop_token)
             sequence = np.where(by_sequence, seq_index, -1)
         is_stop = stop_at <= caps[rows]
         ends = is_stop | capped[rows]
         if not ends.all():  # a stop past the cap of a row that has not reached it
-            rows, is_stop, stop_at, stop_token = (
-                rows[ends],
-                is_stop[ends],
-                stop_at[ends],
-                stop_token[ends],
-            )
+            rows, is_stop = rows[ends], is_stop[ends]
+            stop_at, stop_token = stop_at[ends], stop_token[ends]
             sequence = None if sequence is None else sequence[ends]
             if not rows.size:
                 return None

@@ -293,7 +293,10 @@ class Scheduler:
         """What the running requests' next decode reservation takes (the persistent rows)."""
         if not self._running:
             return 0
-        return self._allocator.decode_tokens_needed(self._decode_rows().slots)
+        slots = self._rows.running_slots(self._allocator.slot_of)  # no patch: admission only
+        if slots is None:
+            slots = self._decode_rows().slots_host
+        return self._allocator.decode_tokens_needed(slots)
 
     def _slots(self, reqs: Sequence[Req]) -> torch.Tensor:
         return torch.tensor([self._allocator.slot_of(r) for r in reqs], dtype=torch.int64)

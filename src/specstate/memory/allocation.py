@@ -57,11 +57,7 @@ from specstate.memory.pools import (
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool
-from specstate.memory.sizing import (
-    DecodeAllocLens,
-    SpecWindow,
-    spec_decode_tokens_needed,
-)
+from specstate.memory.sizing import DecodeAllocLens, SpecWindow
 
 __all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
 
@@ -322,20 +318,21 @@ class KvAllocator:
         self._grow(s, cur, nxt, counter="spec reserve")
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
-    def decode_tokens_needed(self, slots: torch.Tensor) -> int:
+    def decode_tokens_needed(self, slots: torch.Tensor | IntArray) -> int:
         """Free tokens the next `reserve_for_spec_decode` of ``slots`` takes, page for page.
 
         The engine reserves every decode round that way, with or without speculation (a
         worker that does not speculate has L = 1, R = 2): right after a prefill that is two
-        tokens, not the one a bare +1 step (`alloc_for_decode`) would take.
+        tokens, not the one a bare +1 step (`alloc_for_decode`) would take. Host arrays only
+        (`spec_decode_tokens_needed` is the same formula).
         """
-        allocated = self._ledger.allocated(slots)
-        return spec_decode_tokens_needed(
-            allocated,
-            self._ledger.committed(slots),
-            reserve=self.window.reserve,
-            page_size=self.window.page_size,
-        )
+        s = host_index(slots)
+        committed, cur = self._ledger.host_lengths(s)
+        p = self._page_size
+        nxt = np.maximum(cur, -(-(committed + self._reserve) // p) * p)
+        if p == 1:
+            return int((nxt - cur).sum())
+        return int((-(-nxt // p) - -(-cur // p)).sum()) * p
 
     def _grow(
         self,

@@ -491,10 +491,10 @@ def grow_rows(
     pages = allocator.take_pages(num_new)  # raises before any change
     if s.size == 0:
         return 0
-    tails = np.flatnonzero(c % p)  # rows that first fill the rest of a started page
-    if not np.count_nonzero(n % p) and tails.size <= _FEW_ROWS:
+    if not np.count_nonzero(n % p):
         # A decode reservation ends on a page boundary: whole new pages, and the rest of the
-        # started page of the few rows that just prefilled.
+        # started page of the rows that just prefilled.
+        tails = np.flatnonzero(c % p)
         _map_pages_to_boundary(req_pool, s, c, first_new, n_new, pages, tails, p)
         return num_new
     rows, j, starts = _expand(counts)
@@ -527,7 +527,8 @@ def _map_pages_to_boundary(
     and, for the rows ``tails``, positions ``[c, first_new)`` of the page they started.
 
     The new pages are taken in row order and fill each row's positions in order, so the
-    values are the pages' slots in order: one repeat and one range for the positions.
+    values are the pages' slots in order: one repeat and one range for the positions. The
+    started pages' positions are expanded the same way (a fixed number of operations).
     """
     width = req_pool.row_width
     flat_parts, value_parts = [], []
@@ -538,12 +539,13 @@ def _map_pages_to_boundary(
         first = s * width + first_new - (ends - counts)
         flat_parts.append(np.repeat(first, counts) + np.arange(num_new * p))
         value_parts.append((pages[:, None] * p + np.arange(p)).reshape(-1))
-    last = req_pool._last_page
-    for i in tails.tolist():  # rows whose prefill ended inside a page (Python per such row)
-        row, start, stop = int(s[i]), int(c[i]), int(first_new[i])
-        flat_parts.append(np.arange(row * width + start, row * width + stop))
-        base = int(last[row]) * p
-        value_parts.append(np.arange(base + start % p, base + p))
+    if tails.size:  # rows whose prefill ended inside a page: the rest of that page first
+        ts, tc, tf = s[tails], c[tails], first_new[tails]
+        counts = tf - tc
+        ends = np.cumsum(counts)
+        offset = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+        flat_parts.append(np.repeat(ts * width + tc, counts) + offset)
+        value_parts.append(np.repeat(req_pool._last_page[ts] * p + tc % p, counts) + offset)
     if not flat_parts:
         return
     flat = flat_parts[0] if len(flat_parts) == 1 else np.concatenate(flat_parts)
