@@ -391,7 +391,7 @@ class OutputTable:
         first hit is found from the flat positions of the hits (no reduction along the run,
         which NumPy does slowly for a short run).
         """
-        n, width = run.shape
+        width = run.shape[1]
         candidates = capped if matched is None else capped | (matched[0] < _NEVER)
         flat = np.flatnonzero(hit)
         hit_rows = flat // width
