@@ -129,6 +129,7 @@ class OutputTable:
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
         self._num_opened = 0  # rows opened so far (`_row_constants` keys on it)
+        self._num_detached = 0  # requests that left a row so far (each bumped an epoch)
         self._constants: tuple[IntArray, int, IntArray, IntArray, IntArray] | None = None
 
     # ------------------------------------------------------------------ reads
@@ -203,6 +204,12 @@ class OutputTable:
         """The current epoch of ``slots`` (a new array): a batch keeps it to detect staleness."""
         return self._epochs[slots]
 
+    @property
+    def num_detached(self) -> int:
+        """How many times a request left a row (every epoch bump): a batch that read its
+        epochs at this count has no stale row while the count is unchanged."""
+        return self._num_detached
+
     def histogram(self) -> IntArray:
         """Settled verifies per accept length (index = accept length), a copy."""
         return self._histogram.copy()
@@ -263,6 +270,7 @@ class OutputTable:
         """The request leaves ``slot`` (called by `Req.transition`); bumps the slot's epoch."""
         self._holders[slot] = None
         self._epochs[slot] += 1
+        self._num_detached += 1
         if self._min_new[slot] > 0:
             self._num_min_rows -= 1
             self._min_new[slot] = 0
@@ -387,56 +395,48 @@ class OutputTable:
     ) -> FinishedRows | None:
         """The rows that end, and where: the first stop unless it lies past the cap.
 
-        Only the candidate rows (a stop hit, a sequence end or the cap) are looked at; a row's
-        first hit is found from the flat positions of the hits (no reduction along the run,
-        which NumPy does slowly for a short run).
+        The candidate rows (a stop hit, a sequence end, the cap) are found vectorized; each is
+        then resolved in Python (a finish is an event of its request, and there are few).
         """
         width = run.shape[1]
-        candidates = capped if matched is None else capped | (matched[0] < _NEVER)
-        flat = np.flatnonzero(hit)
-        hit_rows = flat // width
-        if hit_rows.size > 1:  # the first hit of each row (flat positions are in row order)
-            first_of_row = np.empty(hit_rows.size, dtype=np.bool_)
-            first_of_row[0] = True
-            np.not_equal(hit_rows[1:], hit_rows[:-1], out=first_of_row[1:])
-            flat, hit_rows = flat[first_of_row], hit_rows[first_of_row]
-        if hit_rows.size:
-            candidates = candidates.copy()
-            candidates[hit_rows] = True
-        rows = np.flatnonzero(candidates)
-        # Per candidate row: the output count up to its first stop token, or never.
-        stop_at = np.full(rows.size, _NEVER, dtype=np.int64)
-        first = np.zeros(rows.size, dtype=np.int64)
-        if hit_rows.size:
-            where = np.searchsorted(rows, hit_rows)
-            first[where] = flat - hit_rows * width
-            stop_at[where] = before[hit_rows] + first[where] + 1
-        run, before = run[rows], before[rows]
-        at = np.arange(rows.size)
-        stop_token = run[at, first]
-        sequence = None
+        first_hit: dict[int, int] = {}
+        for flat in np.flatnonzero(hit).tolist():  # in row order: a row's first hit comes first
+            row, col = divmod(flat, width)
+            first_hit.setdefault(row, col)
+        candidates = set(first_hit)
+        candidates.update(np.flatnonzero(capped).tolist())
+        seq_at = seq_index = None
         if matched is not None:
-            seq_at, seq_index = matched[0][rows], matched[1][rows]
-            by_sequence = seq_at < stop_at
-            stop_at = np.where(by_sequence, seq_at, stop_at)
-            last = run[at, np.clip(seq_at - before - 1, 0, width - 1)]
-            stop_token = np.where(by_sequence, last, stop_token)
-            sequence = np.where(by_sequence, seq_index, -1)
-        is_stop = stop_at <= caps[rows]
-        ends = is_stop | capped[rows]
-        if not ends.all():  # a stop past the cap of a row that has not reached it
-            rows, is_stop = rows[ends], is_stop[ends]
-            stop_at, stop_token = stop_at[ends], stop_token[ends]
-            sequence = None if sequence is None else sequence[ends]
-            if not rows.size:
-                return None
+            candidates.update(np.flatnonzero(matched[0] < _NEVER).tolist())
+            seq_at, seq_index = matched
+        rows: list[int] = []
+        stop_at: list[int] = []
+        stop_token: list[int] = []
+        stop_sequence: list[int] = []
+        for row in sorted(candidates):
+            start = int(before[row])
+            at, token, sequence = _NEVER, -1, -1
+            col = first_hit.get(row)
+            if col is not None:
+                at, token = start + col + 1, int(run[row, col])
+            if seq_at is not None and seq_index is not None and int(seq_at[row]) < at:
+                at = int(seq_at[row])
+                token = int(run[row, min(max(at - start - 1, 0), width - 1)])
+                sequence = int(seq_index[row])
+            is_stop = at <= int(caps[row])
+            if not (is_stop or capped[row]):
+                continue  # a stop past the cap of a row that has not reached it
+            rows.append(row)
+            stop_at.append(at if is_stop else -1)
+            stop_token.append(token if is_stop else -1)
+            stop_sequence.append(sequence if is_stop else -1)
+        if not rows:
+            return None
         return FinishedRows(
-            rows=tuple(rows.tolist()),
-            stop_at=tuple(np.where(is_stop, stop_at, -1).tolist()),
-            stop_token=tuple(np.where(is_stop, stop_token, -1).tolist()),
-            stop_sequence=()
-            if sequence is None
-            else tuple(np.where(is_stop, sequence, -1).tolist()),
+            rows=tuple(rows),
+            stop_at=tuple(stop_at),
+            stop_token=tuple(stop_token),
+            stop_sequence=() if matched is None else tuple(stop_sequence),
         )
 
     def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:

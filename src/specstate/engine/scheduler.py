@@ -38,6 +38,7 @@ from specstate.engine.decode_rows import (
     plain_columns,
 )
 from specstate.engine.draft_policy import DraftPolicy
+from specstate.engine.invariants import InvariantViolation
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.prefix_cache import PrefixMatch
@@ -84,6 +85,9 @@ class LaunchPlan:
         default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
     )
     """``slots`` as a host array (the same memory)."""
+    detached: int = -1
+    """`OutputTable.num_detached` when ``epochs`` were current (-1: not known): while it is
+    unchanged, no row of the batch went stale, and settlement need not compare epochs."""
 
     @property
     def is_decode(self) -> bool:
@@ -461,8 +465,18 @@ class Scheduler:
                 None if self._draft_policy is None else self._draft_policy.choose(len(rows.reqs))
             ),
         )
+        if self._config.validate and not np.array_equal(
+            self._outputs.epochs(rows.slots_host), rows.epochs
+        ):
+            raise InvariantViolation(
+                "decode-rows", "a decode row's output-row epoch is stale at scheduling"
+            )
         plan = LaunchPlan(
-            batch=batch, slots=rows.slots, epochs=rows.epochs, slots_host=rows.slots_host
+            batch=batch,
+            slots=rows.slots,
+            epochs=rows.epochs,
+            slots_host=rows.slots_host,
+            detached=self._outputs.num_detached,  # the rows' epochs are current now
         )
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
