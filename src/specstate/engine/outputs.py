@@ -323,7 +323,7 @@ class OutputTable:
             hit &= steps < accept[:, None]
             if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
                 hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
-            stopped = np.count_nonzero(hit)
+            stopped = int(np.count_nonzero(hit))
         matched = None
         if self._num_seq_rows:
             matched = self._match_sequences(slots, run, before, accept)
