@@ -126,6 +126,24 @@ def test_a_churned_batch_relays_every_row_from_its_latest_write(seed: int) -> No
         assert churn.fm.snapshot().num_kept_writes == 2
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_later_write_of_kept_rows_is_read_not_the_previous_round(seed: int) -> None:
+    """Between two decode rounds some running rows are written again (a mixed batch's tails
+    extend them): the next round reads those rows' new values, with or without churn."""
+    churn = _Churn(seed)
+    churn.join(10)
+    churn.decode_round()
+    for _ in range(30):
+        if churn.rng.random() < 0.5:
+            churn.leave(churn.rng.randint(0, 2))
+            churn.join(churn.rng.randint(0, 2))
+        if not churn.running:
+            churn.join(1)
+        tails = churn.rng.sample(churn.running, churn.rng.randint(1, len(churn.running)))
+        churn._write([churn.slot_of[r] for r in tails])  # a write of kept rows since the round
+        churn.decode_round()
+
+
 def test_an_unchanged_batch_reads_its_last_write_by_reference() -> None:
     """No one left or joined: the resolve returns the written tensor itself (no copy)."""
     churn = _Churn(0)

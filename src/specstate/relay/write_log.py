@@ -195,12 +195,22 @@ class WriteLog:
             and newest.size == n
         ):
             return newest.values  # unchanged rows, nothing written since: by reference
-        base = next((e for e in reversed(self._entries) if e.indices is patch.base), None)
+        entries = self._entries
+        at = next(
+            (i for i in range(len(entries) - 1, -1, -1) if entries[i].indices is patch.base), -1
+        )
+        base = entries[at] if at >= 0 else None
         if base is None or base.host is None:
             return self.read(indices, patch.host, buffers)
-        if np.count_nonzero(self._stamp[patch.kept_host] != base.seq):
+        joined, own_write = None, False
+        if patch.joined_host.size:
+            joined, own_write = self._joined_values(patch, buffers)
+        # The kept rows' latest values are base's unless a later write touched them: nothing
+        # was written since but the joiners' own write, else their stamps say.
+        later = len(entries) - 1 - at
+        untouched = later == 0 or (later == 1 and own_write)
+        if not untouched and np.count_nonzero(self._stamp[patch.kept_host] != base.seq):
             return self.read(indices, None, buffers)
-        joined = self._joined_values(patch, buffers) if patch.joined_host.size else None
         if joined is not None and any(
             (v is None) != (j is None) for v, j in zip(base.values, joined, strict=True)
         ):
@@ -221,8 +231,11 @@ class WriteLog:
         self._forget_departed(base, patch)
         return tuple(values)
 
-    def _joined_values(self, patch: RowPatch, buffers: Sequence[torch.Tensor | None]) -> Values:
-        """Each joined slot's latest value: the buffers, then kept writes in write order."""
+    def _joined_values(
+        self, patch: RowPatch, buffers: Sequence[torch.Tensor | None]
+    ) -> tuple[Values, bool]:
+        """Each joined slot's latest value: the buffers, then kept writes in write order; and
+        whether they are exactly the newest write (the joiners' prefill), in order."""
         stamps = self._stamp[patch.joined_host]
         entry = self._entries[-1] if self._entries else None
         if (
@@ -232,7 +245,7 @@ class WriteLog:
             and not np.count_nonzero(stamps != entry.seq)
             and np.array_equal(entry.host, patch.joined_host)
         ):
-            return entry.values  # the joiners' own write (their prefill), in their order
+            return entry.values, True  # the joiners' own write (their prefill), in their order
         sources = np.unique(stamps).tolist()
         out: list[torch.Tensor | None] = (
             list(_gather(buffers, patch.joined)) if sources[0] == 0 else [None] * len(buffers)
@@ -254,7 +267,7 @@ class WriteLog:
                 else:
                     cond = hit.view(-1, *([1] * (got.dim() - 1)))
                     out[k] = torch.where(cond, got.to(prev.dtype), prev)
-        return tuple(out)
+        return tuple(out), False
 
     def _forget_departed(self, base: _Entry, patch: RowPatch) -> None:
         """The slots of requests that left stop pointing at ``base``: their values are dead,
