@@ -138,3 +138,51 @@ def test_a_churned_engine_stays_consistent_and_relays_the_right_rows(overlap: bo
     for req in reqs:
         assert req.finish is not None and req.finish.reason.value == "length"
         assert len(req.emitted_ids) == req.sampling.max_new_tokens
+
+
+def test_plain_and_general_patches_match_a_fresh_build() -> None:
+    """Requests with and without sampling controls join and leave: every patched set of rows
+    (host arrays for plain rows, tensors otherwise) equals the columns built from scratch."""
+    worker = TimedWaitWorker(device_seconds=0.0, accept=2)
+    config = EngineConfig(
+        overlap=False, page_size=4, kv_tokens=8192, max_running=6, check_invariants=True
+    )
+    with Engine(
+        worker, limits=RequestLimits(vocab_size=32, max_context_len=256), config=config
+    ) as eng:
+        for i in range(36):
+            plain = i < 18 or i % 3  # later, every third request has a seed: not plain
+            params = SamplingParams(
+                max_new_tokens=3 + (5 * i) % 11,
+                ignore_eos=True,
+                temperature=(0.0, 0.7, 1.3)[i % 3],
+                top_k=None if i % 4 else 5 + i,
+                top_p=1.0 if i % 5 else 0.5,
+                seed=None if plain else i,
+            )
+            eng.submit(f"r{i}", [1 + i % 3] * (3 + i % 4), params)
+        eng.run_until_idle()
+        rows = eng.scheduler.decode_rows_snapshot()
+    assert rows.num_plain_patches > 3
+    assert rows.num_patches - rows.num_plain_patches > 3  # the general path ran too
+
+
+def test_running_slots_see_pending_changes_without_patching() -> None:
+    """Admission asks for the next round's slots: rows that left are out, joiners are in,
+    and the columns are not patched for it (the round patches once, when it is built)."""
+    reqs = [_req(i) for i in range(6)]
+    slot_of = {r: i + 1 for i, r in enumerate(reqs)}
+    rows = DecodeRows(_builder(slot_of))  # type: ignore[arg-type]
+    assert rows.running_slots(slot_of.__getitem__) is None  # nothing built yet
+    rows.columns(lambda: tuple(reqs))
+    new = _req(9)
+    slot_of[new] = 9
+    for i in (1, 4):
+        rows.leave(reqs[i])
+    rows.join(new)
+    pending = rows.running_slots(slot_of.__getitem__)
+    assert pending is not None and sorted(pending.tolist()) == [1, 3, 4, 6, 9]
+    assert rows.snapshot().num_patches == 0
+    cols = rows.columns(lambda: ())
+    assert sorted(cols.slots_host.tolist()) == sorted(pending.tolist())
+    assert rows.snapshot().num_patches == 1

@@ -181,3 +181,21 @@ def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:
     for req, run in read:
         assert run == list(req.output_ids[-len(run) :])
     assert table.read_all_since(table.all_lengths()) == []
+
+
+def test_a_batch_reusing_its_slots_array_sees_a_reopened_row() -> None:
+    """The per-batch row constants (caps, stop ids) are not reused across a reopened row."""
+    table, checker = _table()
+    first = _req("a", SamplingParams(max_new_tokens=50), checker)
+    _open(table, checker, 2, first)
+    slots = np.array([2])  # the same array each round, as a persistent batch passes it
+    run = np.array([[4, 5, 6, 7]])
+    with checker.acting(Role.RESULT_PROCESSOR):
+        assert table.append_runs(slots, run, np.array([2]), verifies=True) is None
+    first.transition(ReqStatus.PREFILL)
+    first.transition(ReqStatus.RETRACTED)
+    second = _req("b", SamplingParams(max_new_tokens=2, stop_token_ids=frozenset({9})), checker)
+    _open(table, checker, 2, second)
+    with checker.acting(Role.RESULT_PROCESSOR):
+        ended = table.append_runs(slots, np.array([[9, 5, 6, 7]]), np.array([2]), verifies=True)
+    assert ended is not None and ended.rows == (0,) and ended.stop_token == (9,)

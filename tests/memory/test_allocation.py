@@ -7,6 +7,7 @@ import torch
 from memory_harness import Memory, build_memory
 
 from specstate import DoubleRelease, KvPoolExhausted, LedgerViolation, OwnershipError
+from specstate.core.request import Req
 from specstate.internals import Role
 from specstate.memory.allocation import DeferredReleases
 from specstate.memory.sizing import ceil_to_page
@@ -85,6 +86,40 @@ def test_release_returns_every_page(page_size: int) -> None:
     assert mem.allocator.token_pool.available_pages() == total
     assert mem.ledger.batch_snapshot().is_empty
     mem.allocator.check_balance()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("production", [False, True])
+@pytest.mark.parametrize("count", [3, 16, 17, 40])
+def test_releasing_many_rows_at_once_returns_exactly_their_pages(
+    page_size: int, production: bool, count: int
+) -> None:
+    """A batch release (a few rows: sliced per row; many: one expansion) frees each row's own
+    pages, all of them, and nothing else: the rows left balance with the free pages."""
+    mem = build_memory(
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        row_width=128,
+        max_requests=64,
+        production=production,
+    )
+    reqs = [mem.new_req(f"r{i}", 3 + (7 * i) % 23) for i in range(count + 5)]
+    for r in reqs:
+        mem.prefill(r)
+    with mem.checker.acting(Role.SCHEDULER):
+        mem.allocator.reserve_for_spec_decode(mem.slots(*reqs))
+    pool = mem.allocator.token_pool
+    before = pool.available_pages()
+    held = [_row_pages(mem, mem.allocator.slot_of(r), _allocated(mem, r)) for r in reqs[:count]]
+    with mem.checker.acting(Role.SCHEDULER):
+        released = mem.allocator.release_many(reqs[:count])
+    assert pool.available_pages() == before + sum(len(pages) for pages in held)
+    assert released.num_freed_pages.tolist() == [len(pages) for pages in held]
+    mem.allocator.check_balance()  # the five rows left own exactly the pages not free
+
+
+def _allocated(mem: Memory, req: Req) -> int:
+    return mem.ledger.snapshot(mem.allocator.slot_of(req)).kv_allocated_len
 
 
 def test_double_release_is_refused(memory: Memory) -> None:

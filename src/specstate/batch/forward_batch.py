@@ -125,11 +125,11 @@ class ForwardBatch:
     @staticmethod
     def _positions(batch: ScheduleBatch, seq_lens: torch.Tensor) -> torch.Tensor | None:
         mode = batch.forward_mode
+        if mode is ForwardMode.DECODE:  # the round's first position is the frontier
+            return seq_lens.clone()
         if mode.is_extend() and batch.positions is not None:
             return batch.positions  # built at scheduling, already on the device
         prefix, lens = batch.prefix_lens, batch.extend_lens
         if mode.is_extend() and isinstance(prefix, tuple) and lens is not None:
             return _extend_positions(prefix, lens, seq_lens.device)
-        if mode.is_decode():
-            return seq_lens.clone()
         return None

@@ -32,7 +32,7 @@ class ForwardMode(enum.Enum):
 
     def is_scheduler_mode(self) -> bool:
         """True for the modes a scheduler may put on a batch."""
-        return self in _SCHEDULER_MODES
+        return self in _SCHEDULER_MODES  # a tuple: identity, no Enum hashing
 
     def is_worker_internal(self) -> bool:
         """True for TARGET_VERIFY and DRAFT_EXTEND, which never outlive a forward."""
@@ -65,6 +65,9 @@ class ForwardMode(enum.Enum):
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
 
-_SCHEDULER_MODES: Final = frozenset(
-    {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
+_SCHEDULER_MODES: Final = (
+    ForwardMode.EXTEND,
+    ForwardMode.DECODE,
+    ForwardMode.MIXED,
+    ForwardMode.IDLE,
 )

@@ -161,6 +161,20 @@ class ScheduleBatch:
         """Every declared field's current binding (for a shallow snapshot)."""
         return dict(zip(_FIELD_NAMES, _read_fields(self), strict=True))
 
+    def restore_fields(self, bindings: dict[str, object]) -> None:
+        """Rebind every field of ``bindings`` (from `field_bindings`) that was rebound since.
+
+        A field still bound to the very same object is left alone (the common case: only
+        what a forward rebound is put back).
+        """
+        if len(bindings) != len(_FIELD_NAMES):  # a subset: rebind each
+            for name, value in bindings.items():
+                setattr(self, name, value)
+            return
+        for (name, old), now in zip(bindings.items(), _read_fields(self), strict=True):
+            if now is not old:
+                setattr(self, name, old)
+
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), rebinding every field; frees no KV.
 

@@ -54,6 +54,10 @@ class ReqStatus(enum.Enum):
     RETRACTED = "retracted"
     ABORTED = "aborted"
 
+    # Members are singletons compared by identity: hash them by identity too (C-level; the
+    # default hashes the name in Python, and every transition looks statuses up).
+    __hash__ = object.__hash__
+
 
 _TRANSITIONS: Final[Mapping[ReqStatus, frozenset[ReqStatus]]] = {
     ReqStatus.WAITING: frozenset({ReqStatus.PREFILL, ReqStatus.ABORTED}),

@@ -19,9 +19,18 @@ change reuses the columns themselves (and the FutureMap then relays by reference
 a change is one contiguous copy per column plus work proportional to the rows that changed;
 Python touches only the requests that left or joined.
 
-The relay follows the same rows: the batch carries the host copy of its slots, and the
-FutureMap reads each row from the write that holds it (`specstate.relay.write_log`), so the
-unchanged rows come from the previous round's tensors and only the changed rows move.
+Plain rows: when every row samples with temperature, top-k and top-p only (no penalty, seed,
+``min_new_tokens``, logprobs, or ``speculative=False``: `PlainRows`), the slots, epochs and
+sampling values live in two packed host arrays, and the columns are views of them (on a device,
+one copy each). A change then copies the two arrays and writes the changed rows: a few NumPy
+operations, instead of a torch copy and write per column. Any other row takes the general path
+(every column patched as tensors). With ``check_invariants``, every patched set of columns is
+compared with a fresh build (``decode-rows``).
+
+The relay follows the same rows: the batch carries the host copy of its slots and a
+`RowPatch` (where each new row comes from, built here at scheduling), and the FutureMap reads
+each row from the write that holds it (`specstate.relay.write_log`): one gather per relayed
+tensor from the previous round's write, plus the joined rows from their own prefill's write.
 
 Invariant: row ``i`` of every column describes ``reqs[i]``; every running request has exactly
 one row after `DecodeRows.columns`; a request that left never keeps its row (a re-admitted
@@ -31,25 +40,53 @@ request gets a fresh row with its new slot and epoch).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.request import Req
+from specstate.engine.invariants import InvariantViolation
 from specstate.engine.outputs import IntArray
 from specstate.relay.future_map import RowPatch
 
-__all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot"]
+__all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot", "PlainRows", "plain_columns"]
 
 _T = TypeVar("_T")
+FloatArray = npt.NDArray[np.float32]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PlainRows:
+    """Host values of rows whose sampling is temperature, top-k and top-p only (*plain*).
+
+    Two packed host arrays, one column per row: a change writes only the changed columns into
+    a copy, and on a device each array travels in one host-to-device copy.
+
+    Attributes:
+        ints: ``[3, n]`` int64: request slot, output-row epoch, top-k.
+        floats: ``[2, n]`` float32: temperature, top-p.
+    """
+
+    ints: IntArray
+    floats: FloatArray
+
+    @property
+    def size(self) -> int:
+        """Number of rows."""
+        return int(self.ints.shape[1])
 
 
 @attrs.frozen(kw_only=True)
 class DecodeColumns:
-    """The per-row columns of one set of decoding requests (one row per request, in order)."""
+    """The per-row columns of one set of decoding requests (one row per request, in order).
+
+    ``plain``, when set, holds the host values behind ``slots``, ``epochs`` and ``sampling``
+    (every row plain, `plain_columns`): a change then patches two host arrays.
+    """
 
     reqs: tuple[Req, ...]
     slots: torch.Tensor
@@ -59,6 +96,41 @@ class DecodeColumns:
     sampling: SamplingInfo
     epochs: IntArray
     request_ids: tuple[str, ...]
+    plain: PlainRows | None = attrs.field(default=None, eq=False)
+
+
+def plain_columns(
+    reqs: tuple[Req, ...],
+    incarnations: tuple[int, ...],
+    request_ids: tuple[str, ...],
+    plain: PlainRows,
+    device: torch.device,
+) -> DecodeColumns:
+    """The columns of plain rows, built from their host values (views, two copies on a device).
+
+    The sampling state has temperatures, top-k and top-p and nothing else (every optional
+    tensor None), exactly what `SamplingInfo.from_params` builds for plain rows.
+    """
+    ints, floats = torch.from_numpy(plain.ints), torch.from_numpy(plain.floats)
+    slots = ints[0]
+    on_device = ints.to(device)
+    device_floats = floats.to(device)
+    return DecodeColumns(
+        reqs=reqs,
+        slots=slots,
+        slots_host=plain.ints[0],
+        device_slots=slots if on_device is ints else on_device[0],
+        incarnations=incarnations,
+        sampling=SamplingInfo(
+            temperatures=device_floats[0],
+            top_ks=on_device[2],
+            top_ps=device_floats[1],
+            greedy_host=not np.count_nonzero(plain.floats[0]),
+        ),
+        epochs=plain.ints[1],
+        request_ids=request_ids,
+        plain=plain,
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +141,8 @@ class DecodeRowsSnapshot:
     num_rebuilds: int
     num_patches: int
     num_rows_written: int
+    num_plain_patches: int = 0
+    """Patches of plain rows (two host arrays; `PlainRows`)."""
 
 
 class DecodeRows:
@@ -77,15 +151,31 @@ class DecodeRows:
     Args:
         build: the columns of requests that join (or of every running request, the first
             time); called with the requests in row order.
+        plain: the host values of requests that join, or None when one of them is not plain
+            (its columns then come from ``build``); None: never patch host values.
+        device: where the columns' device tensors live.
+        reference: checking mode: the columns of a set of requests built from scratch; every
+            patched set of columns is compared with it (``decode-rows``).
     """
 
-    def __init__(self, build: Callable[[tuple[Req, ...]], DecodeColumns]) -> None:
+    def __init__(
+        self,
+        build: Callable[[tuple[Req, ...]], DecodeColumns],
+        plain: Callable[[tuple[Req, ...]], PlainRows | None] | None = None,
+        device: torch.device | None = None,
+        *,
+        reference: Callable[[tuple[Req, ...]], DecodeColumns] | None = None,
+    ) -> None:
         self._build = build
+        self._reference = reference
+        self._plain = plain
+        self._device = torch.device("cpu") if device is None else device
         self._columns: DecodeColumns | None = None
         self._row_of: dict[Req, int] = {}  # a Req hashes by identity
         self._left: list[int] = []  # rows freed since the columns were built
         self._joined: list[Req] = []
         self._num_rebuilds = self._num_patches = self._num_rows_written = 0
+        self._num_plain_patches = 0
         # Since the last decode round's columns (the relay's base): for each row that differs
         # from the base's same row, the base row it copies (moved) or None (joined); and the
         # base rows whose request left. Patches between two rounds compose here.
@@ -93,7 +183,6 @@ class DecodeRows:
         self._origin: dict[int, int | None] = {}
         self._departed: list[int] = []
         self._rebuilt = False
-        self._empty: torch.Tensor | None = None
         self._same: tuple[DecodeColumns, RowPatch] | None = None  # the no-change patch
 
     def join(self, req: Req) -> None:
@@ -118,14 +207,30 @@ class DecodeRows:
             cols = self._rebuild(running())
         else:
             cols = self._patch(cols)
+            if self._reference is not None:
+                _check_columns(cols, self._reference(cols.reqs))
         self._columns = cols
         return cols
+
+    def running_slots(self, slot_of: Callable[[Req], int]) -> IntArray | None:
+        """The host slots of the requests the next round decodes (the rows left out, the
+        joiners added), without patching the columns; None before the first build."""
+        cols = self._columns
+        if cols is None:
+            return None
+        slots = cols.slots_host
+        if self._left:
+            slots = _without(slots, np.array(self._left, dtype=np.int64))
+        if self._joined:
+            joined = np.array([slot_of(r) for r in self._joined], dtype=np.int64)
+            slots = np.concatenate([slots, joined])
+        return slots
 
     def relay_patch(self, cols: DecodeColumns) -> RowPatch | None:
         """How ``cols`` (about to launch as a decode round) derive from the last round's.
 
-        None when they do not derive from them by one patch (the first round, a rebuild, two
-        changes in between): the relay then reads every row from the buffers.
+        None when they do not derive from them by one patch (the first round, a rebuild): the
+        relay then reads every row from the buffers.
         """
         last, self._relayed = self._relayed, cols
         origin, departed, rebuilt = self._origin, self._departed, self._rebuilt
@@ -134,24 +239,41 @@ class DecodeRows:
             return None
         if cols is last:
             return self._unchanged(cols)
-        rows = sorted(origin)
-        moved = [r for r in rows if origin[r] is not None]
-        joined = [r for r in rows if origin[r] is None]
+        if not origin:  # rows left at the end only: the first rows of the base write
+            none = np.zeros(0, dtype=np.int64)
+            empty = cols.device_slots.new_zeros(0)
+            return RowPatch(
+                base=last.device_slots,
+                host=cols.slots_host,
+                gather=None,
+                kept_host=cols.slots_host,
+                joined_rows=empty,
+                joined=empty,
+                joined_host=none,
+                departed_host=last.slots_host[departed],
+            )
+        # Row i of the new round reads row gather[i] of the base write (joined rows: their own).
+        gather = np.arange(len(cols.reqs), dtype=np.int64)
+        joined = []
+        for row, source in origin.items():
+            if source is None:
+                joined.append(row)
+                gather[row] = 0
+            else:
+                gather[row] = source
+        joined.sort()
+        joined_rows = np.array(joined, dtype=np.int64)
+        joined_host = cols.slots_host[joined_rows]
         device = cols.device_slots.device
-        rows_host = np.array(moved + joined, dtype=np.int64)
-        joined_host = cols.slots_host[np.array(joined, dtype=np.int64)]
-        departed_host = np.array(departed, dtype=np.int64)
         return RowPatch(  # device tensors built now, at scheduling: the launch copies nothing
             base=last.device_slots,
             host=cols.slots_host,
-            rows=torch.from_numpy(rows_host).to(device),
-            rows_host=rows_host,
-            num_moved=len(moved),
-            moved_from=torch.tensor([origin[r] for r in moved], dtype=torch.int64, device=device),
+            gather=torch.from_numpy(gather).to(device),
+            kept_host=_without(cols.slots_host, joined_rows) if joined else cols.slots_host,
+            joined_rows=torch.from_numpy(joined_rows).to(device),
             joined=torch.from_numpy(joined_host).to(device),
             joined_host=joined_host,
-            departed=torch.from_numpy(departed_host).to(device),
-            departed_host=departed_host,
+            departed_host=last.slots_host[departed],
         )
 
     def snapshot(self) -> DecodeRowsSnapshot:
@@ -161,6 +283,7 @@ class DecodeRows:
             num_rebuilds=self._num_rebuilds,
             num_patches=self._num_patches,
             num_rows_written=self._num_rows_written,
+            num_plain_patches=self._num_plain_patches,
         )
 
     def _rebuild(self, reqs: tuple[Req, ...]) -> DecodeColumns:
@@ -182,10 +305,8 @@ class DecodeRows:
         free = set(holes)
         targets = [h for h in holes[len(joiners) :] if h < size]
         sources = [r for r in range(size, n) if r not in free]
-        dst = np.array(targets + fill, dtype=np.int64)
-        src = np.array(sources, dtype=np.int64)
         self._num_patches += 1
-        self._num_rows_written += dst.size
+        self._num_rows_written += len(targets) + len(fill)
         origin = self._origin
         for row in holes:
             base_row = origin.pop(row, row)
@@ -199,34 +320,89 @@ class DecodeRows:
             origin[row] = None
         if size == 0:
             return self._build(())
+        if cols.plain is not None and self._plain is not None:
+            new_plain = self._plain(joiners) if joiners else _NO_ROWS
+            if new_plain is not None:
+                self._num_plain_patches += 1
+                return self._patched_plain(cols, cols.plain, size, targets, sources, fill,
+                                           joiners, new_plain)  # fmt: skip
+        dst = np.array(targets + fill, dtype=np.int64)
+        src = np.array(sources, dtype=np.int64)
         new = self._build(joiners) if joiners else None
         return _patched(cols, size, dst, src, new)
 
-    def _empty_like(self, cols: DecodeColumns) -> torch.Tensor:
-        if self._empty is None or self._empty.device != cols.device_slots.device:
-            self._empty = cols.device_slots.new_zeros(0)
-        return self._empty
+    def _patched_plain(
+        self,
+        cols: DecodeColumns,
+        old: PlainRows,
+        size: int,
+        targets: list[int],
+        sources: list[int],
+        fill: list[int],
+        joiners: tuple[Req, ...],
+        new: PlainRows,
+    ) -> DecodeColumns:
+        """Plain rows: the host values patched (one copy each, the changed columns written)."""
+        keep = min(size, old.size)
+        ints = np.empty((3, size), dtype=np.int64)
+        floats = np.empty((2, size), dtype=np.float32)
+        ints[:, :keep] = old.ints[:, :keep]
+        floats[:, :keep] = old.floats[:, :keep]
+        if targets:
+            ints[:, targets] = old.ints[:, sources]
+            floats[:, targets] = old.floats[:, sources]
+        if fill:
+            ints[:, fill] = new.ints
+            floats[:, fill] = new.floats
+        reqs, incs, ids = cols.reqs, cols.incarnations, cols.request_ids
+        out_reqs, out_incs, out_ids = list(reqs[:keep]), list(incs[:keep]), list(ids[:keep])
+        for row, source in zip(targets, sources, strict=True):
+            out_reqs[row], out_incs[row], out_ids[row] = reqs[source], incs[source], ids[source]
+        for row, req in zip(fill, joiners, strict=True):
+            if row < keep:
+                out_reqs[row], out_incs[row], out_ids[row] = req, req.incarnation, req.request_id
+            else:  # appended rows come in row order
+                out_reqs.append(req)
+                out_incs.append(req.incarnation)
+                out_ids.append(req.request_id)
+        return plain_columns(
+            tuple(out_reqs),
+            tuple(out_incs),
+            tuple(out_ids),
+            PlainRows(ints=ints, floats=floats),
+            self._device,
+        )
 
     def _unchanged(self, cols: DecodeColumns) -> RowPatch:
         cached = self._same
         if cached is not None and cached[0] is cols:
             return cached[1]
-        empty = self._empty_like(cols)
         none = np.zeros(0, dtype=np.int64)
+        empty = cols.device_slots.new_zeros(0)
         patch = RowPatch(
             base=cols.device_slots,
             host=cols.slots_host,
-            rows=empty,
-            rows_host=none,
-            num_moved=0,
-            moved_from=empty,
+            gather=None,
+            kept_host=cols.slots_host,
+            joined_rows=empty,
             joined=empty,
             joined_host=none,
-            departed=empty,
             departed_host=none,
         )
         self._same = (cols, patch)
         return patch
+
+
+def _without(values: IntArray, rows: IntArray) -> IntArray:
+    """``values`` without the entries at ``rows`` (a mask: `np.delete` costs far more)."""
+    keep = np.ones(values.size, dtype=np.bool_)
+    keep[rows] = False
+    return values[keep]
+
+
+_NO_ROWS: Final = PlainRows(
+    ints=np.zeros((3, 0), dtype=np.int64), floats=np.zeros((2, 0), dtype=np.float32)
+)
 
 
 def _patched(
@@ -286,3 +462,55 @@ def _patched(
         epochs=array(cols.epochs, None if new is None else new.epochs),
         request_ids=values(cols.request_ids, () if new is None else new.request_ids),
     )
+
+
+_NEUTRAL: Final = {
+    "frequency_penalties": 0.0,
+    "repetition_penalties": 1.0,
+    "presence_penalties": 0.0,
+    "min_new_tokens": 0,
+    "seeds": -1,
+    "speculative": True,
+}
+
+
+def _check_columns(cols: DecodeColumns, ref: DecodeColumns) -> None:
+    """``decode-rows`` (checking mode): patched columns equal the columns built from scratch.
+
+    Compares the slots, incarnations, ids, epochs and every per-row sampling value that
+    decides a token (a missing optional tensor counts as its neutral value).
+    """
+    problems = []
+    if cols.reqs != ref.reqs or cols.incarnations != ref.incarnations:
+        problems.append("requests or incarnations")
+    if cols.request_ids != ref.request_ids:
+        problems.append("request ids")
+    for name, got, want in (
+        ("slots", cols.slots_host, ref.slots_host),
+        ("slots tensor", cols.slots.numpy(), ref.slots_host),
+        ("device slots", cols.device_slots.cpu().numpy(), ref.slots_host),
+        ("epochs", cols.epochs, ref.epochs),
+    ):
+        if not np.array_equal(got, want):
+            problems.append(name)
+    a, b = cols.sampling, ref.sampling
+    for name in ("temperatures", "top_ks", "top_ps", *_NEUTRAL):
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None and y is None:
+            continue
+        rows = len(cols.reqs)
+        x = torch.full((rows,), _NEUTRAL[name]) if x is None else x.cpu()
+        y = torch.full((rows,), _NEUTRAL[name]) if y is None else y.cpu()
+        if not torch.equal(x.to(torch.float64), y.to(torch.float64)):
+            problems.append(f"sampling.{name}")
+    if b.greedy_host is not None and a.greedy_host not in (None, b.greedy_host):
+        problems.append("sampling.greedy_host")
+    spec = [True] * len(cols.reqs) if a.speculative_host is None else a.speculative_host.tolist()
+    if spec != [r.sampling.speculative for r in cols.reqs] or (b.logprobs and not a.logprobs):
+        problems.append("sampling.speculative_host or logprobs")
+    if problems:
+        raise InvariantViolation(
+            "decode-rows",
+            f"patched decode rows of {len(cols.reqs)} requests differ from a fresh build in "
+            f"{', '.join(problems)}",
+        )

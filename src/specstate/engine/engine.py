@@ -33,7 +33,7 @@ import torch
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.ledger import KvLedger
-from specstate.core.ownership import OwnershipChecker, Role
+from specstate.core.ownership import OwnershipChecker
 from specstate.core.request import Req, RequestLimits, SamplingParams
 from specstate.engine.agreement import RoundAgreement
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
@@ -188,6 +188,7 @@ class Engine:
                 chunked_prefill=config.chunked_prefill is not None,
                 vocab_size=limits.vocab_size,
                 mixed_chunk=config.mixed_chunk,
+                validate=config.check_invariants,
             ),
             allocator=self.allocator,
             ledger=views.scheduler,
@@ -323,8 +324,7 @@ class Engine:
         rounds = self.rounds
         finished = self.lifecycle.apply_aborts(until_batch=rounds.num_launched)
         rounds.drain()
-        with self.checker.acting(Role.SCHEDULER):
-            plan, outcome = self.scheduler.schedule()
+        plan, outcome = self.scheduler.schedule()  # acts as the scheduler
         retracted = () if outcome is None else tuple(r.request_id for r in outcome.retracted)
         finished += () if outcome is None else tuple(r.request_id for r in outcome.aborted)
         was_in_flight = rounds.in_flight is not None
@@ -338,7 +338,7 @@ class Engine:
         ended = self.lifecycle.remember_ended(finished)
         self.grammar.forget(ended)
         self.deliveries.note_step(ended)
-        mode = None if plan is None else plan.batch.forward_mode.value
+        mode = None if plan is None else plan.batch.forward_mode._value_
         size = 0 if plan is None else plan.batch.batch_size
         return StepReport(
             launched_mode=mode,

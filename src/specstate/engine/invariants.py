@@ -56,6 +56,10 @@ The engine also checks, around every settlement (with ``check_invariants``):
 * ``draft-width``: a decode round launched with an adaptive width settles a run and a stride
   of at most ``num_draft_steps + 1`` (the width changes between rounds; a round in flight
   keeps its own).
+* ``decode-rows``: the persistent decode rows, every time a change patched them, equal the
+  columns built from scratch for the same requests (slots, incarnations, ids, output-row
+  epochs, the per-row sampling values), and at scheduling every row's epoch is current
+  (`specstate.engine.decode_rows`).
 
 Forward isolation checks ``isolation`` (a worker wrote a scheduler-owned tensor in place:
 `specstate.relay.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a

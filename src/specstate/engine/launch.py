@@ -302,9 +302,8 @@ class Launcher:
             else:
                 resolve_batch_seq_lens(self.future_map, batch)
                 resolve_batch_forward_inputs(self.future_map, batch)
-            publish = _PublishOnce(
-                self.future_map, indices, flight, self._frontier_bounds(batch, flight.plan)
-            )
+            bounds = None if self._on_host else self._frontier_bounds(batch, flight.plan)
+            publish = _PublishOnce(self.future_map, indices, flight, bounds)
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
                 forward = ForwardBatch.from_schedule(batch)
                 on_publish = publish if self._overlap else None

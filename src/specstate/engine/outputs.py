@@ -128,6 +128,9 @@ class OutputTable:
         self._holders: list[Req | None] = [None] * size
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
+        self._num_opened = 0  # rows opened so far (`_row_constants` keys on it)
+        self._num_detached = 0  # requests that left a row so far (each bumped an epoch)
+        self._constants: tuple[IntArray, int, IntArray, IntArray, IntArray] | None = None
 
     # ------------------------------------------------------------------ reads
     def read_outputs(self, slot: int) -> list[int]:
@@ -201,6 +204,12 @@ class OutputTable:
         """The current epoch of ``slots`` (a new array): a batch keeps it to detect staleness."""
         return self._epochs[slots]
 
+    @property
+    def num_detached(self) -> int:
+        """How many times a request left a row (every epoch bump): a batch that read its
+        epochs at this count has no stale row while the count is unchanged."""
+        return self._num_detached
+
     def histogram(self) -> IntArray:
         """Settled verifies per accept length (index = accept length), a copy."""
         return self._histogram.copy()
@@ -255,11 +264,13 @@ class OutputTable:
         self._open_sequences(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
+        self._num_opened += 1
 
     def detach(self, slot: int) -> None:
         """The request leaves ``slot`` (called by `Req.transition`); bumps the slot's epoch."""
         self._holders[slot] = None
         self._epochs[slot] += 1
+        self._num_detached += 1
         if self._min_new[slot] > 0:
             self._num_min_rows -= 1
             self._min_new[slot] = 0
@@ -290,35 +301,47 @@ class OutputTable:
         width = min(tokens.shape[1], self._max_run)
         run = tokens[:, :width]
         steps = self._steps[:width]
+        base, stops, caps = self._row_constants(slots)
         before = self._output_lengths[slots]
         after = before + accept
-        base = slots * self._width
         # Whole runs are stored (the tail past ``accept`` is scratch beyond the new length).
-        self._output_tokens_flat[(base + before)[:, None] + steps] = run
+        at = (base + before)[:, None] + steps
+        self._output_tokens_flat[at] = run
         if logprobs is not None:
-            self._output_logprobs_flat[(base + before)[:, None] + steps] = logprobs[:, :width]
+            self._output_logprobs_flat[at] = logprobs[:, :width]
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
             self._accepts[rounds, slots] = accept
             self._rounds[slots] = rounds + 1
             self._histogram += np.bincount(accept, minlength=self._histogram.size)
-        stops = self._stops[slots]
-        if stops.shape[1] == 1:  # the common case: one stop id (EOS) per row
-            hit = run == stops
-        else:
-            hit = (run[:, :, None] == stops[:, None, :]).any(axis=2)
-        hit &= steps < accept[:, None]
-        if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
-            hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
+        hit = run == stops[:, :1]  # the common case: one stop id (EOS) per row
+        for q in range(1, stops.shape[1]):  # a few more (a reduction along them is slower)
+            hit |= run == stops[:, q : q + 1]
+        stopped = 0
+        if np.count_nonzero(hit):  # some stop id in the run: is it in the accepted part?
+            hit &= steps < accept[:, None]
+            if self._num_min_rows:  # a stop counts only at output min_new_tokens or later
+                hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
+            stopped = int(np.count_nonzero(hit))
         matched = None
         if self._num_seq_rows:
             matched = self._match_sequences(slots, run, before, accept)
-        caps = self._caps[slots]
         capped = after >= caps
-        if not (np.count_nonzero(hit) or np.count_nonzero(capped) or matched is not None):
+        if not (stopped or np.count_nonzero(capped) or matched is not None):
             return None  # nobody stops or reaches the cap: the steady round ends here
         return self._finished_rows(run, hit, before, caps, capped, matched)
+
+    def _row_constants(self, slots: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """``slots``' flat row starts, stop ids and caps; kept while the same slots array (a
+        persistent batch) comes back and no row was opened since (only `open_row` changes
+        them)."""
+        kept = self._constants
+        if kept is not None and kept[0] is slots and kept[1] == self._num_opened:
+            return kept[2], kept[3], kept[4]
+        base, stops, caps = slots * self._width, self._stops[slots], self._caps[slots]
+        self._constants = (slots, self._num_opened, base, stops, caps)
+        return base, stops, caps
 
     def _match_sequences(
         self, slots: IntArray, run: IntArray, before: IntArray, accept: IntArray
@@ -370,31 +393,50 @@ class OutputTable:
         capped: npt.NDArray[np.bool_],
         matched: tuple[IntArray, IntArray] | None,
     ) -> FinishedRows | None:
-        """The rows that end, and where: the first stop unless it lies past the cap."""
-        first = hit.argmax(axis=1)
-        stop_at = np.where(hit.any(axis=1), before + first + 1, _NEVER)
-        stop_token = run[np.arange(run.shape[0]), first]
-        sequence = None
+        """The rows that end, and where: the first stop unless it lies past the cap.
+
+        The candidate rows (a stop hit, a sequence end, the cap) are found vectorized; each is
+        then resolved in Python (a finish is an event of its request, and there are few).
+        """
+        width = run.shape[1]
+        first_hit: dict[int, int] = {}
+        for flat in np.flatnonzero(hit).tolist():  # in row order: a row's first hit comes first
+            row, col = divmod(flat, width)
+            first_hit.setdefault(row, col)
+        candidates = set(first_hit)
+        candidates.update(np.flatnonzero(capped).tolist())
+        seq_at = seq_index = None
         if matched is not None:
+            candidates.update(np.flatnonzero(matched[0] < _NEVER).tolist())
             seq_at, seq_index = matched
-            by_sequence = seq_at < stop_at
-            stop_at = np.where(by_sequence, seq_at, stop_at)
-            last = run[np.arange(run.shape[0]), np.clip(seq_at - before - 1, 0, run.shape[1] - 1)]
-            stop_token = np.where(by_sequence, last, stop_token)
-            sequence = np.where(by_sequence, seq_index, -1)
-        is_stop = stop_at <= caps
-        ends = is_stop | capped
-        if not ends.any():
-            return None  # a stop past the cap of a row that has not reached it: impossible
-        rows = np.flatnonzero(ends)
-        stop = is_stop[rows]
+        rows: list[int] = []
+        stop_at: list[int] = []
+        stop_token: list[int] = []
+        stop_sequence: list[int] = []
+        for row in sorted(candidates):
+            start = int(before[row])
+            at, token, sequence = _NEVER, -1, -1
+            col = first_hit.get(row)
+            if col is not None:
+                at, token = start + col + 1, int(run[row, col])
+            if seq_at is not None and seq_index is not None and int(seq_at[row]) < at:
+                at = int(seq_at[row])
+                token = int(run[row, min(max(at - start - 1, 0), width - 1)])
+                sequence = int(seq_index[row])
+            is_stop = at <= int(caps[row])
+            if not (is_stop or capped[row]):
+                continue  # a stop past the cap of a row that has not reached it
+            rows.append(row)
+            stop_at.append(at if is_stop else -1)
+            stop_token.append(token if is_stop else -1)
+            stop_sequence.append(sequence if is_stop else -1)
+        if not rows:
+            return None
         return FinishedRows(
-            rows=tuple(rows.tolist()),
-            stop_at=tuple(np.where(stop, stop_at[rows], -1).tolist()),
-            stop_token=tuple(np.where(stop, stop_token[rows], -1).tolist()),
-            stop_sequence=()
-            if sequence is None
-            else tuple(np.where(stop, sequence[rows], -1).tolist()),
+            rows=tuple(rows),
+            stop_at=tuple(stop_at),
+            stop_token=tuple(stop_token),
+            stop_sequence=() if matched is None else tuple(stop_sequence),
         )
 
     def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:

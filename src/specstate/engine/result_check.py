@@ -143,7 +143,9 @@ def check_values(
     if b == 0:
         return
     limit = min(host.stride, max_accept) if decode else 1
-    accept = host.accept.astype(np.int64, copy=False)
+    accept = host.accept
+    if accept.dtype != np.int64:
+        accept = accept.astype(np.int64)
     outside = (accept < 1) | (accept > limit)
     if np.count_nonzero(outside):
         row = int(np.flatnonzero(outside)[0])
@@ -228,6 +230,8 @@ def _check_tokens(
 ) -> None:
     """Every accepted token id of a valid row lies in the vocabulary (rejected drafts and
     invalid rows may hold anything)."""
+    if tokens.dtype == np.int64 and not np.count_nonzero(tokens.view(np.uint64) >= vocab_size):
+        return  # every token is inside (a negative id wraps around past the vocabulary)
     accepted = np.arange(tokens.shape[1]) < accept[:, None]
     if valid is not None:
         accepted &= valid[:, None]

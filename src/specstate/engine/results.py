@@ -146,6 +146,7 @@ class ResultProcessor:
         verifies: bool,
         result: HostResult,
         abort_reasons: Mapping[Req, str],
+        detached: int = -1,
     ) -> Settlement:
         """Settle one result for the batch rows ``reqs`` (see the module docstring).
 
@@ -157,14 +158,19 @@ class ResultProcessor:
             verifies: the decode-like rows are verifies (a decode round, not mixed tails).
             result: the worker's result as host arrays, already checked against the batch.
             abort_reasons: pending user aborts, by request.
+            detached: `OutputTable.num_detached` when ``epochs`` were current, or -1; while
+                it is unchanged every row is live (no epoch to compare).
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
         slots_np = slots if isinstance(slots, np.ndarray) else slots.numpy()
         tokens = result.tokens
         accept = result.accept
-        live = self._outputs.epochs(slots_np) == epochs
-        num_live = int(np.count_nonzero(live))
+        if detached >= 0 and detached == self._outputs.num_detached:
+            live, num_live = np.ones(b, dtype=np.bool_), b  # nobody left a row since
+        else:
+            live = self._outputs.epochs(slots_np) == epochs
+            num_live = int(np.count_nonzero(live))
         if n_prefill == 0 and num_live == b:
             decode: IntArray | None = None  # the steady round: every row, no index
             firsts: list[int] = []
@@ -183,7 +189,9 @@ class ResultProcessor:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
             finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
-        chunks = sum(1 for i in range(n_prefill) if live[i] and not last_chunk[i])
+        chunks = (
+            sum(1 for i in range(n_prefill) if live[i] and not last_chunk[i]) if n_prefill else 0
+        )
         return Settlement(
             finished=tuple(finished),
             num_settled_rows=num_live - chunks,  # a non-final chunk settles nothing

@@ -228,6 +228,7 @@ class RoundPipeline:
             verifies=plan.is_decode,
             result=result,
             abort_reasons=self._lifecycle.abort_reasons,
+            detached=plan.detached,
         )
 
     def _observe_round(self, plan: LaunchPlan, host: HostResult | None) -> None:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
@@ -28,9 +29,16 @@ from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req, ReqStatus
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows
+from specstate.core.request import Req, ReqStatus, SamplingParams
+from specstate.engine.decode_rows import (
+    DecodeColumns,
+    DecodeRows,
+    DecodeRowsSnapshot,
+    PlainRows,
+    plain_columns,
+)
 from specstate.engine.draft_policy import DraftPolicy
+from specstate.engine.invariants import InvariantViolation
 from specstate.engine.outputs import IntArray, OutputTable
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.prefix_cache import PrefixMatch
@@ -49,6 +57,8 @@ class SchedulerConfig:
     chunked_prefill: bool
     vocab_size: int
     mixed_chunk: bool = False
+    validate: bool = False
+    """Check every patched set of decode rows against a fresh build (``check_invariants``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -75,6 +85,9 @@ class LaunchPlan:
         default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
     )
     """``slots`` as a host array (the same memory)."""
+    detached: int = -1
+    """`OutputTable.num_detached` when ``epochs`` were current (-1: not known): while it is
+    unchanged, no row of the batch went stale, and settlement need not compare epochs."""
 
     @property
     def is_decode(self) -> bool:
@@ -143,12 +156,22 @@ class Scheduler:
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self.admitted: list[Req] = []  # admitted by the last `schedule` call (trace events)
         self._progress: dict[int, _Progress] = {}
-        self._rows = DecodeRows(self._build_rows)  # the persistent decode rows
+        # The persistent decode rows.
+        self._rows = DecodeRows(
+            self._build_rows,
+            self._plain_rows,
+            device,
+            reference=self._general_rows if config.validate else None,
+        )
 
     @property
     def running(self) -> list[Req]:
         """The running requests (decode candidates), in admission order (a new list)."""
         return list(self._running)
+
+    def decode_rows_snapshot(self) -> DecodeRowsSnapshot:
+        """How the persistent decode rows changed so far (`specstate.engine.decode_rows`)."""
+        return self._rows.snapshot()
 
     @property
     def num_running(self) -> int:
@@ -274,7 +297,10 @@ class Scheduler:
         """What the running requests' next decode reservation takes (the persistent rows)."""
         if not self._running:
             return 0
-        return self._allocator.decode_tokens_needed(self._decode_rows().slots)
+        slots = self._rows.running_slots(self._allocator.slot_of)  # no patch: admission only
+        if slots is None:
+            slots = self._decode_rows().slots_host
+        return self._allocator.decode_tokens_needed(slots)
 
     def _slots(self, reqs: Sequence[Req]) -> torch.Tensor:
         return torch.tensor([self._allocator.slot_of(r) for r in reqs], dtype=torch.int64)
@@ -439,8 +465,18 @@ class Scheduler:
                 None if self._draft_policy is None else self._draft_policy.choose(len(rows.reqs))
             ),
         )
+        if self._config.validate and not np.array_equal(
+            self._outputs.epochs(rows.slots_host), rows.epochs
+        ):
+            raise InvariantViolation(
+                "decode-rows", "a decode row's output-row epoch is stale at scheduling"
+            )
         plan = LaunchPlan(
-            batch=batch, slots=rows.slots, epochs=rows.epochs, slots_host=rows.slots_host
+            batch=batch,
+            slots=rows.slots,
+            epochs=rows.epochs,
+            slots_host=rows.slots_host,
+            detached=self._outputs.num_detached,  # the rows' epochs are current now
         )
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
@@ -450,17 +486,48 @@ class Scheduler:
         return self._rows.columns(lambda: tuple(self._running))
 
     def _build_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
+        incarnations = tuple(r.incarnation for r in reqs)
+        request_ids = tuple(r.request_id for r in reqs)
+        plain = self._plain_rows(reqs)
+        if plain is not None:
+            return plain_columns(reqs, incarnations, request_ids, plain, self._device)
+        return self._general_rows(reqs)
+
+    def _general_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
+        """The columns of ``reqs`` built from their parameters (any sampling control)."""
+        incarnations = tuple(r.incarnation for r in reqs)
+        request_ids = tuple(r.request_id for r in reqs)
         slots = self._slots(reqs)
         return DecodeColumns(
             reqs=reqs,
             slots=slots,
             slots_host=slots.numpy(),
             device_slots=slots.to(self._device),
-            incarnations=tuple(r.incarnation for r in reqs),
+            incarnations=incarnations,
             sampling=self._sampling(reqs),
             epochs=self._outputs.epochs(slots.numpy()),
-            request_ids=tuple(r.request_id for r in reqs),
+            request_ids=request_ids,
         )
+
+    def _plain_rows(self, reqs: tuple[Req, ...]) -> PlainRows | None:
+        """The host values of ``reqs``' rows, or None when one of them is not plain (it uses a
+        sampling control beyond temperature, top-k and top-p): Python per joining request."""
+        vocab = self._config.vocab_size
+        ints = np.empty((3, len(reqs)), dtype=np.int64)
+        temps, top_ks, top_ps, slots = [], [], [], []
+        slot_of = self._allocator.slot_of
+        for req in reqs:
+            p = req.sampling
+            if not _is_plain(p):
+                return None
+            slots.append(slot_of(req))
+            temps.append(p.temperature)
+            top_ks.append(min(p.top_k or vocab, vocab))  # past the vocabulary: every token
+            top_ps.append(p.top_p)
+        ints[0] = slots
+        ints[1] = self._outputs.epochs(ints[0])
+        ints[2] = top_ks
+        return PlainRows(ints=ints, floats=np.array([temps, top_ps], dtype=np.float32))
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(
@@ -470,3 +537,17 @@ class Scheduler:
             prompt_lens=[len(r.prompt_ids) for r in reqs],
             eos_token_ids=self._outputs.eos_token_ids,
         )
+
+
+def _is_plain(p: SamplingParams) -> bool:
+    """True when a request's sampling is temperature, top-k and top-p only: its row of a
+    `SamplingInfo` has no optional tensor (`SamplingInfo.from_params` would build none)."""
+    return (
+        p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.min_new_tokens == 0
+        and p.seed is None
+        and p.speculative
+        and not p.logprobs
+    )

@@ -52,17 +52,12 @@ from specstate.memory.pools import (
     TokenSlotAllocator,
     free_rows,
     grow_rows,
-    has_duplicates,
     host_index,
 )
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool
-from specstate.memory.sizing import (
-    DecodeAllocLens,
-    SpecWindow,
-    spec_decode_tokens_needed,
-)
+from specstate.memory.sizing import DecodeAllocLens, SpecWindow
 
 __all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
 
@@ -92,7 +87,17 @@ class ReleasedBatch:
     cache_protected_len: IntArray = attrs.field(eq=False)
     kv_committed_len: IntArray = attrs.field(eq=False)
     kv_allocated_len: IntArray = attrs.field(eq=False)
-    num_freed_pages: IntArray = attrs.field(eq=False)
+    page_size: int = 1
+    num_cached_pages: IntArray | None = attrs.field(default=None, eq=False)
+    """Per row, its own pages the prefix cache kept (None: none)."""
+
+    @property
+    def num_freed_pages(self) -> IntArray:
+        """Per row, the pages it gave back to the pool (computed when read)."""
+        p = self.page_size
+        start, stop = self.cache_protected_len, self.kv_allocated_len
+        pages: IntArray = np.maximum(-(-stop // p) - -(-start // p), 0)
+        return pages if self.num_cached_pages is None else pages - self.num_cached_pages
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -122,7 +127,6 @@ _NOTHING_RELEASED: Final = ReleasedBatch(
     cache_protected_len=np.zeros(0, dtype=np.int64),
     kv_committed_len=np.zeros(0, dtype=np.int64),
     kv_allocated_len=np.zeros(0, dtype=np.int64),
-    num_freed_pages=np.zeros(0, dtype=np.int64),
 )
 
 
@@ -167,6 +171,7 @@ class KvAllocator:
         self._req_pool = req_pool
         self._token_pool = token_pool
         self.window = window
+        self._page_size, self._reserve = window.page_size, window.reserve  # read every round
         self._checker = checker
         self._validate = validate
         self._recurrent = recurrent
@@ -304,27 +309,30 @@ class KvAllocator:
         """
         s = host_index(slots)
         committed, cur = self._ledger.host_lengths(s)
-        p, r = self.window.page_size, self.window.reserve
-        nxt = np.maximum(cur, -(-(committed + r) // p) * p)
+        p, target = self._page_size, committed + self._reserve
+        # ceil_P(target) > cur exactly when target > floor_P(cur): most rounds nothing grows.
+        if not np.count_nonzero(target > (cur if p == 1 else cur // p * p)):
+            return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(cur), needed=0)
+        nxt = np.maximum(cur, target if p == 1 else -(-target // p) * p)
         needed = int((nxt - cur).sum())
-        if needed:
-            self._grow(s, cur, nxt, counter="spec reserve")
+        self._grow(s, cur, nxt, counter="spec reserve")
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
-    def decode_tokens_needed(self, slots: torch.Tensor) -> int:
+    def decode_tokens_needed(self, slots: torch.Tensor | IntArray) -> int:
         """Free tokens the next `reserve_for_spec_decode` of ``slots`` takes, page for page.
 
         The engine reserves every decode round that way, with or without speculation (a
         worker that does not speculate has L = 1, R = 2): right after a prefill that is two
-        tokens, not the one a bare +1 step (`alloc_for_decode`) would take.
+        tokens, not the one a bare +1 step (`alloc_for_decode`) would take. Host arrays only
+        (`spec_decode_tokens_needed` is the same formula).
         """
-        allocated = self._ledger.allocated(slots)
-        return spec_decode_tokens_needed(
-            allocated,
-            self._ledger.committed(slots),
-            reserve=self.window.reserve,
-            page_size=self.window.page_size,
-        )
+        s = host_index(slots)
+        committed, cur = self._ledger.host_lengths(s)
+        p = self._page_size
+        nxt = np.maximum(cur, -(-(committed + self._reserve) // p) * p)
+        if p == 1:
+            return int((nxt - cur).sum())
+        return int((-(-nxt // p) - -(-cur // p)).sum()) * p
 
     def _grow(
         self,
@@ -396,16 +404,15 @@ class KvAllocator:
         except KeyError:
             self._refuse_release(reqs, [held.get(r, 0) for r in reqs])
             raise  # _refuse_release always raises
-        index = np.array(slots, dtype=np.int64)
-        if has_duplicates(index):
+        if len(set(slots)) != len(slots):
             self._refuse_release(reqs, slots)
+        index = np.array(slots, dtype=np.int64)
         generations = self._admitted_generation[index]
         if self._validate:
             for req, slot, gen in zip(reqs, slots, generations.tolist(), strict=True):
                 if not self._req_pool.is_current(SlotHandle(slot, gen)):
                     raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
-        index_t = torch.from_numpy(index)
-        protected = self._ledger.protected(index_t).numpy()
+        protected = self._ledger.host_protected(index)
         committed, allocated = self._ledger.host_lengths(index)
         start, kept = protected, None
         if self.prefix is not None:  # cache what the rows may share first (module docstring)
@@ -414,10 +421,10 @@ class KvAllocator:
             self._req_pool, self._token_pool, index, start, allocated, validate=self._validate
         )
         with self._checker.acting(Role.ALLOCATOR):
-            self._ledger.close_slots(index_t)
+            self._ledger.close_slots(torch.from_numpy(index))
             if self._recurrent is not None:  # the states go with the slots
                 self._recurrent.close_states(index)
-        self._req_pool.free_slots(index, generations)
+        self._req_pool.free_slots(index, generations, distinct=True)
         deque(map(self._holders.pop, slots), maxlen=0)  # C loops: no Python per request
         deque(map(held.pop, reqs), maxlen=0)
         return ReleasedBatch(
@@ -426,8 +433,8 @@ class KvAllocator:
             cache_protected_len=protected,
             kv_committed_len=committed,
             kv_allocated_len=allocated,
-            num_freed_pages=self._pages_per_row(protected, allocated)
-            - (0 if kept is None else kept),
+            page_size=self._token_pool.page_size,
+            num_cached_pages=kept,
         )
 
     def _refuse_release(self, reqs: Sequence[Req], slots: list[int]) -> None:
@@ -436,11 +443,6 @@ class KvAllocator:
                 raise DoubleRelease(f"request {req.request_id}: release of KV it does not hold")
         names = ", ".join(r.request_id for r in reqs[:4])
         raise DoubleRelease(f"requests {names}: the same request is released twice")
-
-    def _pages_per_row(self, start: IntArray, stop: IntArray) -> IntArray:
-        p = self._token_pool.page_size
-        pages: IntArray = np.maximum(-(-stop // p) - -(-start // p), 0)
-        return pages
 
     def _name(self, slot: int) -> str:
         holder = self._holders.get(slot)
@@ -465,15 +467,17 @@ class DeferredReleases:
     def __init__(self, allocator: KvAllocator) -> None:
         self._allocator = allocator
         self._pending: list[tuple[int, Req]] = []
+        self._waiting: set[Req] = set()  # the requests of ``_pending`` (a Req hashes by identity)
         self._oldest = _NEVER  # the smallest batch id in _pending
         # Quarantined: requests of an abandoned forward, released once ``until()`` is true.
         self._held: list[tuple[Callable[[], bool], Req]] = []
 
     def defer(self, req: Req, *, until_batch: int) -> None:
         """Release ``req`` when batch ``until_batch`` retires."""
-        if any(r is req for _, r in self._pending):
+        if req in self._waiting:
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._pending.append((until_batch, req))
+        self._waiting.add(req)
         self._oldest = min(self._oldest, until_batch)
 
     def hold(self, req: Req, *, until: Callable[[], bool]) -> None:
@@ -482,7 +486,7 @@ class DeferredReleases:
         For the requests of a forward the engine abandoned (a timeout): the forward may still
         write their pages, so they are not reused until its stream is past it (maybe never).
         """
-        if any(r is req for _, r in self._pending) or any(r is req for _, r in self._held):
+        if req in self._waiting or any(r is req for _, r in self._held):
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._held.append((until, req))
 
@@ -510,6 +514,7 @@ class DeferredReleases:
         due = [r for b, r in self._pending if b <= retired_batch]
         released = self._allocator.release_many(due)
         self._pending = [(b, r) for b, r in self._pending if b > retired_batch]
+        self._waiting.difference_update(due)
         self._oldest = min((b for b, _ in self._pending), default=_NEVER)
         return released
 

@@ -50,6 +50,8 @@ Indices = Tensor | IntArray
 
 def host_index(values: Indices) -> IntArray:
     """``values`` as a 1-D int64 host array (no copy for a CPU int64 tensor or array)."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the hot path: already one (a contiguous copy is not needed to index)
     if isinstance(values, Tensor):
         values = values.detach().to("cpu", _I64).numpy()
     return np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
@@ -61,6 +63,11 @@ def has_duplicates(values: IntArray) -> bool:
         return False
     ordered = np.sort(values)
     return bool((ordered[1:] == ordered[:-1]).any())
+
+
+_FEW_ROWS = 16
+"""Up to this many rows, `free_rows` slices the table row by row (fewer operations than the
+vectorized expansion, which wins for a larger batch of releases)."""
 
 
 def _ceil_page(x: IntArray, p: int) -> IntArray:
@@ -103,7 +110,8 @@ class ReqToTokenPool:
     _generation: IntArray = attrs.field(repr=False)
     _request_ids: list[str | None] = attrs.field(repr=False)
     _in_use: npt.NDArray[np.bool_] = attrs.field(repr=False)  # [max_requests + 1], host
-    _last_page: IntArray = attrs.field(repr=False)  # page of each row's last mapped position
+    # The page of a row's last mapped position, for rows whose length ends inside a page.
+    _last_page: IntArray = attrs.field(repr=False)
     _table_host: IntArray = attrs.field(repr=False)  # flat host copy (a view on the host CPU)
     _mirrored: bool = attrs.field(repr=False)  # the table is a separate (device) tensor
 
@@ -192,28 +200,30 @@ class ReqToTokenPool:
         gens = np.fromiter((h.generation for h in handles), dtype=np.int64, count=len(handles))
         self.free_slots(slots, gens)
 
-    def free_slots(self, slots: IntArray, gens: IntArray) -> None:
+    def free_slots(self, slots: IntArray, gens: IntArray, *, distinct: bool = False) -> None:
         """Free the handles ``(slots[i], gens[i])`` with a fixed number of array operations.
 
-        All are checked first (in use, current generation, no slot twice), so a bad handle
-        frees nothing: `DoubleRelease` names it.
+        All are checked first (in use, current generation, no slot twice: ``distinct`` says
+        the caller already checked that none repeats), so a bad handle frees nothing:
+        `DoubleRelease` names it.
         """
         if slots.size == 0:
             return
-        in_range = (slots >= 1) & (slots <= self.max_requests)
-        ok = in_range.all() and not has_duplicates(slots)
+        listed = slots.tolist()
+        ok = min(listed) >= 1 and max(listed) <= self.max_requests
+        ok = ok and (distinct or len(set(listed)) == len(listed))
         if not (ok and self._in_use[slots].all() and (self._generation[slots] == gens).all()):
-            for s, g in zip(slots.tolist(), gens.tolist(), strict=True):
+            for s, g in zip(listed, gens.tolist(), strict=True):
                 if not self.is_current(SlotHandle(s, g)):
                     self.free(SlotHandle(s, g))  # raises DoubleRelease naming the slot
-            raise DoubleRelease(f"request slots {slots.tolist()}: a slot is freed twice")
+            raise DoubleRelease(f"request slots {listed}: a slot is freed twice")
         self._generation[slots] += 1
         self._in_use[slots] = False
         self._last_page[slots] = 0
         ids = self._request_ids
-        for slot in slots.tolist():
+        for slot in listed:
             ids[slot] = None
-        self._free_slots.extend(slots.tolist())
+        self._free_slots.extend(listed)
 
     def snapshot(self) -> ReqToTokenPoolSnapshot:
         """Frozen slot statistics."""
@@ -349,8 +359,8 @@ class TokenSlotAllocator:
                 )
             if has_duplicates(pages):
                 raise DoubleRelease(f"the same page appears twice in one free: {pages.tolist()}")
-        already = pages[self._is_free[pages]]
-        if already.size:
+        if np.count_nonzero(self._is_free[pages]):
+            already = pages[self._is_free[pages]]
             raise DoubleRelease(f"free of {already.size} already free pages: {already.tolist()}")
         self._free_stack[self._top : self._top + n] = pages
         self._top += n
@@ -463,6 +473,15 @@ def grow_rows(
         req_pool._check_rows(s, c, n)
         _check_tail_pages(req_pool, allocator, s, c)
     counts = n - c
+    if p == 1:  # every position is a new page, taken in row order
+        num_new = int(counts.sum())
+        pages = allocator.take_pages(num_new)  # raises before any change
+        if num_new:
+            # Row b's positions [c, n) are flat [base_b + c_b, ...): one repeat and one range.
+            ends = np.cumsum(counts)
+            first = s * req_pool.row_width + c - (ends - counts)
+            _store(req_pool, np.repeat(first, counts) + np.arange(num_new), pages)
+        return num_new
     grows = counts > 0
     if not grows.all():  # rows with nothing to map take no part
         s, c, n, counts = s[grows], c[grows], n[grows], counts[grows]
@@ -472,40 +491,69 @@ def grow_rows(
     pages = allocator.take_pages(num_new)  # raises before any change
     if s.size == 0:
         return 0
-    if p > 1 and not np.count_nonzero((c % p) | (n % p)):
-        # Whole pages only (every decode reservation): expand per page, not per position.
-        _map_whole_pages(req_pool, s, c, n_new, pages, p)
+    if not np.count_nonzero(n % p):
+        # A decode reservation ends on a page boundary: whole new pages, and the rest of the
+        # started page of the rows that just prefilled.
+        tails = np.flatnonzero(c % p)
+        _map_pages_to_boundary(req_pool, s, c, first_new, n_new, pages, tails, p)
         return num_new
     rows, j, starts = _expand(counts)
     pos = c[rows] + j
-    if p == 1:  # every position is a new page, taken in row order
-        values = pages
-    else:
-        k = (pos - first_new[rows]) // p + (np.cumsum(n_new) - n_new)[rows]
-        fresh = pos >= first_new[rows]
-        page = np.where(
-            fresh,
-            pages[np.clip(k, 0, max(num_new - 1, 0))] if num_new else 0,
-            req_pool._last_page[s][rows],
-        )
-        values = page * p + pos % p
+    k = (pos - first_new[rows]) // p + (np.cumsum(n_new) - n_new)[rows]
+    fresh = pos >= first_new[rows]
+    page = np.where(
+        fresh,
+        pages[np.clip(k, 0, max(num_new - 1, 0))] if num_new else 0,
+        req_pool._last_page[s][rows],
+    )
+    values = page * p + pos % p
     flat = (s * req_pool.row_width)[rows] + pos
     _store(req_pool, flat, values)
     req_pool._last_page[s] = values[starts + counts - 1] // p
     return num_new
 
 
-def _map_whole_pages(
-    req_pool: ReqToTokenPool, s: IntArray, c: IntArray, n_new: IntArray, pages: IntArray, p: int
+def _map_pages_to_boundary(
+    req_pool: ReqToTokenPool,
+    s: IntArray,
+    c: IntArray,
+    first_new: IntArray,
+    n_new: IntArray,
+    pages: IntArray,
+    tails: IntArray,
+    p: int,
 ) -> None:
-    """Map ``n_new[i]`` whole new pages after the page-aligned position ``c[i]`` of row ``s[i]``."""
-    rows, k, starts = _expand(n_new)  # one item per new page
-    first = (s * req_pool.row_width + c)[rows] + k * p  # flat index of each page's first slot
-    offsets = np.arange(p, dtype=np.int64)
-    _store(
-        req_pool, (first[:, None] + offsets).reshape(-1), (pages[:, None] * p + offsets).reshape(-1)
-    )
-    req_pool._last_page[s] = pages[starts + n_new - 1]
+    """Map ``n_new[i]`` whole new pages from the page boundary ``first_new[i]`` of row ``s[i]``,
+    and, for the rows ``tails``, positions ``[c, first_new)`` of the page they started.
+
+    The new pages are taken in row order and fill each row's positions in order, so the
+    values are the pages' slots in order: one repeat and one range for the positions. The
+    started pages' positions are expanded the same way (a fixed number of operations).
+    """
+    width = req_pool.row_width
+    flat_parts, value_parts = [], []
+    num_new = pages.size
+    if num_new:
+        counts = n_new * p
+        ends = np.cumsum(counts)
+        first = s * width + first_new - (ends - counts)
+        flat_parts.append(np.repeat(first, counts) + np.arange(num_new * p))
+        value_parts.append((pages[:, None] * p + np.arange(p)).reshape(-1))
+    if tails.size:  # rows whose prefill ended inside a page: the rest of that page first
+        ts, tc, tf = s[tails], c[tails], first_new[tails]
+        counts = tf - tc
+        ends = np.cumsum(counts)
+        offset = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+        flat_parts.append(np.repeat(ts * width + tc, counts) + offset)
+        value_parts.append(np.repeat(req_pool._last_page[ts] * p + tc % p, counts) + offset)
+    if not flat_parts:
+        return
+    flat = flat_parts[0] if len(flat_parts) == 1 else np.concatenate(flat_parts)
+    values = value_parts[0] if len(value_parts) == 1 else np.concatenate(value_parts)
+    # NOTE: the last-page mirror is not updated: every row now ends on a page boundary, and
+    # the mirror is read only for a row that ends inside a page, which only the
+    # position-by-position path leaves (and sets).
+    _store(req_pool, flat, values)
 
 
 def _store(req_pool: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
@@ -545,11 +593,18 @@ def free_rows(
     s, lo, hi = host_index(slots), host_index(start), host_index(stop)
     if validate:
         req_pool._check_rows(s, lo, hi)
-    first = _ceil_page(lo, p) // p
-    end = _ceil_page(hi, p) // p
-    rows, j, _ = _expand(np.maximum(end - first, 0))
-    flat = (s * req_pool.row_width)[rows] + (first[rows] + j) * p
-    pages = req_pool._table_host[flat] // p
+    first = _ceil_page(lo, p)
+    table, width = req_pool._table_host, req_pool.row_width
+    if s.size <= _FEW_ROWS:  # a few finished requests: one slice of the table per row
+        parts = [
+            table[row * width + a : row * width + b : p]
+            for row, a, b in zip(s.tolist(), first.tolist(), hi.tolist(), strict=True)
+        ]
+        slots_held = np.concatenate(parts) if parts else table[:0]
+    else:
+        rows, j, _ = _expand(np.maximum((_ceil_page(hi, p) - first) // p, 0))
+        slots_held = table[(s * width + first)[rows] + j * p]
+    pages = slots_held if p == 1 else slots_held // p
     allocator.free_pages(pages, validate=validate)
     return int(pages.size)
 

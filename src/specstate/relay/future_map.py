@@ -27,8 +27,10 @@ unchanged since the previous round) returns the pending tensors themselves: no s
 gather, whatever the batch size. Writes and reads that bring the host copy of their indices
 (``host=``, as the engine's do) go further: a read takes each row from the write that holds
 its slot's latest value, so a persistent batch whose rows stay in place when members leave and
-join reads its unchanged rows from the previous round's tensor (one copy) and only the changed
-rows from elsewhere. Every read sees exactly what eager writes would have left in the buffers.
+join reads its unchanged rows from the previous round's tensor (one gather) and only the joined
+rows from elsewhere. Every read sees exactly what eager writes would have left in the buffers,
+except at the slots of requests that left a persistent batch: no one reads those before their
+next holder writes them (`specstate.relay.write_log`).
 Written tensors are owned by the map once written (the worker's result contract), and the map
 never writes them, so sharing them is safe.
 
@@ -72,7 +74,7 @@ _Write = Callable[[], None]
 
 def _cast_like(value: torch.Tensor | None, buf: torch.Tensor | None) -> torch.Tensor | None:
     """``value`` in the dtype a buffer read would have returned (a no-op when it matches)."""
-    if value is None or buf is None:
+    if value is None or buf is None or value.dtype is buf.dtype:
         return value
     return value.to(buf.dtype)
 
@@ -160,6 +162,8 @@ class FutureMapSnapshot:
     num_stashes: int
     num_fence_waits: int
     num_host_mirrors: int
+    num_kept_writes: int = 0
+    """Writes kept by reference now (both logs): what a read may still build rows from."""
 
 
 class FutureMap:
@@ -216,7 +220,8 @@ class FutureMap:
             return
         self._num_publishes += 1
         if stream is None:
-            self._publish_event = self._wait(self._publish_event)
+            if self._publish_event is not None:
+                self._publish_event = self._wait(self._publish_event)
             self._lens_log.keep(
                 indices, (new_seq_lens,), None if self._debug else host, self._lens_bufs()
             )
@@ -261,14 +266,13 @@ class FutureMap:
             raise RelayError("stash: topk_p and topk_index must be given together")
         if indices.numel() == 0:
             return
-        extras = (self._topk_p, self._topk_index, self._hidden)
-        self._ensure_extras(payload, indices.shape[0])  # on the host: errors raise here
-        self._num_stashes += 1
-        if extras != (self._topk_p, self._topk_index, self._hidden):
+        if self._ensure_extras(payload, indices.shape[0]):  # on the host: errors raise here
             # A new buffer: kept writes would lack it, so they go to the buffers first.
             self._payload_log.flush(self._payload_bufs())
+        self._num_stashes += 1
         if stream is None:
-            self._stash_event = self._wait(self._stash_event)
+            if self._stash_event is not None:
+                self._stash_event = self._wait(self._stash_event)
             values = (payload.bonus_tokens, payload.topk_p, payload.topk_index,
                       payload.hidden_states)  # fmt: skip
             if self._covers(payload):
@@ -321,14 +325,16 @@ class FutureMap:
         self._check_indices(indices, indices.shape, "resolve_forward_inputs")
         if indices.numel() > 0:
             event, self._stash_event = self._stash_event, None
-            self._stash_event = self._wait(event)
-            self._consume(self._stashed, indices, "stash")
+            if event is not None:
+                self._stash_event = self._wait(event)
+            if self._debug:
+                self._consume(self._stashed, indices, "stash")
         bonus, topk_p, topk_index, hidden = self._read(
             self._payload_log, indices, patch, self._payload_bufs()
         )
         assert bonus is not None  # the bonus buffer always exists
         return ForwardInputs(
-            bonus_tokens=bonus.to(torch.int64),
+            bonus_tokens=bonus if bonus.dtype is torch.int64 else bonus.to(torch.int64),
             topk_p=_cast_like(topk_p, self._topk_p),
             topk_index=_cast_like(topk_index, self._topk_index),
             hidden_states=_cast_like(hidden, self._hidden),
@@ -371,6 +377,7 @@ class FutureMap:
             num_stashes=self._num_stashes,
             num_fence_waits=self._num_fence_waits,
             num_host_mirrors=self._num_host_mirrors,
+            num_kept_writes=self._lens_log.num_entries + self._payload_log.num_entries,
         )
 
     def _buffer(self, row: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -420,9 +427,11 @@ class FutureMap:
 
     def _covers(self, payload: RelayPayload) -> bool:
         """True when ``payload`` carries every extra the buffers hold (a read needs no buffer)."""
-        extras = (payload.topk_p, payload.topk_index, payload.hidden_states)
-        bufs = (self._topk_p, self._topk_index, self._hidden)
-        return all(b is None or e is not None for b, e in zip(bufs, extras, strict=True))
+        return (
+            (self._topk_p is None or payload.topk_p is not None)
+            and (self._topk_index is None or payload.topk_index is not None)
+            and (self._hidden is None or payload.hidden_states is not None)
+        )
 
     def _lens_bufs(self) -> tuple[torch.Tensor]:
         return (self._new_seq_lens,)
@@ -454,11 +463,13 @@ class FutureMap:
     def _gather_seq_lens(self, indices: torch.Tensor, patch: RowPatch | None) -> torch.Tensor:
         if indices.numel() > 0:  # an empty set has nothing to wait for
             event, self._publish_event = self._publish_event, None
-            self._publish_event = self._wait(event)
-            self._consume(self._published, indices, "publish")
+            if event is not None:
+                self._publish_event = self._wait(event)
+            if self._debug:
+                self._consume(self._published, indices, "publish")
         (seq_lens,) = self._read(self._lens_log, indices, patch, self._lens_bufs())
         assert seq_lens is not None
-        return seq_lens.to(torch.int64)
+        return seq_lens if seq_lens.dtype is torch.int64 else seq_lens.to(torch.int64)
 
     def _consume(self, marks: torch.Tensor, indices: torch.Tensor, writer: str) -> None:
         if not self._debug:
@@ -492,15 +503,24 @@ class FutureMap:
         if self._debug:
             self._stashed[indices.cpu()] = True
 
-    def _ensure_extras(self, payload: RelayPayload, n: int) -> None:
-        # Validate every extra before creating any buffer: a refused stash changes nothing.
+    def _ensure_extras(self, payload: RelayPayload, n: int) -> bool:
+        """Validate the payload's extras against the buffers; True if a buffer was created.
+
+        Every extra is validated before any buffer is created: a refused stash changes nothing.
+        """
         topk_p, topk_index, hidden = self._topk_p, self._topk_index, self._hidden
         if payload.topk_p is not None and payload.topk_index is not None:
             topk_p = self._extra(topk_p, payload.topk_p, n, torch.float32, "topk_p")
             topk_index = self._extra(topk_index, payload.topk_index, n, torch.int64, "topk_index")
         if (h := payload.hidden_states) is not None:
             hidden = self._extra(hidden, h, n, h.dtype, "hidden_states")
+        created = (
+            topk_p is not self._topk_p
+            or topk_index is not self._topk_index
+            or hidden is not self._hidden
+        )
         self._topk_p, self._topk_index, self._hidden = topk_p, topk_index, hidden
+        return created
 
     def _extra(
         self, buf: torch.Tensor | None, value: torch.Tensor, n: int, dtype: torch.dtype, name: str

@@ -117,8 +117,7 @@ class ForwardIsolation:
         tb: TracebackType | None,
     ) -> None:
         try:
-            for name, value in self._bindings.items():
-                setattr(self._batch, name, value)
+            self._batch.restore_fields(self._bindings)
         finally:
             self._state = "closed"
             self._isolator._release(self._batch)

@@ -9,12 +9,16 @@ lives, without scattering anything::
 
     entry 7 (decode round N)   rows [A B C D]      stamps A,B,C,D -> 7
     entry 8 (prefill of F)     rows [F]            stamp F -> 8
-    read for round N+1         rows [A B F D]      = entry 7's tensor, copied, row 2 <- entry 8
+    read for round N+1         rows [A B F D]      = entry 7's rows [0 1 _ 3], row 2 <- entry 8
 
 So the persistent running batch (rows stay in place, `specstate.engine.decode_rows`) reads its
 unchanged rows from the previous round's tensor and only the changed rows from elsewhere: the
-cost is one contiguous copy plus work proportional to the change; with no change at all the
-read returns the written tensor itself (no copy). Entries are dropped oldest first beyond
+cost is one gather per tensor plus one write of the joined rows into it; with no change at all
+the read returns the written tensor itself (no copy). The slots of requests that left the batch
+(`RowPatch.departed_host`) are *dead*: their request ended or was retracted, and a slot's next
+holder writes it (its prefill) before anything reads it; the read that patches them out only
+clears their stamps, so the entry that held them is dropped without a scatter once a later
+write supersedes its other rows. Entries are dropped oldest first beyond
 ``max_entries``; dropping one scatters only its rows that no later write superseded.
 
 A write without host indices is *unstamped*: the log first moves every earlier entry into the
@@ -26,8 +30,8 @@ write order, would have left in the buffers.
 Written tensors are never written by the log (a read that changes rows copies first), so the
 worker's tensors, the batch that read them and the result that carries them stay as they are.
 
-Invariant: for every slot, ``stamp[slot] > 0`` iff its latest write is a stamped entry still in
-the log, and that entry's row ``row[slot]`` holds the value; otherwise the buffers hold it.
+Invariant: for every slot that is not dead, ``stamp[slot] > 0`` iff its latest write is a
+stamped entry still in the log, and that entry holds the value; otherwise the buffers hold it.
 """
 
 from __future__ import annotations
@@ -50,32 +54,31 @@ class RowPatch:
     """How a persistent batch's index derives from the previous round's, for the relay.
 
     Built by the scheduler when it builds the batch (so the device tensors are there before
-    the launch, which copies nothing from the host). The new index equals ``base``'s first
-    rows except at ``rows``: the first ``num_moved`` of them copy ``base`` rows
-    ``moved_from``; the rest hold the ``joined`` slots.
+    the launch, which copies nothing from the host). Row ``i`` of the new index reads row
+    ``gather[i]`` of the previous round's write, except the rows ``joined_rows``, which read
+    the joined slots' own values.
 
     Attributes:
         base: the previous round's index tensor (the relay's write for it is the source).
         host: the new index, on the host.
-        rows: ``[k]`` device: the rows that differ from ``base`` (moved first, then joined).
-        rows_host: ``rows`` on the host.
-        num_moved: how many of ``rows`` moved within the batch (condense).
-        moved_from: ``[num_moved]`` device: the ``base`` rows they copy.
-        joined: ``[k - num_moved]`` device: the slots of the requests that joined.
+        gather: ``[n]`` device: the ``base`` row each new row reads (any row for a joined
+            one); None when nothing changed but rows left at the end (the new rows are the
+            first ``n`` of ``base``).
+        kept_host: the slots of the rows that read the write of ``base`` (host).
+        joined_rows: ``[j]`` device: the rows whose request joined.
+        joined: ``[j]`` device: their slots.
         joined_host: ``joined`` on the host.
-        departed: ``[d]`` device: ``base`` rows whose request left.
-        departed_host: ``departed`` on the host.
+        departed_host: the slots of ``base`` rows whose request left: their relayed values
+            are dead (a slot's next holder writes before anything reads it).
     """
 
     base: torch.Tensor
     host: IntArray
-    rows: torch.Tensor
-    rows_host: IntArray
-    num_moved: int
-    moved_from: torch.Tensor
+    gather: torch.Tensor | None
+    kept_host: IntArray
+    joined_rows: torch.Tensor
     joined: torch.Tensor
     joined_host: IntArray
-    departed: torch.Tensor
     departed_host: IntArray
 
 
@@ -132,7 +135,11 @@ class WriteLog:
         self._entries.append(entry)
         if host is not None:
             self._stamp[host] = entry.seq
-            self._drop_superseded()
+            entries = self._entries
+            if len(entries) == 2 and entries[0].host is host:
+                del entries[0]  # the same rows as the previous write (a steady batch): all new
+            else:
+                self._drop_superseded()
         while len(self._entries) > self._max_entries:
             self._drop_oldest(buffers)
 
@@ -175,50 +182,60 @@ class WriteLog:
         """The latest values of ``indices``, built from the write of ``patch.base``.
 
         Rows that kept their place or moved come from that write; joined rows from wherever
-        their slot's latest value lives. Falls back to `read` when the stamps show that a
-        later write touched a kept row (a mixed batch's tails, say).
+        their slot's latest value lives: one gather per buffer, and one write of the joined
+        rows into the new tensor. Falls back to `read` when the stamps show that a later write
+        touched a kept row (a mixed batch's tails, say).
         """
         newest = self.newest()
+        n = patch.host.size
         if (
             newest is not None
             and newest.indices is patch.base
-            and not patch.rows_host.size
-            and newest.size == patch.host.size
+            and patch.gather is None
+            and newest.size == n
         ):
             return newest.values  # unchanged rows, nothing written since: by reference
-        base = next((e for e in reversed(self._entries) if e.indices is patch.base), None)
+        entries = self._entries
+        at = next(
+            (i for i in range(len(entries) - 1, -1, -1) if entries[i].indices is patch.base), -1
+        )
+        base = entries[at] if at >= 0 else None
         if base is None or base.host is None:
             return self.read(indices, patch.host, buffers)
-        n = patch.host.size
-        kept = np.ones(n, dtype=np.bool_)
-        kept[patch.rows_host[patch.num_moved :]] = False
-        if np.count_nonzero(self._stamp[patch.host[kept]] != base.seq):
+        joined, own_write = None, False
+        if patch.joined_host.size:
+            joined, own_write = self._joined_values(patch, buffers)
+        # The kept rows' latest values are base's unless a later write touched them: nothing
+        # was written since but the joiners' own write, else their stamps say.
+        later = len(entries) - 1 - at
+        untouched = later == 0 or (later == 1 and own_write)
+        if not untouched and np.count_nonzero(self._stamp[patch.kept_host] != base.seq):
             return self.read(indices, None, buffers)
-        joined = self._joined_values(patch, buffers)
+        if joined is not None and any(
+            (v is None) != (j is None) for v, j in zip(base.values, joined, strict=True)
+        ):
+            return self.read(indices, None, buffers)  # the joiners' write lacks an extra
+        gather = patch.gather
         values: list[torch.Tensor | None] = []
         for k, value in enumerate(base.values):
-            if value is None:
-                values.append(None)
+            if value is None or gather is None:
+                values.append(value if value is None or n == base.size else value[:n])
                 continue
-            if patch.rows_host.size == 0:
-                values.append(value if n == base.size else value[:n])
-                continue
-            moved = value.index_select(0, patch.moved_from)
-            more = joined[k]
-            src = moved if more is None else torch.cat([moved, more.to(value.dtype)])
-            if n <= value.shape[0]:
-                fresh = value[:n].clone()
-            else:
-                fresh = value.new_empty((n, *value.shape[1:]))
-                fresh[: value.shape[0]] = value
-            values.append(fresh.index_copy_(0, patch.rows, src))
-        self._retire_departed(base, patch, buffers)
+            fresh = value.index_select(0, gather)
+            if joined is not None:
+                more = joined[k]
+                assert more is not None  # checked above
+                # A new tensor, not shared yet: written in place.
+                fresh.index_copy_(0, patch.joined_rows, more.to(fresh.dtype))
+            values.append(fresh)
+        self._forget_departed(base, patch)
         return tuple(values)
 
-    def _joined_values(self, patch: RowPatch, buffers: Sequence[torch.Tensor | None]) -> Values:
-        """Each joined slot's latest value: the buffers, then kept writes in write order."""
-        if patch.joined_host.size == 0:
-            return tuple(None for _ in buffers)
+    def _joined_values(
+        self, patch: RowPatch, buffers: Sequence[torch.Tensor | None]
+    ) -> tuple[Values, bool]:
+        """Each joined slot's latest value: the buffers, then kept writes in write order; and
+        whether they are exactly the newest write (the joiners' prefill), in order."""
         stamps = self._stamp[patch.joined_host]
         entry = self._entries[-1] if self._entries else None
         if (
@@ -228,7 +245,7 @@ class WriteLog:
             and not np.count_nonzero(stamps != entry.seq)
             and np.array_equal(entry.host, patch.joined_host)
         ):
-            return entry.values  # the joiners' own write (their prefill), in their order
+            return entry.values, True  # the joiners' own write (their prefill), in their order
         sources = np.unique(stamps).tolist()
         out: list[torch.Tensor | None] = (
             list(_gather(buffers, patch.joined)) if sources[0] == 0 else [None] * len(buffers)
@@ -250,21 +267,14 @@ class WriteLog:
                 else:
                     cond = hit.view(-1, *([1] * (got.dim() - 1)))
                     out[k] = torch.where(cond, got.to(prev.dtype), prev)
-        return tuple(out)
+        return tuple(out), False
 
-    def _retire_departed(
-        self, base: _Entry, patch: RowPatch, buffers: Sequence[torch.Tensor | None]
-    ) -> None:
-        """Move the rows of requests that left into the buffers, so ``base`` can be dropped
-        once the next write supersedes its kept rows (a few rows, not the batch)."""
-        if patch.departed_host.size == 0 or base.host is None:
-            return
-        departed = base.indices.index_select(0, patch.departed)
-        _scatter(buffers, departed, tuple(
-            None if v is None else v.index_select(0, patch.departed) for v in base.values
-        ))  # fmt: skip
-        slots = base.host[patch.departed_host]
-        self._stamp[slots[self._stamp[slots] == base.seq]] = 0
+    def _forget_departed(self, base: _Entry, patch: RowPatch) -> None:
+        """The slots of requests that left stop pointing at ``base``: their values are dead,
+        so ``base`` is dropped without a scatter once the next write supersedes its kept rows."""
+        slots = patch.departed_host
+        if slots.size:
+            self._stamp[slots[self._stamp[slots] == base.seq]] = 0
 
     # ---------------------------------------------------------------- helpers
     def discard_newest(self) -> None:
