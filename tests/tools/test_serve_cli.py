@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate import Engine, EngineConfig, Grammar, RequestLimits, SamplingParams
 from specstate.memory.planning import kv_layouts, kv_tokens_for_budget
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
@@ -117,11 +117,12 @@ def test_serve_builds_the_engine_generate_flags_describe(
     assert capsys.readouterr().err.startswith(bought)
 
 
-def _docs_curl(port: int) -> list[str]:
-    """The curl command of docs/serving.md, pointed at ``port``."""
+def _docs_curls(port: int) -> list[list[str]]:
+    """The curl commands of docs/serving.md (plain, structured), pointed at ``port``."""
     text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
-    (line,) = re.findall(r"^\$ (curl .*)$", text, re.M)
-    return shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+    lines = re.findall(r"^\$ (curl .*)$", text, re.M)
+    assert len(lines) == 2, lines
+    return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
 
 
 def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
@@ -139,8 +140,9 @@ def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/usr/bin/curl").exists(), reason="needs curl")
-def test_serve_on_a_fresh_install_answers_the_docs_curl() -> None:
-    """`specstate serve` (embedded model) answers docs/serving.md's curl exactly; Ctrl-C exits 0."""
+def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
+    """`specstate serve` (embedded model) answers docs/serving.md's curls exactly (the structured
+    one with a JSON object, as `Engine` emits it under that grammar); Ctrl-C exits 0."""
     port = _free_port()
     server = subprocess.Popen(
         [*CLI, "serve", "--algorithm", "draft_model", "--port", str(port), "--threads", "1"],
@@ -151,15 +153,16 @@ def test_serve_on_a_fresh_install_answers_the_docs_curl() -> None:
     )
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server)
-        out = subprocess.run(
-            _docs_curl(port), capture_output=True, text=True, check=True, timeout=BOUND_S
+        plain, structured = (
+            subprocess.run(curl, capture_output=True, text=True, check=True, timeout=BOUND_S)
+            for curl in _docs_curls(port)
         )
     finally:
         server.send_signal(signal.SIGINT)
         _, stderr = server.communicate(timeout=BOUND_S)
     assert server.returncode == 0, stderr
     assert "specstate-embedded (bytes codec)" in stderr
-    answer = json.loads(out.stdout)
+    answer, constrained = json.loads(plain.stdout), json.loads(structured.stdout)
     worker = default_registry().create(
         "draft_model",
         target=embedded.target_dir(),
@@ -168,12 +171,23 @@ def test_serve_on_a_fresh_install_answers_the_docs_curl() -> None:
         dtype=torch.float32,
     )
     limits = RequestLimits(
-        vocab_size=embedded.VOCAB_SIZE, max_context_len=1024, eos_token_ids={embedded.EOS_ID}
+        vocab_size=embedded.VOCAB_SIZE,
+        max_context_len=1024,
+        eos_token_ids={embedded.EOS_ID},
+        grammar_vocabulary=embedded.grammar_vocabulary(),
     )
     with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=4096)) as engine:
         prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    ")]
         req = engine.submit("d", prompt, SamplingParams(max_new_tokens=16))
+        as_object = SamplingParams(
+            max_new_tokens=32, grammar=Grammar.json_schema({"type": "object"})
+        )
+        obj = engine.submit("o", [embedded.BOS_ID, *embedded.encode("x = ")], as_object)
         engine.run_until_idle()
     assert answer["model"] == "specstate-embedded"
     assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
     assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)
+    choice = constrained["choices"][0]
+    assert choice["token_ids"] == list(obj.emitted_ids)
+    assert choice["finish_reason"] == "stop"
+    assert isinstance(json.loads(choice["text"]), dict), choice["text"]
