@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
+import torch
 
 from specstate.tools import host_workload as wl
 from specstate.tools.bench_host import HostSettings, host_benchmark
@@ -46,3 +50,43 @@ def test_a_small_run_reports_and_checks_every_finish(workload: str, page_size: i
         assert row["total_us_best_repeat_median"] == min(row["total_us_median_per_repeat"])
         assert (row["finished_requests"] > 0) == (workload == "churn" and row["bs"] == 6)
         assert len(row["workload_digest"]) == 16
+
+
+def test_device_work_is_modelled_as_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `req_to_token` store, every gathered relay buffer and every scatter of joined rows
+    costs exactly one modelled launch, and nothing else spins; the functions are back in
+    place after the run."""
+    import specstate.memory.pools as pools
+    import specstate.relay.write_log as write_log
+    from specstate.tools import bench_host
+
+    launches = {"store": 0, "gather": 0, "patch": 0}
+    store, gather, patch_rows = pools._store, write_log._gather, write_log._patch_rows
+
+    def counted_store(*args: Any) -> None:
+        launches["store"] += 1
+        store(*args)
+
+    def counted_gather(buffers: Sequence[torch.Tensor | None], indices: torch.Tensor) -> Any:
+        launches["gather"] += sum(b is not None for b in buffers)
+        return gather(buffers, indices)
+
+    def counted_patch(*args: Any) -> torch.Tensor:
+        launches["patch"] += 1 + (args[3] is not None)
+        return patch_rows(*args)
+
+    monkeypatch.setattr(pools, "_store", counted_store)
+    monkeypatch.setattr(write_log, "_gather", counted_gather)
+    monkeypatch.setattr(write_log, "_patch_rows", counted_patch)
+    spins: list[int] = []
+    monkeypatch.setattr(bench_host, "_spin", spins.append)
+    settings = HostSettings(
+        workload="churn", page_sizes=(1,), batch_sizes=(6,), iters=30, warmup=2, repeats=1,
+        launch_us=7.0,
+    )  # fmt: skip
+    host_benchmark(settings)
+    assert launches["store"] > 0 and launches["patch"] > 0  # churned rounds patch the relay
+    assert set(spins) == {7000}
+    assert len(spins) == sum(launches.values())
+    assert pools._store is counted_store
+    assert (write_log._gather, write_log._patch_rows) == (counted_gather, counted_patch)

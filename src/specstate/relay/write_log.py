@@ -221,13 +221,8 @@ class WriteLog:
             if value is None or gather is None:
                 values.append(value if value is None or n == base.size else value[:n])
                 continue
-            fresh = value.index_select(0, gather)
-            if joined is not None:
-                more = joined[k]
-                assert more is not None  # checked above
-                # A new tensor, not shared yet: written in place.
-                fresh.index_copy_(0, patch.joined_rows, more.to(fresh.dtype))
-            values.append(fresh)
+            more = None if joined is None else joined[k]
+            values.append(_patch_rows(value, gather, patch.joined_rows, more))
         self._forget_departed(base, patch)
         return tuple(values)
 
@@ -312,4 +307,16 @@ def _scatter(buffers: Sequence[torch.Tensor | None], indices: torch.Tensor, valu
 
 
 def _gather(buffers: Sequence[torch.Tensor | None], indices: torch.Tensor) -> Values:
+    """Device work: one gather per buffer."""
     return tuple(None if buf is None else buf[indices] for buf in buffers)
+
+
+def _patch_rows(
+    value: torch.Tensor, gather: torch.Tensor, rows: torch.Tensor, joined: torch.Tensor | None
+) -> torch.Tensor:
+    """Device work: ``value``'s rows at ``gather``, then ``joined`` written at ``rows`` (into
+    the new tensor, not shared yet); one gather and at most one scatter."""
+    fresh = value.index_select(0, gather)
+    if joined is not None:
+        fresh.index_copy_(0, rows, joined.to(fresh.dtype))
+    return fresh

@@ -11,11 +11,15 @@ The workloads (`specstate.tools.host_workload`): **churned** (default; requests 
 inside accepted runs or on their cap, and new ones join every round at a steady batch size)
 and **steady** (nobody finishes). Joiners' prefill runs in an untimed step between rounds.
 
-Device work is modelled the same way on both sides of a comparison: every torch operation
-runs (on the CPU) inside the timed region, and every write into ``req_to_token`` — a kernel
-launch on a GPU — costs a fixed ``launch_us`` (a spin), as each of the peer's Triton kernels
-does in its harness. glibc's allocator thresholds are set at start (``mallopt``), the same
-values the peer harness sets, because allocator state changes host figures severalfold.
+Device work is modelled the same way on both sides of a comparison: every write into
+``req_to_token`` — a kernel launch on a GPU — costs a fixed ``launch_us`` (a spin), as each of
+the peer's Triton kernels does in its harness; the relay's gathers of the stashed payload
+(`specstate.relay.write_log`'s ``_gather`` and ``_patch_rows``: on a GPU, kernels over device
+tensors, as the peer's fused ``gather_spec_extras`` kernel is) do their work untimed and cost
+one ``launch_us`` per gather and per scatter, where the peer's fused kernel costs one for all
+four buffers. Every other torch operation runs (on the CPU) inside the timed region. glibc's
+allocator thresholds are set at start (``mallopt``), the same values the peer harness sets,
+because allocator state changes host figures severalfold.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import math
 import platform
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -34,6 +39,7 @@ import torch
 
 import specstate
 import specstate.memory.pools as pools
+import specstate.relay.write_log as write_log
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
@@ -79,6 +85,30 @@ def set_allocator(settings: HostSettings) -> bool:
         return False
     ok = mallopt(M_MMAP_THRESHOLD, settings.mmap_threshold) == 1
     return bool(ok and mallopt(M_TRIM_THRESHOLD, settings.trim_threshold) == 1)
+
+
+UNCHARGED = [0, 0]
+"""Wall and CPU ns inside the timed region that the round is not charged: the modelled device
+work's own time (its launches are charged)."""
+
+
+def _device_kernel(fn: Callable[..., Any], launches: Callable[..., int]) -> Callable[..., Any]:
+    """``fn``, device work: its effect untimed, then ``launches(*args)`` modelled launches."""
+
+    def kernel(*args: Any) -> Any:
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return fn(*args)
+        finally:
+            UNCHARGED[1] += time.thread_time_ns() - c0
+            UNCHARGED[0] += time.perf_counter_ns() - t0
+            for _ in range(launches(*args)):
+                _spin(LAUNCH_NS[0])
+
+    return kernel
+
+
+LAUNCH_NS = [5000]
 
 
 def _spin(ns: int) -> None:
@@ -186,6 +216,7 @@ class _Replay:
             kv_tokens=wl.kv_tokens(bs, page, rounds, churn=self.churn),
             max_running=bs,
             max_prefill_tokens=bs * wl.PROMPT_RANGE[1] + 1,
+            prefix_cache=False,  # as on the peers' side (`specstate bench prefix` times it)
         )
         self.worker = _ReplayWorker(2 * bs + 2, bs)
         limits = RequestLimits(vocab_size=wl.VOCAB, max_context_len=CONTEXT, eos_token_ids={wl.EOS})
@@ -264,6 +295,7 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
         replay.prepare(r)
         sink.clear()
         replay.worker.spent[:] = (0, 0)
+        UNCHARGED[:] = (0, 0)
         c0 = cpu()
         t0 = clock()
         report = engine.step()
@@ -278,8 +310,9 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
                 f"round {r}: launched {report.launched_mode} of {report.launched_size}"
             )
         if r >= settings.warmup:  # the forward is not timed (as on the peer's side)
-            run.samples.append((t1 - t0 - replay.worker.spent[0]) / 1e3)
-            run.cpu.append((c1 - c0 - replay.worker.spent[1]) / 1e3)
+            spent = replay.worker.spent
+            run.samples.append((t1 - t0 - spent[0] - UNCHARGED[0]) / 1e3)
+            run.cpu.append((c1 - c0 - spent[1] - UNCHARGED[1]) / 1e3)
         run.emitted += sum(len(t) for _, t in sink)
         for req in report.ended:
             d = replay.live.pop(req)
@@ -326,8 +359,9 @@ def host_benchmark(
     allocator_set = set_allocator(settings)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    launch_ns = int(settings.launch_us * 1e3)
+    launch_ns = LAUNCH_NS[0] = int(settings.launch_us * 1e3)
     store = pools._store
+    gather, patch_rows = write_log._gather, write_log._patch_rows
 
     def store_with_launch(
         req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
@@ -337,6 +371,12 @@ def host_benchmark(
 
     runs: dict[tuple[int, int], list[_Run]] = {}
     pools._store = store_with_launch
+    write_log._gather = _device_kernel(
+        gather, lambda buffers, indices: sum(b is not None for b in buffers)
+    )
+    write_log._patch_rows = _device_kernel(
+        patch_rows, lambda value, gather, rows, joined: 1 + (joined is not None)
+    )
     try:
         for rep in range(settings.repeats):
             for page in settings.page_sizes:
@@ -346,6 +386,7 @@ def host_benchmark(
                     runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
         pools._store = store
+        write_log._gather, write_log._patch_rows = gather, patch_rows
         torch.set_num_threads(threads)
     return {
         "peer": "specstate",
@@ -356,7 +397,8 @@ def host_benchmark(
             **attrs.asdict(settings),
             "algorithm": "eagle chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
             "timed": "Engine.step of a decode round (normal loop) but the forward, "
-            "+ the streaming read",
+            "+ the streaming read; req_to_token writes and the relay's payload gathers "
+            "modelled as device launches",
             "allocator_set": allocator_set,
             "torch_threads": 1,
         },
