@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import attrs
@@ -166,6 +167,21 @@ class GrammarVocabulary:
     def from_tokens(cls, tokens: Sequence[bytes | str | None]) -> GrammarVocabulary:
         """One entry per id: bytes, a string (its UTF-8 bytes), or None for a special token."""
         return cls(token_bytes=[t.encode("utf-8") if isinstance(t, str) else t for t in tokens])
+
+    @classmethod
+    def from_tokenizer_json(
+        cls, path: str | Path, *, vocab_size: int, special_ids: Iterable[int] = ()
+    ) -> GrammarVocabulary:
+        """The vocabulary of a Hugging Face ``tokenizer.json`` (byte-level BPE or
+        SentencePiece-style) for a model of ``vocab_size`` ids; ``special_ids`` (the model's
+        EOS and BOS) are special. See `specstate.grammar.tokenizer_json`.
+
+        Raises:
+            InvalidConfig: the file cannot be read or its tokens cannot be spelled as bytes.
+        """
+        from specstate.grammar.tokenizer_json import vocabulary_from_tokenizer_json
+
+        return vocabulary_from_tokenizer_json(path, vocab_size=vocab_size, special_ids=special_ids)
 
     @property
     def size(self) -> int:

@@ -55,7 +55,11 @@ def checkpoint_limits(model: Path) -> RequestLimits:
     """The `RequestLimits` of a Hugging Face checkpoint: its vocabulary, context and EOS ids.
 
     Read from ``config.json`` for any architecture (``max_position_embeddings``, or GPT-2's
-    ``n_positions``), so a ``--worker`` factory can use it for the model it runs.
+    ``n_positions``), so a ``--worker`` factory can use it for the model it runs. The grammar
+    vocabulary is the bytes for a byte-level model, else read from ``tokenizer.json`` when the
+    checkpoint has one (`GrammarVocabulary.from_tokenizer_json`; a tokenizer it cannot spell
+    is reported on stderr, and grammars are then refused), else None; a model without an EOS id
+    has none (a grammar ends on EOS).
     """
     config = read_vocabulary(model)
     specials = [*config.eos_token_ids]
@@ -64,16 +68,21 @@ def checkpoint_limits(model: Path) -> RequestLimits:
     byte_level = NUM_BYTES <= config.vocab_size <= NUM_BYTES + MAX_SPECIAL_IDS and all(
         t >= NUM_BYTES for t in specials
     )
+    vocabulary = None
+    if byte_level and config.eos_token_ids:  # `byte_codec`: ids 0-255 are bytes
+        vocabulary = GrammarVocabulary.byte_level(config.vocab_size)
+    elif config.eos_token_ids and (model / "tokenizer.json").is_file():
+        try:  # a subword tokenizer that spells its tokens as bytes
+            vocabulary = GrammarVocabulary.from_tokenizer_json(
+                model / "tokenizer.json", vocab_size=config.vocab_size, special_ids=specials
+            )
+        except InvalidConfig as exc:  # the model still serves; grammars are refused
+            print(f"specstate: no grammar vocabulary: {exc}", file=sys.stderr)
     return RequestLimits(
         vocab_size=config.vocab_size,
         max_context_len=config.max_context_len,
         eos_token_ids=frozenset(config.eos_token_ids),
-        # A byte-level model (`byte_codec`) can serve grammars: its ids 0-255 are bytes.
-        grammar_vocabulary=(
-            GrammarVocabulary.byte_level(config.vocab_size)
-            if byte_level and config.eos_token_ids
-            else None
-        ),
+        grammar_vocabulary=vocabulary,
     )
 
 
