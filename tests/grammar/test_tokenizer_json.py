@@ -3,21 +3,27 @@
 The oracle is the ``tokenizers`` library itself: the bytes our vocabulary gives a text's token
 ids are the text it encoded (byte-level BPE), or that text after the space SentencePiece puts
 in front (``▁``), for texts with characters the tokenizer only spells byte by byte. Then the
-vocabulary serves grammars end to end: `specstate generate` and `specstate serve` on a tiny
-Llama checkpoint with that tokenizer emit text that matches its grammar.
+vocabulary serves grammars end to end: the engine and `specstate generate` on a tiny
+Llama checkpoint with that tokenizer emit text that matches its grammar
+(tests/serving/test_subword_server.py serves it).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
 
 import pytest
-from hf_oracle import make_checkpoint
-from spec_checkpoints import _perturb
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from subword_tokenizers import (
+    SPECIALS,
+    TEXTS,
+    byte_level_tokenizer,
+    sentencepiece_tokenizer,
+    subword_checkpoint,
+    token_id,
+)
+from tokenizers import Tokenizer, decoders, models
 
 from specstate import (
     Engine,
@@ -31,69 +37,6 @@ from specstate.reference.workers import default_registry
 from specstate.tools.cli import main
 from specstate.tools.generate.workers import checkpoint_limits
 
-CORPUS = [
-    "def add(a, b):\n    return a + b\n",
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    '{"name": "fox", "count": 12, "tags": ["quick", "brown"]}',
-    "café naïve déjà vu, 東京 and Ölfeld",
-    "for i in range(10):\n\tprint(i * i)\n",
-]
-TEXTS = [
-    "def mul(a, b):\n    return a * b",
-    "The lazy dog jumps over the quick fox.",
-    "emoji 🦊 and 🐶, tabs\tand   spaces",
-    "Ölfeld — ünïcödé, 東京",
-    '{"a": [1, 2, {"b": null}]}',
-]
-SPECIALS = ["<unk>", "<s>", "</s>"]
-
-
-def _id(tok: Tokenizer, token: str) -> int:
-    found = tok.token_to_id(token)
-    assert found is not None, token
-    return found
-
-
-def byte_level_tokenizer(path: Path) -> Tokenizer:
-    """A GPT-2-style byte-level BPE (ByteLevel pre-tokenizer and decoder), saved at ``path``."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=360,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIALS,
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path))
-    return tok
-
-
-def sentencepiece_tokenizer(path: Path) -> Tokenizer:
-    """A Llama-2-style BPE: Metaspace, byte fallback to ``<0xNN>`` tokens of the model's own
-    vocabulary, and the decoder chain Replace, ByteFallback, Fuse, Strip; saved at ``path``."""
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    tok = Tokenizer(models.BPE(byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("\u2581", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=[*SPECIALS, *byte_tokens], show_progress=False
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    spec = json.loads(tok.to_str())
-    # The byte tokens belong to the model's vocabulary, as in Llama 2: not special tokens.
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIALS]
-    path.write_text(json.dumps(spec), encoding="utf-8")
-    return Tokenizer.from_file(str(path))
-
 
 def test_byte_level_tokens_spell_exactly_the_encoded_text(tmp_path: Path) -> None:
     tok = byte_level_tokenizer(tmp_path / "tokenizer.json")
@@ -103,17 +46,17 @@ def test_byte_level_tokens_spell_exactly_the_encoded_text(tmp_path: Path) -> Non
     for text in TEXTS:
         ids = tok.encode(text).ids
         assert vocab.decode(ids) == text.encode("utf-8"), text
-    specials = {_id(tok, t) for t in SPECIALS}
+    specials = {token_id(tok, t) for t in SPECIALS}
     assert set(vocab.special_ids()) == specials | set(range(size, size + 5))
     # Single tokens: GPT-2's stand-ins ("Ġ" a space, "Ċ" a newline) are their bytes.
-    assert vocab.token_bytes[_id(tok, "\u0120")] == b" "
-    assert vocab.token_bytes[_id(tok, "\u010a")] == b"\n"
+    assert vocab.token_bytes[token_id(tok, "\u0120")] == b" "
+    assert vocab.token_bytes[token_id(tok, "\u010a")] == b"\n"
 
 
 def test_sentencepiece_tokens_spell_the_text_and_fall_back_to_bytes(tmp_path: Path) -> None:
     tok = sentencepiece_tokenizer(tmp_path / "tokenizer.json")
     size = tok.get_vocab_size()
-    eos = _id(tok, "</s>")
+    eos = token_id(tok, "</s>")
     vocab = GrammarVocabulary.from_tokenizer_json(
         tmp_path / "tokenizer.json", vocab_size=size, special_ids=[eos]
     )
@@ -124,8 +67,8 @@ def test_sentencepiece_tokens_spell_the_text_and_fall_back_to_bytes(tmp_path: Pa
         assert vocab.decode(ids) == b" " + text.encode("utf-8"), text
         fell_back += sum(str(tok.id_to_token(i)).startswith("<0x") for i in ids)
     assert fell_back > 0  # the emoji and CJK characters were spelled byte by byte
-    assert vocab.token_bytes[_id(tok, "<0xF0>")] == b"\xf0"
-    assert set(vocab.special_ids()) == {_id(tok, t) for t in SPECIALS}
+    assert vocab.token_bytes[token_id(tok, "<0xF0>")] == b"\xf0"
+    assert set(vocab.special_ids()) == {token_id(tok, t) for t in SPECIALS}
 
 
 def test_a_tokenizer_it_cannot_spell_is_refused_naming_the_file(tmp_path: Path) -> None:
@@ -143,29 +86,13 @@ def test_a_tokenizer_it_cannot_spell_is_refused_naming_the_file(tmp_path: Path) 
         GrammarVocabulary.from_tokenizer_json(path, vocab_size=300)
 
 
-def _subword_checkpoint(directory: Path) -> tuple[Tokenizer, int, Path]:
-    """A tiny random Llama whose vocabulary is a byte-level BPE's, EOS ``</s>``, and a drafter
-    (the target perturbed: it agrees for a few tokens, then diverges) in ``directory/draft``."""
-    tok = byte_level_tokenizer(directory / "tokenizer.json")
-    hf = make_checkpoint(directory, vocab_size=tok.get_vocab_size(), hidden=32)
-    draft = copy.deepcopy(hf)
-    _perturb(draft, 0.1, seed=11)
-    draft.save_pretrained(directory / "draft")
-    eos = _id(tok, "</s>")
-    for path in (directory / "config.json", directory / "draft" / "config.json"):
-        config = json.loads(path.read_text())
-        config.update(eos_token_id=eos, bos_token_id=_id(tok, "<s>"))
-        path.write_text(json.dumps(config))
-    return tok, eos, directory / "draft"
-
-
 def test_a_subword_checkpoint_serves_grammars_through_engine_and_generate(tmp_path: Path) -> None:
     """The checkpoint's limits carry its tokenizer's vocabulary; a speculative engine's regex
     and JSON-schema outputs match their grammar as text and end on EOS, and `specstate
     generate` emits the same tokens for the same request line."""
     model = tmp_path / "model"
     model.mkdir()
-    tok, eos, draft = _subword_checkpoint(model)
+    tok, eos, draft = subword_checkpoint(model)
     limits = checkpoint_limits(model)
     assert limits.grammar_vocabulary is not None
     assert limits.grammar_vocabulary.token_bytes[eos] is None

@@ -88,7 +88,7 @@ def make_spec_checkpoints(
     )
 
 
-def _perturb(module: torch.nn.Module, scale: float, seed: int) -> None:
+def perturb(module: torch.nn.Module, scale: float, seed: int) -> None:
     """Add Gaussian noise of ``scale`` times each parameter's spread, in place."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -106,9 +106,9 @@ def make_partial_drafters(
     lengths strictly between 1 and D occur.
     """
     draft = copy.deepcopy(ckpt.hf)
-    _perturb(draft, scale, seed=11)
+    perturb(draft, scale, seed=11)
     draft.save_pretrained(root / "partial_draft", safe_serialization=True)
     head = identity_head(load_paged_llama(ckpt.target, num_token_slots=2))
-    _perturb(head, scale, seed=12)
+    perturb(head, scale, seed=12)
     save_eagle_head(head, root / "partial_eagle")
     return attrs.evolve(ckpt, draft=root / "partial_draft", eagle=root / "partial_eagle")
