@@ -154,3 +154,23 @@ def test_an_unchanged_batch_reads_its_last_write_by_reference() -> None:
     assert patch is not None and patch.gather is None
     written = churn._write_index(cols.device_slots)
     assert churn.fm.resolve_forward_inputs(cols.device_slots, patch=patch).bonus_tokens is written
+
+
+def test_rows_that_leave_at_the_end_leave_the_others_reading_the_last_write() -> None:
+    """Only the last rows left: the next round reads the first rows of the last write (a view
+    of its tensors: no gather, no flush into the buffers), with the right values."""
+    churn = _Churn(1)
+    churn.join(6)
+    churn.decode_round()
+    cols = churn.rows.columns(lambda: tuple(churn.running))
+    churn.rows.relay_patch(cols)
+    written = churn._write_index(cols.device_slots)
+    for req in churn.running[-2:]:  # the last two rows leave; nobody joins
+        churn.running.remove(req)
+        churn.rows.leave(req)
+    cols = churn.rows.columns(lambda: tuple(churn.running))
+    patch = churn.rows.relay_patch(cols)
+    assert patch is not None and patch.gather is None and patch.departed_host.size == 2
+    got = churn.fm.resolve_forward_inputs(cols.device_slots, patch=patch).bonus_tokens
+    assert got.untyped_storage().data_ptr() == written.untyped_storage().data_ptr()
+    assert got.tolist() == [churn.want[s][1] for s in cols.slots_host.tolist()]

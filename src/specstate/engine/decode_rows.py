@@ -240,18 +240,7 @@ class DecodeRows:
         if cols is last:
             return self._unchanged(cols)
         if not origin:  # rows left at the end only: the first rows of the base write
-            none = np.zeros(0, dtype=np.int64)
-            empty = cols.device_slots.new_zeros(0)
-            return RowPatch(
-                base=last.device_slots,
-                host=cols.slots_host,
-                gather=None,
-                kept_host=cols.slots_host,
-                joined_rows=empty,
-                joined=empty,
-                joined_host=none,
-                departed_host=last.slots_host[departed],
-            )
+            return _prefix_patch(last, cols, last.slots_host[departed])
         # Row i of the new round reads row gather[i] of the base write (joined rows: their own).
         gather = np.arange(len(cols.reqs), dtype=np.int64)
         joined = []
@@ -377,20 +366,25 @@ class DecodeRows:
         cached = self._same
         if cached is not None and cached[0] is cols:
             return cached[1]
-        none = np.zeros(0, dtype=np.int64)
-        empty = cols.device_slots.new_zeros(0)
-        patch = RowPatch(
-            base=cols.device_slots,
-            host=cols.slots_host,
-            gather=None,
-            kept_host=cols.slots_host,
-            joined_rows=empty,
-            joined=empty,
-            joined_host=none,
-            departed_host=none,
-        )
+        patch = _prefix_patch(cols, cols, np.zeros(0, dtype=np.int64))
         self._same = (cols, patch)
         return patch
+
+
+def _prefix_patch(base: DecodeColumns, cols: DecodeColumns, departed: IntArray) -> RowPatch:
+    """``cols`` are the first rows of ``base`` (all of them, or fewer: the last rows left):
+    no gather, nobody joined; ``departed`` are the slots of the requests that left."""
+    empty = cols.device_slots.new_zeros(0)
+    return RowPatch(
+        base=base.device_slots,
+        host=cols.slots_host,
+        gather=None,
+        kept_host=cols.slots_host,
+        joined_rows=empty,
+        joined=empty,
+        joined_host=np.zeros(0, dtype=np.int64),
+        departed_host=departed,
+    )
 
 
 def _without(values: IntArray, rows: IntArray) -> IntArray:
