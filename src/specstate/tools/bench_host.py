@@ -87,6 +87,8 @@ def set_allocator(settings: HostSettings) -> bool:
     return bool(ok and mallopt(M_TRIM_THRESHOLD, settings.trim_threshold) == 1)
 
 
+LAUNCH_NS = [5000]
+"""The modelled cost of one device launch (``--launch-us``), set by `host_benchmark`."""
 UNCHARGED = [0, 0]
 """Wall and CPU ns inside the timed region that the round is not charged: the modelled device
 work's own time (its launches are charged)."""
@@ -106,9 +108,6 @@ def _device_kernel(fn: Callable[..., Any], launches: Callable[..., int]) -> Call
                 _spin(LAUNCH_NS[0])
 
     return kernel
-
-
-LAUNCH_NS = [5000]
 
 
 def _spin(ns: int) -> None:
@@ -359,7 +358,7 @@ def host_benchmark(
     allocator_set = set_allocator(settings)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    launch_ns = LAUNCH_NS[0] = int(settings.launch_us * 1e3)
+    LAUNCH_NS[0] = int(settings.launch_us * 1e3)
     store = pools._store
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
@@ -367,7 +366,7 @@ def host_benchmark(
         req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
     ) -> None:
         store(req_pool, flat, values)
-        _spin(launch_ns)  # the device write's launch, as on a GPU
+        _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
 
     runs: dict[tuple[int, int], list[_Run]] = {}
     pools._store = store_with_launch
