@@ -1,17 +1,24 @@
-"""Text prompts for ``generate``: the codec of a byte-level checkpoint, or why there is none."""
+"""Text prompts for ``generate``: the codec of a byte-level checkpoint, or why there is none.
+
+A checkpoint that is not byte-level may still have a tokenizer: ``generate`` then uses the
+server's codec (`specstate.serving.text.load_codec`); `Codec` names either kind.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 import attrs
 
 from specstate.core.errors import InvalidRequest
 from specstate.tools.generate.hf_config import read_vocabulary
 
-__all__ = ["MAX_SPECIAL_IDS", "NUM_BYTES", "ByteCodec", "byte_codec"]
+if TYPE_CHECKING:
+    from specstate.serving.text import TextCodec
+
+__all__ = ["MAX_SPECIAL_IDS", "NUM_BYTES", "ByteCodec", "Codec", "byte_codec"]
 
 NUM_BYTES: Final = 256
 MAX_SPECIAL_IDS: Final = 16
@@ -57,3 +64,7 @@ def byte_codec(model: Path | None) -> ByteCodec:
             'send "input_ids" instead'
         )
     return ByteCodec(bos_token_id=config.bos_token_id)
+
+
+Codec: TypeAlias = "ByteCodec | TextCodec"
+"""What turns a request line's ``text`` into ids and the output back into text."""

@@ -20,7 +20,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import FinishReason, Req
-from specstate.tools.generate.codec import ByteCodec, byte_codec
+from specstate.tools.generate.codec import Codec, byte_codec
 from specstate.tools.generate.kv_memory import resolve_kv_tokens
 from specstate.tools.generate.options import engine_config
 from specstate.tools.generate.report import Progress, ResultWriter, RunSummary, write_trace
@@ -106,15 +106,26 @@ def _serve(args: argparse.Namespace) -> list[Req]:
     return reqs
 
 
-def _codec(args: argparse.Namespace, requests: Sequence[RequestLine]) -> ByteCodec | None:
-    """The text codec when some line gives ``text``; its refusal names the first such line."""
+def _codec(args: argparse.Namespace, requests: Sequence[RequestLine]) -> Codec | None:
+    """The text codec when some line gives ``text``: the bytes of a byte-level model, else the
+    checkpoint's tokenizer (`specstate.serving.text.load_codec`: ``tokenizer.json`` with the
+    ``tokenizers`` package, or transformers'); its refusal names the first such line."""
     texts = [r for r in requests if r.text is not None]
     if not texts:
         return None
     try:
         return byte_codec(args.model)
     except InvalidRequest as exc:
+        refusal = exc
+    from specstate.serving.text import load_codec
+
+    try:
+        codec = load_codec(args.model)
+    except InvalidConfig as exc:
         raise InvalidRequest(f"{texts[0].where}: {exc}") from None
+    if codec is None:
+        raise InvalidRequest(f"{texts[0].where}: {refusal}") from None
+    return codec
 
 
 def _drive(engine: Engine, writer: ResultWriter, progress: Progress) -> None:
@@ -130,7 +141,7 @@ def _interactive(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _submit(engine: Engine, line: RequestLine, codec: ByteCodec | None) -> Req:
+def _submit(engine: Engine, line: RequestLine, codec: Codec | None) -> Req:
     """Submit one line; a request the engine refuses names its line."""
     if line.text is not None:
         assert codec is not None  # the run refuses text without one

@@ -21,7 +21,7 @@ from specstate.core.request import FinishReason, Req
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine
     from specstate.engine.trace import TraceRecorder
-    from specstate.tools.generate.codec import ByteCodec
+    from specstate.tools.generate.codec import Codec
 
 __all__ = ["Progress", "ResultWriter", "RunSummary", "write_trace"]
 
@@ -29,7 +29,7 @@ __all__ = ["Progress", "ResultWriter", "RunSummary", "write_trace"]
 class ResultWriter:
     """Writes result rows in input order, each as soon as it and every earlier one ended."""
 
-    def __init__(self, out: IO[str], reqs: list[Req], codecs: list[ByteCodec | None]) -> None:
+    def __init__(self, out: IO[str], reqs: list[Req], codecs: list[Codec | None]) -> None:
         self._out = out
         self._reqs = reqs
         self._codecs = codecs

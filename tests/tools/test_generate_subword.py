@@ -1,0 +1,41 @@
+"""`specstate generate` takes ``text`` lines on a checkpoint with a subword ``tokenizer.json``:
+the prompt is the tokenizer's encoding and the output's ``text`` its decoding of the ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from subword_tokenizers import subword_checkpoint
+
+from specstate import Engine, EngineConfig, SamplingParams
+from specstate.reference.workers import default_registry
+from specstate.tools.cli import main
+from specstate.tools.generate.workers import checkpoint_limits
+
+TEXTS = ("def add(a, b):\n", "The quick brown fox")
+
+
+def test_text_lines_go_through_the_checkpoint_tokenizer(tmp_path: Path) -> None:
+    tok, _, draft = subword_checkpoint(tmp_path)
+    lines = [{"id": f"t{i}", "text": t, "max_new_tokens": 12} for i, t in enumerate(TEXTS)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = ["generate", "--model", str(tmp_path), "--draft", str(draft), "--algorithm",
+            "draft_model", "--num-steps", "3", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--check-invariants"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    worker = default_registry().create(
+        "draft_model", target=str(tmp_path), draft=str(draft), num_steps=3
+    )
+    config = EngineConfig(kv_tokens=2048, check_invariants=True)
+    with Engine(worker, limits=checkpoint_limits(tmp_path), config=config) as engine:
+        reqs = [
+            engine.submit(f"e{i}", tok.encode(t).ids, SamplingParams(max_new_tokens=12))
+            for i, t in enumerate(TEXTS)
+        ]
+        engine.run_until_idle()
+    for row, req in zip(rows, reqs, strict=True):
+        assert row["output_ids"] == list(req.emitted_ids)
+        assert row["text"] == tok.decode(row["output_ids"])
+        assert row["text"]  # the tiny model says something
