@@ -94,7 +94,9 @@ class KvLayout:
     ) -> KvLayout:
         """The layout of a Hugging Face ``config.json`` (a checkpoint directory, or the dict).
 
-        Reads ``num_hidden_layers`` (or GPT-2's ``n_layer``; 1 for an EAGLE head),
+        Reads ``num_hidden_layers`` (or GPT-2's ``n_layer``; 1 for an EAGLE head; for a hybrid
+        such as NemotronH, the attention layers of its ``layers_block_type`` or
+        ``hybrid_override_pattern``: its recurrent layers hold state rows, not KV),
         ``num_key_value_heads`` (default: the attention heads, ``num_attention_heads`` or
         ``n_head``), ``head_dim`` (default: ``hidden_size`` or ``n_embd`` over the heads) and
         the dtype: ``dtype`` if given, else the config's ``torch_dtype`` / ``dtype``, else
@@ -107,8 +109,11 @@ class KvLayout:
         raw = _read_config(config)
         where = f"{config}" if not isinstance(config, Mapping) else "config"
         heads = _size(raw, ("num_attention_heads", "n_head"), where)
+        attention = _attention_layers(raw)
         if raw.get("model_type") == EAGLE_MODEL_TYPE:
             layers = 1
+        elif attention is not None:
+            layers = max(attention, 1)  # the reference hybrid keeps one cache at least
         else:
             layers = _size(raw, ("num_hidden_layers", "n_layer"), where)
         kv_heads = raw.get("num_key_value_heads") or heads
@@ -291,3 +296,14 @@ def _dtype_bytes(dtype: torch.dtype | None, raw: Mapping[str, Any], where: str) 
     if not isinstance(found, torch.dtype):
         raise InvalidConfig(f"{where}: dtype {name!r} is not a torch dtype")
     return found.itemsize
+
+
+def _attention_layers(raw: Mapping[str, Any]) -> int | None:
+    """The attention layers of a hybrid config (NemotronH's layer list or pattern), else None."""
+    kinds = raw.get("layers_block_type")
+    if isinstance(kinds, list):
+        return sum(kind in ("attention", "full_attention") for kind in kinds)
+    pattern = raw.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        return pattern.count("*")
+    return None
