@@ -36,13 +36,14 @@ tested for growth first, isolation rebound only what a forward changed, the rela
 no-op casts and a steady write replaced the previous one without a scan)."""
 
 
-TORCH_OPS_CHURNED_ROUND = 66
+TORCH_OPS_CHURNED_ROUND = 60
 """Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
-requests finish (page 16): the changed rows' columns (plain rows: two host arrays, viewed),
+requests finish (page 16): the changed rows' columns (plain rows: two host arrays, whose rows
+are viewed without tensor indexing),
 the relay's patch (one gather per buffer and one write of the joined rows), the release and
 the prefix cache's insert of the finished requests' pages (on by default). It was 139 while
 every column was patched with torch operations and the rows that left were moved into the
-relay's buffers."""
+relay's buffers, and 66 while the plain columns were rows of tensors indexed in torch."""
 
 
 PYTHON_CALLS_CHURNED_ROUND = 715

@@ -56,6 +56,7 @@ from specstate.relay.future_map import RowPatch
 __all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot", "PlainRows", "plain_columns"]
 
 _T = TypeVar("_T")
+_HOST: Final = torch.device("cpu")
 FloatArray = npt.NDArray[np.float32]
 
 
@@ -111,21 +112,27 @@ def plain_columns(
     The sampling state has temperatures, top-k and top-p and nothing else (every optional
     tensor None), exactly what `SamplingInfo.from_params` builds for plain rows.
     """
-    ints, floats = torch.from_numpy(plain.ints), torch.from_numpy(plain.floats)
-    slots = ints[0]
-    on_device = ints.to(device)
-    device_floats = floats.to(device)
+    ints, floats = plain.ints, plain.floats
+    slots = torch.from_numpy(ints[0])  # views of the host rows: no tensor indexing on a CPU
+    if device == _HOST:  # (the device audit's ``cpu:0`` is a device: it takes the copies)
+        device_slots, top_ks = slots, torch.from_numpy(ints[2])
+        temperatures, top_ps = torch.from_numpy(floats[0]), torch.from_numpy(floats[1])
+    else:  # one copy of each array, then views of its rows
+        on_device = torch.from_numpy(ints).to(device)
+        device_floats = torch.from_numpy(floats).to(device)
+        device_slots, top_ks = on_device[0], on_device[2]
+        temperatures, top_ps = device_floats[0], device_floats[1]
     return DecodeColumns(
         reqs=reqs,
         slots=slots,
-        slots_host=plain.ints[0],
-        device_slots=slots if on_device is ints else on_device[0],
+        slots_host=ints[0],
+        device_slots=device_slots,
         incarnations=incarnations,
         sampling=SamplingInfo(
-            temperatures=device_floats[0],
-            top_ks=on_device[2],
-            top_ps=device_floats[1],
-            greedy_host=not np.count_nonzero(plain.floats[0]),
+            temperatures=temperatures,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            greedy_host=not np.count_nonzero(floats[0]),
         ),
         epochs=plain.ints[1],
         request_ids=request_ids,
