@@ -102,6 +102,10 @@ def test_lfm2_lossless_matrix(
     )
     assert isinstance(config, EngineConfig) and config.check_invariants and config.check_ownership
     assert _serve(ckpt, spy, stops, config) == wants
+    recurrent = spy.capabilities.recurrent
+    assert recurrent is not None
+    groups = [g.name for g in recurrent.groups]  # the drafter's state rows are counted too
+    assert groups == ["target.short_conv"] + (["draft.short_conv"] * (algorithm == "draft_model"))
     if algorithm == "draft_model":  # an LFM2 drafter that agrees for a while
         max_accept = spy.capabilities.max_accept
         assert any(1 < a < max_accept for a in spy.accepts), spy.accepts

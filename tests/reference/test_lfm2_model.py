@@ -221,3 +221,13 @@ def test_a_missing_weight_is_refused(ckpt: tuple[Path, Lfm2ForCausalLM], tmp_pat
     (tmp_path / "config.json").write_text((ckpt[0] / "config.json").read_text())
     with pytest.raises(InvalidConfig, match="missing tensor 'model.layers.2.conv.conv.weight'"):
         load_paged_hybrid(tmp_path, num_token_slots=64, layout=LAYOUT)
+
+
+def test_attention_indices_give_the_layer_types(
+    ckpt: tuple[Path, Lfm2ForCausalLM], tmp_path: Path
+) -> None:
+    """A config with ``full_attn_idxs`` and no ``layer_types`` reads the same layers."""
+    raw = json.loads((ckpt[0] / "config.json").read_text())
+    del raw["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"full_attn_idxs": [1]}))
+    assert read_hybrid_config(tmp_path) == read_hybrid_config(ckpt[0])
