@@ -67,8 +67,10 @@ def _hf_logits(hf: NemotronHForCausalLM, tokens: list[int]) -> torch.Tensor:
     return logits
 
 
-def _load(root: Path) -> PagedHybrid:
-    return load_paged_hybrid(root, num_token_slots=256, layout=LAYOUT)
+def _load(root: Path, layout: RecurrentLayout | None = LAYOUT) -> PagedHybrid:
+    model = load_paged_hybrid(root, num_token_slots=256, layout=layout)
+    assert isinstance(model, PagedHybrid)  # a NemotronH checkpoint, not an LFM2
+    return model
 
 
 def _prefill(rows: _Rows, prompt: list[int]) -> torch.Tensor:
@@ -202,7 +204,7 @@ def test_attention_only_model_needs_no_layout(tmp_path: Path) -> None:
     """A model with no Mamba2 layer needs no state layout; ``tie_word_embeddings`` is ignored
     (transformers' NemotronH always keeps its own lm_head)."""
     hf = make_hybrid_checkpoint(tmp_path, pattern="*-*", tie_word_embeddings=True)
-    model = load_paged_hybrid(tmp_path, num_token_slots=256, layout=None)
+    model = _load(tmp_path, layout=None)
     assert model.states is None
     assert (_prefill(_Rows(model), PROMPT) - _hf_logits(hf, PROMPT)).abs().max() < TOL
 

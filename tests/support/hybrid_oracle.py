@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import torch
 from hf_oracle import make_checkpoint
-from transformers import NemotronHConfig, NemotronHForCausalLM
+from transformers import NemotronHConfig, NemotronHForCausalLM, PreTrainedModel
 
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.workers import default_registry
@@ -69,7 +69,7 @@ def make_hybrid_checkpoint(
 
 
 def make_partial_hybrid_drafter(
-    target: NemotronHForCausalLM, directory: Path, *, scale: float = 0.1, seed: int = 11
+    target: PreTrainedModel, directory: Path, *, scale: float = 0.1, seed: int = 11
 ) -> Path:
     """The target with Gaussian noise of ``scale`` times each parameter's spread, saved.
 

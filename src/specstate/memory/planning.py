@@ -96,7 +96,8 @@ class KvLayout:
 
         Reads ``num_hidden_layers`` (or GPT-2's ``n_layer``; 1 for an EAGLE head; for a hybrid
         such as NemotronH, the attention layers of its ``layers_block_type`` or
-        ``hybrid_override_pattern``: its recurrent layers hold state rows, not KV),
+        ``hybrid_override_pattern``, for LFM2 the ``full_attention`` entries of its
+        ``layer_types``: recurrent layers hold state rows, not KV),
         ``num_key_value_heads`` (default: the attention heads, ``num_attention_heads`` or
         ``n_head``), ``head_dim`` (default: ``hidden_size`` or ``n_embd`` over the heads) and
         the dtype: ``dtype`` if given, else the config's ``torch_dtype`` / ``dtype``, else
@@ -299,7 +300,14 @@ def _dtype_bytes(dtype: torch.dtype | None, raw: Mapping[str, Any], where: str) 
 
 
 def _attention_layers(raw: Mapping[str, Any]) -> int | None:
-    """The attention layers of a hybrid config (NemotronH's layer list or pattern), else None."""
+    """The attention layers of a hybrid config (NemotronH's layer list or pattern, LFM2's
+    ``layer_types`` or ``full_attn_idxs``), else None."""
+    if raw.get("model_type") == "lfm2":  # other models' layer_types are all attention
+        types, indices = raw.get("layer_types"), raw.get("full_attn_idxs")
+        if isinstance(types, list):
+            return sum(1 for kind in types if kind == "full_attention")
+        if isinstance(indices, list):
+            return len(indices)
     kinds = raw.get("layers_block_type")
     if isinstance(kinds, list):
         return sum(kind in ("attention", "full_attention") for kind in kinds)

@@ -1,4 +1,4 @@
-"""Hugging Face NemotronH checkpoints: ``config.json`` plus safetensors, to and from `PagedHybrid`.
+"""Hugging Face hybrid checkpoints (NemotronH, LFM2): ``config.json`` plus safetensors, as models.
 
 Tensor names are the ones transformers writes (``backbone.embeddings.weight``,
 ``backbone.layers.{i}.norm.weight``, ``backbone.layers.{i}.mixer.in_proj.weight``,
@@ -9,6 +9,10 @@ tensors, which transformers ignores too, excepted)::
 
     config.json         -> HybridConfig   (specstate.reference.hybrid.config)
     model.safetensors   -> PagedHybrid    (load_paged_hybrid / save_paged_hybrid)
+
+An LFM2 checkpoint (``model_type`` ``lfm2``) reads the same way into a `PagedLfm2`
+(``model.embed_tokens.weight``, ``model.layers.{i}.conv.in_proj.weight``, ...; with
+``tie_word_embeddings`` ``lm_head.weight`` may be absent: it is the embedding).
 """
 
 from __future__ import annotations
@@ -36,25 +40,48 @@ from specstate.reference.hybrid.config import (
     is_hybrid_config,
     to_hf_config,
 )
+from specstate.reference.hybrid.lfm2 import PagedLfm2
+from specstate.reference.hybrid.lfm2_config import (
+    Lfm2ModelConfig,
+    from_hf_lfm2_config,
+    is_lfm2_config,
+)
 from specstate.reference.hybrid.model import PagedHybrid
 
-__all__ = ["is_hybrid_checkpoint", "load_paged_hybrid", "read_hybrid_config", "save_paged_hybrid"]
+__all__ = [
+    "AnyHybridConfig",
+    "AnyPagedHybrid",
+    "is_hybrid_checkpoint",
+    "load_paged_hybrid",
+    "read_hybrid_config",
+    "save_paged_hybrid",
+]
+
+AnyHybridConfig = HybridConfig | Lfm2ModelConfig
+"""The config of a reference hybrid model: NemotronH's or LFM2's."""
+
+AnyPagedHybrid = PagedHybrid | PagedLfm2
+"""A reference hybrid model: NemotronH or LFM2."""
 
 _PREFIX: Final = "backbone."
 
 
 def is_hybrid_checkpoint(directory: StrPath) -> bool:
-    """True when ``directory/config.json`` is a NemotronH config (False if it cannot be read)."""
+    """True when ``directory/config.json`` is a NemotronH or LFM2 config (False if it cannot
+    be read)."""
     try:
         raw, _ = read_config_json(directory, kind="a checkpoint")
     except InvalidConfig:
         return False
-    return is_hybrid_config(raw)
+    return is_hybrid_config(raw) or is_lfm2_config(raw)
 
 
-def read_hybrid_config(directory: StrPath) -> HybridConfig:
-    """``directory/config.json`` as a `HybridConfig`; `InvalidConfig` naming file and field."""
-    raw, path = read_config_json(directory, kind="a NemotronH checkpoint")
+def read_hybrid_config(directory: StrPath) -> AnyHybridConfig:
+    """``directory/config.json`` as a `HybridConfig` (NemotronH) or `Lfm2ModelConfig` (LFM2);
+    `InvalidConfig` naming file and field."""
+    raw, path = read_config_json(directory, kind="a hybrid checkpoint")
+    if is_lfm2_config(raw):
+        return from_hf_lfm2_config(raw, path)
     return from_hf_config(raw, path)
 
 
@@ -63,9 +90,10 @@ def _ignored(name: str) -> bool:
 
 
 def _read_tensors(
-    root: Path, config: HybridConfig, shapes: dict[str, tuple[int, ...]]
+    root: Path, shapes: dict[str, tuple[int, ...]], optional: frozenset[str] = frozenset()
 ) -> dict[str, torch.Tensor]:
-    """Every expected tensor by parameter name, checking presence, shape and extras first."""
+    """Every expected tensor by parameter name, checking presence, shape and extras first
+    (``optional`` parameter names may be absent; ``lm_head.weight`` when it is tied)."""
     file = root / WEIGHTS_FILE
     if not file.is_file():
         raise InvalidConfig(f"{root}: {WEIGHTS_FILE} is missing")
@@ -79,6 +107,8 @@ def _read_tensors(
             raise InvalidConfig(f"{file}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
         for name, shape in expected.items():
             if name not in names:
+                if name.removeprefix(prefix) in optional:
+                    continue
                 raise InvalidConfig(f"{file}: missing tensor '{name}'")
             got = tuple(handle.get_slice(name).get_shape())
             if got != shape:
@@ -98,13 +128,13 @@ def load_paged_hybrid(
     layout: RecurrentLayout | None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-) -> PagedHybrid:
-    """Build a `PagedHybrid` from a transformers NemotronH checkpoint directory.
+) -> AnyPagedHybrid:
+    """Build a `PagedHybrid` (NemotronH) or `PagedLfm2` (LFM2) from a transformers checkpoint.
 
     Args:
         directory: holds ``config.json`` and ``model.safetensors``.
         num_token_slots: KV token slots per attention layer, padding slot 0 included.
-        layout: the state rows the engine laid out (required with Mamba2 layers).
+        layout: the state rows the engine laid out (required with recurrent layers).
         device: where parameters, KV and states live.
         dtype: parameter dtype (default: the config's).
 
@@ -116,12 +146,20 @@ def load_paged_hybrid(
     config = read_hybrid_config(root)
     if dtype is not None:
         config = attrs.evolve(config, dtype=dtype)
-    model = PagedHybrid(config, num_token_slots=num_token_slots, layout=layout, device=device)
+    model: AnyPagedHybrid
+    tied: frozenset[str] = frozenset()
+    if isinstance(config, Lfm2ModelConfig):
+        model = PagedLfm2(config, num_token_slots=num_token_slots, layout=layout, device=device)
+        tied = frozenset({"lm_head.weight"} if config.tie_word_embeddings else ())
+    else:
+        model = PagedHybrid(config, num_token_slots=num_token_slots, layout=layout, device=device)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     try:
-        tensors = _read_tensors(root, config, shapes)
+        tensors = _read_tensors(root, shapes, optional=tied)
     except SafetensorError as error:
         raise InvalidConfig(f"{root}: unreadable safetensors weights ({error})") from None
+    if tied:  # the head is the embedding, whether or not the file repeats it
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     model.load_state_dict(tensors, strict=True)
     return model
 

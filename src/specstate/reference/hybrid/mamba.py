@@ -1,8 +1,9 @@
 """A Mamba2 layer whose recurrent state lives in state rows that specstate lays out.
 
-`StateBuffers` owns the states of every Mamba2 layer of one model: per layer a convolution
-state ``[num_rows, conv_dim, conv_kernel - 1]`` (the last inputs of the causal convolution) and
-an SSM state ``[num_rows, heads, head_dim, d_state]`` in float32. A request's rows are placed by
+`StateBuffers` owns the states of one group of recurrent layers (here every Mamba2 layer of a
+model: per layer a convolution state ``[num_rows, conv_dim, conv_kernel - 1]``, the last inputs
+of the causal convolution, and an SSM state ``[num_rows, heads, head_dim, d_state]`` in float32;
+LFM2's short convolutions keep the convolution state alone). A request's rows are placed by
 `specstate.memory.recurrent.RecurrentLayout`: the state after ``p`` tokens of slot ``s`` is row
 ``s * C + p % C``.
 
@@ -32,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.memory.recurrent_layout import RecurrentLayout
+from specstate.memory.recurrent_layout import RecurrentGroupSpec, RecurrentLayout
 from specstate.reference.hybrid.config import HybridConfig
 
-__all__ = ["Mamba2Mixer", "StateBuffers", "TokenGrid"]
+__all__ = ["Mamba2Mixer", "StateBuffers", "TokenGrid", "causal_conv"]
 
 
 @attrs.frozen(kw_only=True)
@@ -108,39 +109,63 @@ class TokenGrid:
 
 
 class StateBuffers:
-    """Owner of one model's Mamba2 states, indexed by state row (see the module docstring).
+    """Owner of the states of one group of recurrent layers, indexed by state row.
+
+    Built from the `RecurrentGroupSpec` the model declares: per layer, one buffer
+    ``[layout.num_rows, *shape]`` for each of the group's state tensors (a Mamba2 layer's
+    ``conv`` and ``ssm``; a short-convolution layer's ``conv`` alone).
 
     Invariant: every buffer has ``layout.num_rows`` rows; rows change only through `write`.
     """
 
     def __init__(
-        self, config: HybridConfig, layout: RecurrentLayout, *, device: torch.device | str
+        self, group: RecurrentGroupSpec, layout: RecurrentLayout, *, device: torch.device | str
     ) -> None:
-        layers = config.num_mamba_layers
-        conv = (layout.num_rows, config.conv_dim, config.conv_kernel - 1)
-        ssm = (
-            layout.num_rows,
-            config.mamba_num_heads,
-            config.mamba_head_dim,
-            config.ssm_state_size,
-        )
         self.layout = layout
-        self._conv = [torch.zeros(conv, dtype=config.dtype, device=device) for _ in range(layers)]
-        self._ssm = [torch.zeros(ssm, dtype=torch.float32, device=device) for _ in range(layers)]
+        self.group = group
+        self._buffers = [
+            tuple(
+                torch.zeros((layout.num_rows, *t.shape), dtype=t.dtype, device=device)
+                for t in group.tensors
+            )
+            for _ in range(group.num_layers)
+        ]
 
     @property
     def num_layers(self) -> int:
-        """Mamba2 layers whose states this holds."""
-        return len(self._conv)
+        """Layers whose states this holds."""
+        return len(self._buffers)
 
-    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the conv and SSM states of ``layer`` at ``rows``."""
-        return self._conv[layer][rows], self._ssm[layer][rows]
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of the state tensors of ``layer`` at ``rows``, in the group's order."""
+        return tuple(buffer[rows] for buffer in self._buffers[layer])
 
-    def write(self, layer: int, rows: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Store states at ``rows`` (distinct, except padding rows of slot 0)."""
-        self._conv[layer].index_copy_(0, rows, conv.to(self._conv[layer].dtype))
-        self._ssm[layer].index_copy_(0, rows, ssm)
+    def write(self, layer: int, rows: torch.Tensor, *states: torch.Tensor) -> None:
+        """Store the state tensors of ``layer`` at ``rows`` (distinct, except padding rows of
+        slot 0), one per tensor of the group, in its order."""
+        buffers = self._buffers[layer]
+        if len(states) != len(buffers):
+            raise InvalidConfig(
+                f"state group {self.group.name!r}: write of {len(states)} tensors, expected "
+                f"{len(buffers)}"
+            )
+        for buffer, state in zip(buffers, states, strict=True):
+            buffer.index_copy_(0, rows, state.to(buffer.dtype))
+
+
+def causal_conv(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise causal convolution of ``x`` ``[B, L, ch]`` continuing from ``state``.
+
+    ``state`` ``[B, ch, K-1]`` holds each row's previous ``K - 1`` inputs; ``weight`` is
+    ``[ch, 1, K]``. Returns the outputs ``[B, L, ch]`` and the state after each token
+    ``[B, L, ch, K-1]`` (the inputs ``i-K+2 .. i``).
+    """
+    seq = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=2)  # [B, ch, K-1+L]
+    out = F.conv1d(seq, weight, bias, groups=x.shape[2]).transpose(1, 2)
+    after = seq.unfold(2, weight.shape[2] - 1, 1)[:, :, 1:].transpose(1, 2)
+    return out, after
 
 
 class _GatedRmsNorm(nn.Module):
@@ -193,12 +218,8 @@ class Mamba2Mixer(nn.Module):
         # A row with prefix 0 starts from the zero state, whatever its row holds (even NaN).
         conv0 = torch.where(grid.fresh, 0.0, conv0)
         ssm0 = torch.where(grid.fresh[..., None], 0.0, ssm0)
-        # Causal convolution over [previous inputs, this forward's inputs]: [B, conv_dim, K-1+L].
-        seq = torch.cat([conv0, grid.pad(xbc).transpose(1, 2)], dim=2)
-        conv = F.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=cfg.conv_dim)
-        xbc_act = F.silu(conv).transpose(1, 2)  # [B, L, conv_dim]
-        # The conv state after token i: inputs i+1 .. i+K-1 of ``seq`` ([B, L, conv_dim, K-1]).
-        conv_after = seq.unfold(2, cfg.conv_kernel - 1, 1)[:, :, 1:].transpose(1, 2)
+        conv, conv_after = causal_conv(grid.pad(xbc), conv0, self.conv1d.weight, self.conv1d.bias)
+        xbc_act = F.silu(conv)  # [B, L, conv_dim]
         hs, b, c = torch.split(xbc_act, [inner, groups * n, groups * n], -1)
         y, ssm_after = self._scan(hs, b, c, grid.pad(dt), grid.valid, ssm0)
         self._write(grid, states, conv_after, ssm_after)

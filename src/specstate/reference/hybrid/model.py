@@ -171,8 +171,11 @@ class PagedHybrid(nn.Module):
         self._kv_cache = KvCache.allocate(
             self.geometry, num_token_slots=num_token_slots, device=device
         )
+        spec = config.recurrent_spec()
         self._states = (
-            None if self.layout is None else StateBuffers(config, self.layout, device=device)
+            None
+            if self.layout is None or spec is None
+            else StateBuffers(spec.groups[0], self.layout, device=device)
         )
 
     @property

@@ -32,7 +32,7 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.reference.hybrid import HybridConfig
+from specstate.reference.hybrid import HybridConfig, Lfm2ModelConfig
 from specstate.reference.model import AttentionBatch, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
@@ -99,7 +99,7 @@ class DraftModelWorker(TreeRoundWorker):
         capabilities = tree_capabilities(
             "draft_model", num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens
         )
-        if isinstance(draft_config, HybridConfig):  # its states share the target's rows
+        if isinstance(draft_config, HybridConfig | Lfm2ModelConfig):  # states in the target's rows
             capabilities = attrs.evolve(
                 capabilities, recurrent=draft_config.recurrent_spec(prefix="draft")
             )

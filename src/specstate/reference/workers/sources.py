@@ -2,14 +2,15 @@
 
 A worker is configured before the engine knows how many KV token slots its caches need, so it
 holds a `ModelSource` and builds the model only at ``attach``. Configs are read eagerly, at
-construction, so a wrong checkpoint (not a Llama or a NemotronH, a draft whose vocabulary
+construction, so a wrong checkpoint (not a Llama, NemotronH or LFM2, a draft whose vocabulary
 differs from the target's) fails before an engine is built around the worker::
 
-    ModelSource ──read_source_config──▶ (ModelConfig | HybridConfig, label)     at construction
-    ModelSource ──build_model(num_token_slots, layout)──▶ PagedLlama | PagedHybrid  at attach
+    ModelSource ──read_source_config──▶ (ModelConfig | AnyHybridConfig, label)  at construction
+    ModelSource ──build_model(num_token_slots, layout)──▶ PagedLlama | AnyPagedHybrid  at attach
 
-A NemotronH checkpoint (``model_type`` ``nemotron_h``) builds a `PagedHybrid`, whose Mamba2
-states live in the rows of the engine's `RecurrentLayout` (``WorkerMemory.recurrent``).
+A NemotronH checkpoint (``model_type`` ``nemotron_h``) builds a `PagedHybrid`, an LFM2 one
+(``lfm2``) a `PagedLfm2`; their recurrent states live in the rows of the engine's
+`RecurrentLayout` (``WorkerMemory.recurrent``).
 
 Invariant: a model built from an in-memory `PagedLlama` is a copy with its own KV cache; the
 source model's parameters and cache are never written.
@@ -28,8 +29,12 @@ from specstate.core.errors import InvalidConfig
 from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.checkpoint import CONFIG_FILE, load_paged_llama, read_model_config
 from specstate.reference.hybrid import (
+    AnyHybridConfig,
+    AnyPagedHybrid,
     HybridConfig,
+    Lfm2ModelConfig,
     PagedHybrid,
+    PagedLfm2,
     is_hybrid_checkpoint,
     load_paged_hybrid,
     read_hybrid_config,
@@ -50,19 +55,19 @@ __all__ = [
     "source_label",
 ]
 
-ModelSource = str | os.PathLike[str] | PagedLlama | PagedHybrid
-"""A Hugging Face Llama or NemotronH checkpoint directory, or an already built model."""
+ModelSource = str | os.PathLike[str] | PagedLlama | PagedHybrid | PagedLfm2
+"""A Hugging Face Llama, NemotronH or LFM2 checkpoint directory, or an already built model."""
 
-SourceConfig = ModelConfig | HybridConfig
+SourceConfig = ModelConfig | AnyHybridConfig
 """The config of a source: a Llama's or a hybrid's."""
 
-SourceModel = PagedLlama | PagedHybrid
+SourceModel = PagedLlama | AnyPagedHybrid
 """A built reference model."""
 
 
 def source_label(source: ModelSource) -> str:
     """How error messages name ``source``: its ``config.json`` path, or ``<in-memory model>``."""
-    if isinstance(source, PagedLlama | PagedHybrid):
+    if isinstance(source, PagedLlama | PagedHybrid | PagedLfm2):
         return f"<in-memory {type(source).__name__}>"
     return str(Path(source) / CONFIG_FILE)
 
@@ -74,7 +79,7 @@ def read_source_config(source: ModelSource, *, dtype: torch.dtype | None = None)
         InvalidConfig: the loader's error for a missing or unsupported checkpoint.
     """
     config: SourceConfig
-    if isinstance(source, PagedLlama | PagedHybrid):
+    if isinstance(source, PagedLlama | PagedHybrid | PagedLfm2):
         config = source.config
     elif is_hybrid_checkpoint(source):
         config = read_hybrid_config(source)
@@ -118,15 +123,19 @@ def build_model(
     """
     slots = num_token_slots
     sharded = parallel is not None and parallel.world_size > 1
-    if isinstance(source, PagedLlama | PagedHybrid):
+    if isinstance(source, PagedLlama | PagedHybrid | PagedLfm2):
         shard = source.parallel if isinstance(source, PagedLlama) else None
         if shard is not None and shard.world_size > 1:
             raise InvalidConfig(f"{source_label(source)} is a tensor-parallel shard, not a model")
         config = read_source_config(source, dtype=dtype)
-        if isinstance(config, HybridConfig):
+        if isinstance(config, HybridConfig | Lfm2ModelConfig):
             if sharded:
                 raise InvalidConfig(f"{source_label(source)}: hybrid models are not sharded")
-            hybrid = PagedHybrid(config, num_token_slots=slots, layout=recurrent, device=device)
+            hybrid: AnyPagedHybrid
+            if isinstance(config, Lfm2ModelConfig):
+                hybrid = PagedLfm2(config, num_token_slots=slots, layout=recurrent, device=device)
+            else:
+                hybrid = PagedHybrid(config, num_token_slots=slots, layout=recurrent, device=device)
             hybrid.load_state_dict(source.state_dict(), strict=True)
             return hybrid
         state = source.state_dict()

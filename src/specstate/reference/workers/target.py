@@ -43,7 +43,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.grammar.rows import RowMasks
 from specstate.memory.recurrent_layout import RecurrentStateSpec
-from specstate.reference.hybrid import HybridConfig, PagedHybrid
+from specstate.reference.hybrid import HybridConfig, Lfm2ModelConfig
 from specstate.reference.model import AttentionBatch, PagedLlama
 from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
@@ -184,8 +184,10 @@ class TargetRunner:
             InvalidConfig: not attached, or the target is a hybrid (`network` runs either).
         """
         model = self.network
-        if isinstance(model, PagedHybrid):
-            raise InvalidConfig("the target is a hybrid model (PagedHybrid), not a PagedLlama")
+        if not isinstance(model, PagedLlama):
+            raise InvalidConfig(
+                f"the target is a hybrid model ({type(model).__name__}), not a PagedLlama"
+            )
         return model
 
     @property
@@ -198,7 +200,10 @@ class TargetRunner:
     @property
     def recurrent(self) -> RecurrentStateSpec | None:
         """The target's recurrent state (None for a Llama, or a hybrid without Mamba2 layers)."""
-        return self.config.recurrent_spec() if isinstance(self.config, HybridConfig) else None
+        config = self.config
+        if isinstance(config, HybridConfig | Lfm2ModelConfig):
+            return config.recurrent_spec()
+        return None
 
     @property
     def memory(self) -> WorkerMemory:

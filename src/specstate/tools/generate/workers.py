@@ -88,7 +88,7 @@ def checkpoint_limits(model: Path) -> RequestLimits:
 
 def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimits]:
     """The default factory: the reference worker named by ``--algorithm`` on ``--model`` (a
-    Llama, or a NemotronH hybrid: `specstate.reference.hybrid`).
+    Llama, or a NemotronH or LFM2 hybrid: `specstate.reference.hybrid`).
 
     It reads ``model``, ``draft``, ``algorithm``, ``num_steps``, ``topk``,
     ``num_draft_tokens``, ``dtype``, ``kv_tokens``, ``page_size``, ``device`` and ``seed`` of
@@ -102,15 +102,15 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
     try:  # a checkpoint the reference model cannot load fails first
         if is_hybrid_checkpoint(args.model):
-            read_hybrid_config(args.model)  # NemotronH: the reference hybrid model
+            read_hybrid_config(args.model)  # NemotronH or LFM2: a reference hybrid model
         else:
             read_model_config(args.model)
     except InvalidConfig as exc:
         if "model_type" not in str(exc):
             raise
         raise InvalidConfig(
-            f"{exc}. The reference workers run Llama and NemotronH checkpoints; drive another "
-            "architecture with --worker MODULE:FACTORY (a factory of your adapter)"
+            f"{exc}. The reference workers run Llama, NemotronH and LFM2 checkpoints; drive "
+            "another architecture with --worker MODULE:FACTORY (a factory of your adapter)"
         ) from None
     check_kv_fits(args)
     limits = checkpoint_limits(args.model)
