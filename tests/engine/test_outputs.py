@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -176,11 +178,42 @@ def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:
                           np.array([1, 4, 2]), verifies=True)  # fmt: skip
     reqs[7].transition(ReqStatus.PREFILL)
     reqs[7].transition(ReqStatus.RETRACTED)  # leaves its row: read it from the request
-    read = table.read_all_since(seen)
+    read = list(table.read_all_since(seen))
     assert [(req.request_id, run) for req, run in read] == [("r2", [1]), ("r5", [5, 6, 7, 8])]
     for req, run in read:
         assert run == list(req.output_ids[-len(run) :])
-    assert table.read_all_since(table.all_lengths()) == []
+    assert list(table.read_all_since(table.all_lengths())) == []
+
+
+def test_a_streaming_read_of_a_large_batch_leaves_no_young_objects_behind() -> None:
+    """`read_all_since` makes its pairs as they are taken: for 500 grown rows the read itself
+    allocates a fixed handful of tracked objects, and a reader that drops each pair leaves the
+    collector's young generation as it found it (a list of 500 pairs put 1000 objects there,
+    and Python walked them all at each collection of a large batch's round)."""
+    rows = 500
+    table, checker = _table(slots=rows + 1)
+    reqs = [_req(f"r{s}", SamplingParams(max_new_tokens=50), checker) for s in range(1, rows + 1)]
+    for slot, req in enumerate(reqs, start=1):
+        _open(table, checker, slot, req)
+    slots = np.arange(1, rows + 1)
+    seen = table.all_lengths()
+    with checker.acting(Role.RESULT_PROCESSOR):
+        table.append_runs(slots, np.full((rows, RUN), 4), np.full(rows, 2), verifies=True)
+    gc.collect()
+    gc.disable()  # the count of tracked objects is then exact
+    try:
+        before = gc.get_count()[0]
+        read = table.read_all_since(seen)
+        made = gc.get_count()[0] - before
+        sent = 0
+        for pair in read:
+            sent += len(pair[1])
+        left = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert sent == 2 * rows
+    assert made <= 32, made  # a fixed few (the arrays' lists), not a pair per row
+    assert left <= 32, left
 
 
 def test_a_batch_reusing_its_slots_array_sees_a_reopened_row() -> None:

@@ -37,6 +37,7 @@ whenever a request leaves ``s``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Final
 
 import attrs
@@ -146,17 +147,22 @@ class OutputTable:
         out: list[int] = self._output_tokens[slot, start:n].tolist()
         return out
 
-    def read_all_since(self, seen: IntArray) -> list[tuple[Req, list[int]]]:
+    def read_all_since(self, seen: IntArray) -> Iterator[tuple[Req, list[int]]]:
         """What a streaming reader takes after a step: each attached request whose settled
         outputs grew since ``seen`` (an earlier `all_lengths`), with its outputs from
         ``seen[slot]`` on, in slot order. One comparison and one gather for the whole table;
         the Python per changed request is a list slice. A slot whose count fell (it changed
         hands) or that no request holds (it ended: read it from the request) is skipped.
+
+        The pairs are made one at a time as the reader iterates: a reader that sends each run
+        and drops it leaves no garbage behind, where a list of a pair per request would put a
+        thousand young objects before Python's collector every round of a large batch (each
+        collection then walks them all).
         """
         now = self._output_lengths
         slots = np.flatnonzero(now > seen)
         if not slots.size:
-            return []
+            return iter(())
         start = seen[slots]
         counts = now[slots] - start
         ends = np.cumsum(counts)
@@ -165,12 +171,7 @@ class OutputTable:
         flat = np.repeat(first, counts) + np.arange(int(ends[-1]))
         tokens: list[int] = self._output_tokens_flat[flat].tolist()
         bounds = ends.tolist()
-        holders = self._holders
-        return [
-            (req, tokens[a:b])
-            for slot, a, b in zip(slots.tolist(), [0, *bounds[:-1]], bounds, strict=True)
-            if (req := holders[slot]) is not None
-        ]
+        return _runs(list(map(self._holders.__getitem__, slots.tolist())), tokens, bounds)
 
     def all_lengths(self) -> IntArray:
         """Settled output counts of every slot, as a new array (slot 0 is padding)."""
@@ -469,3 +470,15 @@ class OutputTable:
             wider = np.full((self._stops.shape[0], n), _NO_STOP, dtype=np.int64)
             wider[:, :have] = self._stops
             self._stops = wider
+
+
+def _runs(
+    holders: list[Req | None], tokens: list[int], bounds: list[int]
+) -> Iterator[tuple[Req, list[int]]]:
+    """`OutputTable.read_all_since`'s pairs (the rows' holders when it was called), made as
+    they are taken."""
+    a = 0
+    for req, b in zip(holders, bounds, strict=True):
+        if req is not None:
+            yield req, tokens[a:b]
+        a = b

@@ -65,11 +65,6 @@ def has_duplicates(values: IntArray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
-_FEW_ROWS = 16
-"""Up to this many rows, `free_rows` slices the table row by row (fewer operations than the
-vectorized expansion, which wins for a larger batch of releases)."""
-
-
 def _ceil_page(x: IntArray, p: int) -> IntArray:
     return x if p == 1 else -(-x // p) * p
 
@@ -595,15 +590,15 @@ def free_rows(
         req_pool._check_rows(s, lo, hi)
     first = _ceil_page(lo, p)
     table, width = req_pool._table_host, req_pool.row_width
-    if s.size <= _FEW_ROWS:  # a few finished requests: one slice of the table per row
-        parts = [
-            table[row * width + a : row * width + b : p]
-            for row, a, b in zip(s.tolist(), first.tolist(), hi.tolist(), strict=True)
-        ]
-        slots_held = np.concatenate(parts) if parts else table[:0]
-    else:
-        rows, j, _ = _expand(np.maximum((_ceil_page(hi, p) - first) // p, 0))
-        slots_held = table[(s * width + first)[rows] + j * p]
+    # One slice of the table per row (a row's pages are every P-th entry of its range): at
+    # page 1 a contiguous copy per row, and faster than a vectorized expansion of the
+    # positions for any number of rows (that gathers every position through index arrays).
+    bases = (s * width).tolist()
+    parts = [
+        table[base + a : base + b : p]
+        for base, a, b in zip(bases, first.tolist(), hi.tolist(), strict=True)
+    ]
+    slots_held = np.concatenate(parts) if parts else table[:0]
     pages = slots_held if p == 1 else slots_held // p
     allocator.free_pages(pages, validate=validate)
     return int(pages.size)

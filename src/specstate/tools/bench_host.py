@@ -4,8 +4,9 @@ Each timed sample is one `Engine.step` of a decode round in the normal loop — 
 persistent rows, the 2L reservation), launch (relay, isolation, the worker, the result check,
 publish, stash), settle (commit, outputs, finishes), the end of finished requests and the
 release of their KV — plus what a streaming server reads after it: the new tokens of every
-request. Only the forward is left out (as on a peer's side): the worker replays precomputed
-results, and the time inside its call is subtracted.
+request, each run counted and dropped as it is read (as the peer harness does). Only the
+forward is left out (as on a peer's side): the worker replays precomputed results, and the
+time inside its call is subtracted.
 
 The workloads (`specstate.tools.host_workload`): **churned** (default; requests finish on EOS
 inside accepted runs or on their cap, and new ones join every round at a steady batch size)
@@ -284,7 +285,6 @@ def _one_run(page: int, bs: int, settings: HostSettings) -> _Run:
 def _loop(replay: _Replay, settings: HostSettings) -> _Run:
     engine, outputs = replay.engine, replay.engine.outputs
     run = _Run()
-    sink: list[tuple[Req, Sequence[int]]] = []
     seen = outputs.all_lengths()
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     gc.collect()
@@ -292,16 +292,18 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
     start = clock()
     for r in range(settings.warmup + settings.iters):
         replay.prepare(r)
-        sink.clear()
         replay.worker.spent[:] = (0, 0)
         UNCHARGED[:] = (0, 0)
         c0 = cpu()
         t0 = clock()
         report = engine.step()
-        # What a streaming server reads: each request's new tokens.
-        sink.extend(outputs.read_all_since(seen))
+        # What a streaming server reads: each request's new tokens, sent on and dropped (as
+        # the peer harness does: it counts them).
+        sent = 0
+        for _req, new in outputs.read_all_since(seen):
+            sent += len(new)
         for req in report.ended:
-            sink.append((req, req.emitted_ids[int(seen[replay.slot[req]]) :]))
+            sent += len(req.emitted_ids[int(seen[replay.slot[req]]) :])
         t1 = clock()
         c1 = cpu()
         if report.launched_mode != "decode" or report.launched_size != replay.bs:
@@ -312,7 +314,7 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
             spent = replay.worker.spent
             run.samples.append((t1 - t0 - spent[0] - UNCHARGED[0]) / 1e3)
             run.cpu.append((c1 - c0 - spent[1] - UNCHARGED[1]) / 1e3)
-        run.emitted += sum(len(t) for _, t in sink)
+        run.emitted += sent
         for req in report.ended:
             d = replay.live.pop(req)
             replay.slot.pop(req)
