@@ -15,7 +15,7 @@ Two layers:
   types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
   `SamplingInfo`, `GrammarRows`, `RowMasks`, and for a hybrid model `RecurrentStateSpec` and
   `RecurrentLayout`), KV memory planning (`kv_tokens_for_budget`, `kv_bytes_for_tokens`,
-  `kv_layouts`, `KvLayout`, `requests_that_fit`), and every error.
+  `kv_layouts`, `KvLayout`, `requests_that_fit`, `recurrent_state_bytes`), and every error.
 * `specstate.internals` holds the parts the engine composes (the ledger and its role views,
   pools, allocator, FutureMap, isolation, streams) for engine builders who compose their own.
 
@@ -89,6 +89,7 @@ if TYPE_CHECKING:
         kv_bytes_for_tokens,
         kv_layouts,
         kv_tokens_for_budget,
+        recurrent_state_bytes,
         requests_that_fit,
     )
     from specstate.memory.prefix_cache import PrefixCacheSnapshot, PrefixSharing
@@ -171,6 +172,7 @@ _EXPORTS: dict[str, str] = {
     "kv_bytes_for_tokens": "specstate.memory.planning",
     "kv_layouts": "specstate.memory.planning",
     "kv_tokens_for_budget": "specstate.memory.planning",
+    "recurrent_state_bytes": "specstate.memory.planning",
     "requests_that_fit": "specstate.memory.planning",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
@@ -253,6 +255,7 @@ __all__ = [
     "kv_bytes_for_tokens",
     "kv_layouts",
     "kv_tokens_for_budget",
+    "recurrent_state_bytes",
     "requests_that_fit",
     "stream",
 ]

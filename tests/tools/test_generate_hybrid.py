@@ -9,16 +9,45 @@ layers' KV (the recurrent layers hold state rows, not KV).
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
+import types
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import torch
 from hf_oracle import greedy
 from hybrid_oracle import make_hybrid_checkpoints
 from lfm2_oracle import make_lfm2_checkpoint, make_lfm2_checkpoints
 
-from specstate.memory.planning import KvLayout
+from specstate.memory.planning import (
+    KvLayout,
+    format_bytes,
+    kv_bytes_for_tokens,
+    kv_layouts,
+    kv_tokens_for_budget,
+    recurrent_state_bytes,
+)
+from specstate.reference.hybrid import read_hybrid_config
+from specstate.reference.hybrid.mamba import StateBuffers
 from specstate.tools.cli import main
+from specstate.tools.engine_options import engine_config
+from specstate.tools.generate.kv_memory import resolve_kv_tokens
+from specstate.tools.generate.options import add_arguments
+from specstate.tools.generate.workers import load_engine
+
+T = TypeVar("T")
+_LEAVES = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    torch.Tensor,
+    str,
+    bytes,
+)
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [79, 32], [5, 5, 5, 5, 5, 5]]
 NEW_TOKENS = 14
@@ -71,3 +100,85 @@ def test_an_lfm2_config_with_attention_indices_counts_those(tmp_path: Path) -> N
     raw = {"model_type": "lfm2", "num_hidden_layers": 6, "full_attn_idxs": [2, 5],
            "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}  # fmt: skip
     assert KvLayout.from_config(raw).num_layers == 2
+
+
+def _reachable(root: object, kind: type[T]) -> list[T]:
+    """Every ``kind`` instance reachable from ``root`` through object references (functions,
+    classes and modules are not followed: they lead to every global)."""
+    found: list[T] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kind):
+            found.append(obj)
+            continue
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+@pytest.mark.parametrize("algorithm", ["none", "draft_model"])
+@pytest.mark.parametrize("kind", ["nemotron_h", "lfm2"])
+def test_kv_memory_takes_a_hybrids_state_rows_off_the_budget_first(
+    kind: str, algorithm: str, tmp_path: Path
+) -> None:
+    """--kv-memory on a hybrid: the state rows the engine allocates (every state buffer it
+    holds, summed) come off the budget, and the pool is what the rest buys."""
+    ckpt = (make_hybrid_checkpoints if kind == "nemotron_h" else make_lfm2_checkpoints)(tmp_path)
+    flags = ["--model", str(ckpt.target), "--max-running", "3", "--kv-memory", "1MiB",
+             "--page-size", "4", "--no-overlap", "--input", "-", "--output", "-"]  # fmt: skip
+    if algorithm == "draft_model":
+        flags += ["--draft", str(ckpt.partial), "--algorithm", "draft_model", "--num-steps", "3"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(flags)
+    line = resolve_kv_tokens(args)
+    with load_engine(args, engine_config(args), None, None) as engine:
+        state = sum(b.num_bytes for b in _reachable(engine, StateBuffers))
+        groups = 2 if algorithm == "draft_model" else 1  # the hybrid drafter keeps its own
+        assert len(_reachable(engine, StateBuffers)) == groups
+    layouts = kv_layouts(ckpt.target, draft=ckpt.partial if algorithm == "draft_model" else None)
+    assert state > 0
+    assert args.kv_tokens == kv_tokens_for_budget((1 << 20) - state, layouts, page_size=4)
+    assert line is not None and f"{format_bytes(state)} of recurrent state" in line
+
+
+def test_kv_memory_below_a_hybrids_state_rows_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A budget the state rows alone exceed exits 2 naming them, before any model loads."""
+    ckpt = make_hybrid_checkpoints(tmp_path)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "input_ids": [3, 4]}) + "\n")
+    argv = ["generate", "--model", str(ckpt.target), "--max-running", "64",
+            "--kv-memory", "4KiB", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the recurrent state rows alone take" in err and "129 slots x 2 rows" in err
+
+
+def test_a_pool_and_state_rows_past_the_free_memory_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-tokens on a hybrid: the check against the free memory counts the state rows too
+    (one byte short of KV + state is refused, naming both; exactly enough runs)."""
+    import specstate.tools.generate.kv_memory as kv_memory
+
+    ckpt = make_hybrid_checkpoints(tmp_path)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "input_ids": [3, 4]}) + "\n")
+    files = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    argv = ["generate", "--model", str(ckpt.target), "--max-running", "4", "--kv-tokens", "256",
+            *files]  # fmt: skip
+    kv = kv_bytes_for_tokens(256, kv_layouts(ckpt.target))
+    spec = read_hybrid_config(ckpt.target).recurrent_spec()
+    state = recurrent_state_bytes(spec, max_running=4, num_draft_tokens=1)
+    assert state > 0
+    monkeypatch.setattr(kv_memory, "free_memory", lambda device: kv + state - 1)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "of recurrent state (9 slots x 2 rows" in err and "available on cpu" in err
+    monkeypatch.setattr(kv_memory, "free_memory", lambda device: kv + state)
+    assert main(argv) == 0

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from specstate.engine.worker import WorkerCapabilities
+    from specstate.memory.recurrent_layout import RecurrentStateSpec
 
 __all__ = [
     "KvLayout",
@@ -47,6 +48,7 @@ __all__ = [
     "kv_layouts",
     "kv_tokens_for_budget",
     "parse_bytes",
+    "recurrent_state_bytes",
     "requests_that_fit",
 ]
 
@@ -186,6 +188,32 @@ def kv_tokens_for_budget(
             f"{per_token} bytes a slot; the engine needs at least 2 pages ({2 * page_size})"
         )
     return kv_tokens
+
+
+def recurrent_state_bytes(
+    spec: RecurrentStateSpec | None, *, max_running: int, num_draft_tokens: int
+) -> int:
+    """Bytes of a hybrid worker's state rows in an engine that runs ``max_running`` requests.
+
+    ``(2 × max_running + 1) × C × bytes_per_row``: the engine keeps twice ``max_running``
+    request slots (room for requests whose release waits for a launched batch) and the padding
+    slot 0, each with ``C = D + 1`` state rows (`rows_per_request`, ``D`` the verify width,
+    1 without speculation), and a row holds one state of every layer group the worker declares
+    (its target's and a hybrid drafter's: `RecurrentStateSpec.bytes_per_row`). 0 without a
+    spec. It does not depend on ``kv_tokens``: subtract it from a budget before
+    `kv_tokens_for_budget`.
+
+    Raises:
+        InvalidConfig: ``max_running`` or ``num_draft_tokens`` below 1.
+    """
+    if max_running < 1 or num_draft_tokens < 1:
+        raise InvalidConfig(
+            f"state rows need max_running >= 1 and num_draft_tokens >= 1, got {max_running}, "
+            f"{num_draft_tokens}"
+        )
+    if spec is None:
+        return 0
+    return (2 * max_running + 1) * (num_draft_tokens + 1) * spec.bytes_per_row
 
 
 def requests_that_fit(

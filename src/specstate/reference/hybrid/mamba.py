@@ -136,6 +136,11 @@ class StateBuffers:
         """Layers whose states this holds."""
         return len(self._buffers)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of every buffer held (what the state rows of this group cost)."""
+        return sum(b.numel() * b.element_size() for layer in self._buffers for b in layer)
+
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of the state tensors of ``layer`` at ``rows``, in the group's order."""
         return tuple(buffer[rows] for buffer in self._buffers[layer])

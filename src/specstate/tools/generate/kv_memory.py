@@ -5,9 +5,12 @@
 ``torch.cuda.mem_get_info`` reports free; on the CPU what the OS reports available,
 ``MemAvailable``), by `specstate.memory.planning`: bytes a token from the checkpoints'
 ``config.json`` (the target and, for ``draft_model`` / ``eagle``, the drafter's cache), in the
-run's ``--dtype``. Either sets ``args.kv_tokens`` before the engine config is made, so a
-``--worker`` factory sees the number too. Whatever sets it, a pool whose caches cannot fit in
-the free memory is refused before anything is allocated.
+run's ``--dtype``. A hybrid target or drafter (NemotronH, LFM2) also keeps recurrent state
+rows, whose size does not depend on the pool (`recurrent_state_bytes`: ``--max-running`` and
+the verify width): they come off the budget first. Either sets ``args.kv_tokens`` before the
+engine config is made, so a ``--worker`` factory sees the number too (only ``--model``'s KV is
+counted then: the factory's drafter and state are unknown). Whatever sets it, a pool whose
+caches and state rows cannot fit in the free memory is refused before anything is allocated.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Final
 
+import attrs
+
 from specstate.core.errors import InvalidConfig
 from specstate.tools.generate.options import DTYPES
 
 if TYPE_CHECKING:
     from specstate.memory.planning import KvLayout
+    from specstate.memory.recurrent_layout import RecurrentStateSpec
 
 __all__ = ["DEFAULT_KV_TOKENS", "check_kv_fits", "free_memory", "resolve_kv_tokens"]
 
@@ -32,7 +38,8 @@ def resolve_kv_tokens(args: argparse.Namespace) -> str | None:
 
     Raises:
         InvalidConfig: a budget without ``--model`` to size a token by, a budget under two
-            pages, or ``--kv-fraction`` where the free memory is unknown.
+            pages (after a hybrid's state rows), or ``--kv-fraction`` where the free memory is
+            unknown.
     """
     if args.kv_memory is None and args.kv_fraction is None:
         if args.kv_tokens is None:
@@ -43,7 +50,9 @@ def resolve_kv_tokens(args: argparse.Namespace) -> str | None:
     flag = "--kv-memory" if args.kv_memory is not None else "--kv-fraction"
     if args.model is None:
         raise InvalidConfig(f"{flag} needs --model DIR: its config.json sizes a KV token")
-    layouts = _layouts(args, reference=args.worker is None)
+    reference = args.worker is None
+    layouts = _layouts(args, reference=reference)
+    state, state_line = _state_bytes(args, reference=reference)
     if args.kv_memory is not None:
         budget, what = args.kv_memory, f"--kv-memory {format_bytes(args.kv_memory)}"
     else:
@@ -52,14 +61,23 @@ def resolve_kv_tokens(args: argparse.Namespace) -> str | None:
             raise InvalidConfig(f"--kv-fraction: the free memory of {args.device} is unknown")
         budget = int(args.kv_fraction * free)
         what = f"--kv-fraction {args.kv_fraction:g} of {format_bytes(free)} free on {args.device}"
+    if state and state >= budget:
+        raise InvalidConfig(
+            f"{what}: the recurrent state rows alone take {format_bytes(state)} ({state_line}); "
+            "raise the budget or lower --max-running"
+        )
     try:
-        args.kv_tokens = kv_tokens_for_budget(budget, layouts, page_size=args.page_size)
+        args.kv_tokens = kv_tokens_for_budget(budget - state, layouts, page_size=args.page_size)
     except InvalidConfig as exc:
-        raise InvalidConfig(f"{what}: {exc}") from None
+        left = f" (after {format_bytes(state)} of recurrent state)" if state else ""
+        raise InvalidConfig(f"{what}{left}: {exc}") from None
     need = kv_bytes_for_tokens(args.kv_tokens, layouts, page_size=args.page_size)
-    return (
+    line = (
         f"{what}: --kv-tokens {args.kv_tokens}, {format_bytes(need)} of KV cache at "
         f"{_describe(layouts)}"
+    )
+    return line + (
+        f", and {format_bytes(state)} of recurrent state ({state_line})" if state else ""
     )
 
 
@@ -68,18 +86,20 @@ def check_kv_fits(args: argparse.Namespace) -> None:
 
     Counts the caches of the reference worker ``args`` names (`kv_layouts`), on ``--device``.
     """
-    from specstate.memory.planning import kv_bytes_for_tokens
+    from specstate.memory.planning import format_bytes, kv_bytes_for_tokens
 
     kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
     device = getattr(args, "device", "cpu")  # a Namespace a factory built by hand may lack it
     layouts = _layouts(args, reference=True)
     need = kv_bytes_for_tokens(kv_tokens, layouts, page_size=getattr(args, "page_size", 1))
+    state, state_line = _state_bytes(args, reference=True)
     available = free_memory(device)
-    if available is not None and need > available:
+    if available is not None and need + state > available:
         per_token = sum(layout.bytes_per_token for layout in layouts)
+        rows = f" and {format_bytes(state)} of recurrent state ({state_line})" if state else ""
         raise InvalidConfig(
-            f"--kv-tokens {kv_tokens}: the KV cache needs {need / 2**30:.1f} GiB "
-            f"({per_token} bytes a token) but {available / 2**30:.1f} GiB of memory is "
+            f"--kv-tokens {kv_tokens}: the KV cache needs {format_bytes(need)} "
+            f"({per_token} bytes a token){rows} but {format_bytes(available)} of memory is "
             f"available on {device}; lower --kv-tokens (or size it with --kv-memory)"
         )
 
@@ -118,6 +138,43 @@ def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ..
     eagle = args.draft if reference and args.algorithm == "eagle" else None
     dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
     return kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+
+
+def _state_bytes(args: argparse.Namespace, *, reference: bool) -> tuple[int, str]:
+    """The bytes of the reference worker's recurrent state rows, and how they add up.
+
+    A hybrid target (and a hybrid ``draft_model`` drafter) keeps ``C = D + 1`` rows per
+    request slot (`recurrent_state_bytes`), ``D`` = ``--num-steps`` + 1 with a drafter and 1
+    without. (0, "") for a Llama, and for a ``--worker`` factory (``reference`` False).
+    """
+    if not reference or args.model is None:
+        return 0, ""
+    import torch
+
+    from specstate.engine.config import EngineConfig
+    from specstate.memory.planning import recurrent_state_bytes
+    from specstate.reference.hybrid import is_hybrid_checkpoint, read_hybrid_config
+
+    dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
+    specs: list[RecurrentStateSpec] = []
+    draft = args.draft if args.algorithm == "draft_model" else None
+    for path, prefix in ((args.model, "target"), (draft, "draft")):
+        if path is None or not is_hybrid_checkpoint(path):
+            continue
+        config = read_hybrid_config(path)
+        if dtype is not None:
+            config = attrs.evolve(config, dtype=dtype)
+        spec = config.recurrent_spec(prefix)
+        if spec is not None:
+            specs.append(spec)
+    if not specs:
+        return 0, ""
+    merged = specs[0].merged(specs[1] if len(specs) > 1 else None)
+    max_running = getattr(args, "max_running", None) or EngineConfig().max_running
+    width = 1 if args.algorithm == "none" else args.num_steps + 1
+    state = recurrent_state_bytes(merged, max_running=max_running, num_draft_tokens=width)
+    slots = 2 * max_running + 1
+    return state, f"{slots} slots x {width + 1} rows x {merged.bytes_per_row} bytes"
 
 
 def _describe(layouts: tuple[KvLayout, ...]) -> str:
