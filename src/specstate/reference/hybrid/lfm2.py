@@ -32,6 +32,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid.lfm2_config import Lfm2LayerKind, Lfm2ModelConfig
 from specstate.reference.hybrid.mamba import StateBuffers, TokenGrid, causal_conv
+from specstate.reference.hybrid.paged import PagedStateModel
 from specstate.reference.model import (
     AttentionBatch,
     ForwardPlan,
@@ -39,7 +40,6 @@ from specstate.reference.model import (
     ModelConfig,
     ModelOutput,
     RMSNorm,
-    TreeAttentionBatch,
     paged_attention,
     plan_forward,
 )
@@ -180,7 +180,7 @@ class Lfm2Block(nn.Module):
         return out
 
 
-class PagedLfm2(nn.Module):
+class PagedLfm2(PagedStateModel):
     """An LFM2 causal LM over a paged KV cache and laid-out state rows it owns.
 
     Parameter names equal Hugging Face's without the ``model.`` prefix (``lm_head.weight`` is
@@ -227,29 +227,12 @@ class PagedLfm2(nn.Module):
         self._blocks = tuple(blocks)  # the modules of ``layers``, typed
         self.to(dtype=config.dtype)
         self.requires_grad_(False)
-        self._kv_cache = KvCache.allocate(
-            self.geometry, num_token_slots=num_token_slots, device=device
-        )
-        self._states = (
-            None
-            if spec is None or layout is None
-            else StateBuffers(spec.groups[0], layout, device=device)
-        )
+        self.allocate(self.geometry, spec, num_token_slots=num_token_slots, device=device)
 
     @property
     def blocks(self) -> tuple[Lfm2Block, ...]:
         """The blocks in order (the modules of ``layers``)."""
         return self._blocks
-
-    @property
-    def kv_cache(self) -> KvCache:
-        """The attention layers' KV, written at ``out_cache_loc``, read via ``req_to_token``."""
-        return self._kv_cache
-
-    @property
-    def states(self) -> StateBuffers | None:
-        """The short convolutions' states (None when the model has none)."""
-        return self._states
 
     def forward(
         self, batch: AttentionBatch, *, logit_rows: torch.Tensor | None = None
@@ -259,18 +242,9 @@ class PagedLfm2(nn.Module):
         Raises:
             InvalidConfig: the batch is inconsistent, or a tree batch for a model with state.
         """
-        if isinstance(batch, TreeAttentionBatch) and self._states is not None:
-            raise InvalidConfig("a hybrid model verifies chains only: tree batches are refused")
+        grid = self.token_grid(batch)
         with torch.no_grad():
             plan = plan_forward(batch, self.geometry, self._kv_cache.num_token_slots)
-            grid = None
-            if self.layout is not None:
-                grid = TokenGrid.build(
-                    slots=batch.req_pool_indices,
-                    prefix_lens=batch.prefix_lens,
-                    extend_lens=batch.extend_lens,
-                    layout=self.layout,
-                )
             x: torch.Tensor = self.embed_tokens(batch.input_ids)
             for block in self._blocks:
                 x = block(x, plan, self._kv_cache, grid, self._states)

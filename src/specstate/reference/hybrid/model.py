@@ -28,14 +28,14 @@ from torch import nn
 from specstate.core.errors import InvalidConfig
 from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid.config import HybridConfig, LayerKind
-from specstate.reference.hybrid.mamba import Mamba2Mixer, StateBuffers, TokenGrid, check_layout
+from specstate.reference.hybrid.mamba import Mamba2Mixer, TokenGrid, check_layout
+from specstate.reference.hybrid.paged import PagedStateModel
 from specstate.reference.model import (
     AttentionBatch,
     ForwardPlan,
     KvCache,
     ModelConfig,
     ModelOutput,
-    TreeAttentionBatch,
     paged_attention,
     plan_forward,
 )
@@ -130,7 +130,7 @@ class HybridBlock(nn.Module):
             self.mixer = _Mlp(config)
 
 
-class PagedHybrid(nn.Module):
+class PagedHybrid(PagedStateModel):
     """A NemotronH causal LM over a paged KV cache and laid-out state rows it owns.
 
     Parameter names equal Hugging Face's without the ``model.`` prefix. Build the model on its
@@ -168,30 +168,14 @@ class PagedHybrid(nn.Module):
         self._blocks = tuple(blocks)  # the modules of ``layers``, typed
         self.to(dtype=config.dtype)
         self.requires_grad_(False)
-        self._kv_cache = KvCache.allocate(
-            self.geometry, num_token_slots=num_token_slots, device=device
-        )
-        spec = config.recurrent_spec()
-        self._states = (
-            None
-            if self.layout is None or spec is None
-            else StateBuffers(spec.groups[0], self.layout, device=device)
+        self.allocate(
+            self.geometry, config.recurrent_spec(), num_token_slots=num_token_slots, device=device
         )
 
     @property
     def blocks(self) -> tuple[HybridBlock, ...]:
         """The blocks in order (the modules of ``layers``)."""
         return self._blocks
-
-    @property
-    def kv_cache(self) -> KvCache:
-        """The attention layers' KV, written at ``out_cache_loc``, read via ``req_to_token``."""
-        return self._kv_cache
-
-    @property
-    def states(self) -> StateBuffers | None:
-        """The Mamba2 states (None when the model has no Mamba2 layer)."""
-        return self._states
 
     def forward(
         self, batch: AttentionBatch, *, logit_rows: torch.Tensor | None = None
@@ -201,18 +185,9 @@ class PagedHybrid(nn.Module):
         Raises:
             InvalidConfig: the batch is inconsistent, or a tree batch for a model with state.
         """
-        if isinstance(batch, TreeAttentionBatch) and self._states is not None:
-            raise InvalidConfig("a hybrid model verifies chains only: tree batches are refused")
+        grid = self.token_grid(batch)
         with torch.no_grad():
             plan = plan_forward(batch, self.geometry, self._kv_cache.num_token_slots)
-            grid = None
-            if self._states is not None and self.layout is not None:
-                grid = TokenGrid.build(
-                    slots=batch.req_pool_indices,
-                    prefix_lens=batch.prefix_lens,
-                    extend_lens=batch.extend_lens,
-                    layout=self.layout,
-                )
             x: torch.Tensor = self.embeddings(batch.input_ids)
             for block in self._blocks:
                 x = x + self._mix(block, block.norm(x), plan, grid)
