@@ -224,6 +224,26 @@ def test_deferred_release_waits_for_the_batch_to_retire(memory: Memory) -> None:
     assert deferred.pending() == ()
 
 
+def test_deferring_several_at_once_refuses_a_repeat_and_keeps_the_order(memory: Memory) -> None:
+    """`defer_many`: a request already deferred, or listed twice, raises naming it and defers
+    nobody; otherwise the requests are released in the order given."""
+    a, b, c = memory.new_req("a", 4), memory.new_req("b", 5), memory.new_req("c", 3)
+    for req in (a, b, c):
+        memory.prefill(req)
+    deferred = DeferredReleases(memory.allocator)
+    deferred.defer(c, until_batch=2)
+    with pytest.raises(DoubleRelease, match="request c: release already deferred"):
+        deferred.defer_many([a, c], until_batch=3)
+    with pytest.raises(DoubleRelease, match="request b: release already deferred"):
+        deferred.defer_many([b, a, b], until_batch=3)
+    assert deferred.pending() == ("c",)
+    deferred.defer_many([b, a], until_batch=3)
+    assert deferred.pending() == ("c", "b", "a")
+    with memory.checker.acting(Role.SCHEDULER):
+        released = deferred.drain(3)
+    assert [r.request_id for r in released] == ["c", "b", "a"]
+
+
 def test_release_many_is_all_or_nothing(memory: Memory) -> None:
     """A batch release with one request that holds no KV releases nobody."""
     a, b = memory.new_req("a", 4), memory.new_req("b", 5)

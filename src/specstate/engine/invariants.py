@@ -170,6 +170,13 @@ def check_engine(engine: Engine) -> None:
                 f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
                 f"allocated {entry.kv_allocated_len}, launched prefill {done}",
             )
+    records = sched.num_prefill_records
+    if records != len(owners):
+        _fail(
+            "prefill-progress",
+            f"{records} prefill records for {len(owners)} admitted requests (an ended or "
+            "retracted request kept its record)",
+        )
     in_flight = engine.in_flight
     busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
     for req in sched.running:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import repeat
 
 from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
 from specstate.engine.finish import abort_finish
@@ -69,7 +70,7 @@ class RequestLifecycle:
 
     def remember_ended(self, request_ids: Sequence[str]) -> tuple[Req, ...]:
         """The ended requests of ``request_ids``; the oldest beyond the history are forgotten."""
-        ended = tuple(self._requests[rid] for rid in request_ids)
+        ended = tuple(map(self._requests.__getitem__, request_ids))
         self._ended.extend(ended)
         while len(self._ended) > self._history:
             old = self._ended.popleft()
@@ -123,6 +124,16 @@ class RequestLifecycle:
         self._aborts.pop(req, None)
         if self._allocator.holds_slot(req):
             self._deferred.defer(req, until_batch=until_batch)
+
+    def end_many(self, reqs: Sequence[Req], *, until_batch: int) -> None:
+        """`end` for the requests one settlement ended, in one pass per owner (no Python call
+        per request on the way: a batch-1024 round ends some fifteen)."""
+        if not reqs:
+            return
+        self._scheduler.drop_many(reqs)
+        if self._aborts:
+            deque(map(self._aborts.pop, reqs, repeat(None)), maxlen=0)
+        self._deferred.defer_many(self._allocator.holding_slots(reqs), until_batch=until_batch)
 
     def quarantine(self, req: Req, *, until: Callable[[], bool]) -> None:
         """Forget an ended request; its KV is held until ``until()`` turns true."""

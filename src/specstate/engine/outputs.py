@@ -410,10 +410,7 @@ class OutputTable:
         if matched is not None:
             candidates.update(np.flatnonzero(matched[0] < _NEVER).tolist())
             seq_at, seq_index = matched
-        rows: list[int] = []
-        stop_at: list[int] = []
-        stop_token: list[int] = []
-        stop_sequence: list[int] = []
+        found: list[tuple[int, int, int, int]] = []  # (row, stop at, stop token, sequence)
         for row in sorted(candidates):
             start = int(before[row])
             at, token, sequence = _NEVER, -1, -1
@@ -427,17 +424,15 @@ class OutputTable:
             is_stop = at <= int(caps[row])
             if not (is_stop or capped[row]):
                 continue  # a stop past the cap of a row that has not reached it
-            rows.append(row)
-            stop_at.append(at if is_stop else -1)
-            stop_token.append(token if is_stop else -1)
-            stop_sequence.append(sequence if is_stop else -1)
-        if not rows:
+            found.append((row, at, token, sequence) if is_stop else (row, -1, -1, -1))
+        if not found:
             return None
+        rows, stop_at, stop_token, stop_sequence = zip(*found, strict=True)
         return FinishedRows(
-            rows=tuple(rows),
-            stop_at=tuple(stop_at),
-            stop_token=tuple(stop_token),
-            stop_sequence=() if matched is None else tuple(stop_sequence),
+            rows=rows,
+            stop_at=stop_at,
+            stop_token=stop_token,
+            stop_sequence=() if matched is None else stop_sequence,
         )
 
     def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:

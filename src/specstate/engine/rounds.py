@@ -22,6 +22,7 @@ KV of a request that ended while a batch was in flight is released only after th
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +49,7 @@ from specstate.memory.allocation import DeferredReleases, KvAllocator
 __all__ = ["RoundPipeline"]
 
 _log = logging.getLogger("specstate")
+_REQUEST_ID = attrgetter("request_id")
 
 
 class RoundPipeline:
@@ -168,8 +170,7 @@ class RoundPipeline:
             ended = self._fail(flight, error if error is not None else RuntimeError("no result"))
         else:
             ended, settlement = self._settle_rows(flight, host)
-        for req in ended:
-            self._lifecycle.end(req, until_batch=self.num_launched)
+        self._lifecycle.end_many(ended, until_batch=self.num_launched)
         self.drain()
         if rec is not None:
             if host is not None and settlement is not None:
@@ -180,7 +181,7 @@ class RoundPipeline:
             self._observe_round(flight.plan, host)  # last: the round is settled whatever it does
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise error  # the batch is contained; the interruption is the caller's to handle
-        return tuple(r.request_id for r in ended)
+        return tuple(map(_REQUEST_ID, ended))
 
     def _checked_host_result(self, flight: InFlight, timeout: float | None) -> HostResult | None:
         """The round's one device-to-host copy (a view on the host CPU), checked; None: late."""
@@ -314,7 +315,7 @@ class RoundPipeline:
         for req in ended:
             self._lifecycle.quarantine(req, until=drained)
         self.drain()
-        return tuple(r.request_id for r in ended)
+        return tuple(map(_REQUEST_ID, ended))
 
     # ---------------------------------------------------------------- record
     def _record_round(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import attrs
 import numpy as np
@@ -195,6 +196,26 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._progress.pop(id(req), None)
+
+    def drop_many(self, reqs: Sequence[Req]) -> None:
+        """`drop` for several requests that ended (C loops over the running ones; the rest,
+        rare at a settlement, one by one)."""
+        popped = list(map(self._running.pop, reqs, repeat(False)))
+        pairs = list(zip(reqs, popped, strict=True))
+        self._rows.leave_many([req for req, was in pairs if was is None])
+        if False in popped:  # some were not running: prefilling or waiting
+            for req, was in pairs:
+                if was is False and req in self.prefilling:
+                    self.prefilling.remove(req)
+                elif was is False and req in self.waiting:
+                    self.waiting.remove(req)
+        deque(map(self._progress.pop, map(id, reqs), repeat(None)), maxlen=0)
+
+    @property
+    def num_prefill_records(self) -> int:
+        """Requests whose prefill progress is kept: every admitted request until it is
+        dropped (the invariant checker compares it with the prefilling and running ones)."""
+        return len(self._progress)
 
     def prefill_progress(self, req: Req) -> int:
         """Tokens of ``req``'s prefill launched so far (its committed length while it prefills)."""
@@ -511,23 +532,18 @@ class Scheduler:
 
     def _plain_rows(self, reqs: tuple[Req, ...]) -> PlainRows | None:
         """The host values of ``reqs``' rows, or None when one of them is not plain (it uses a
-        sampling control beyond temperature, top-k and top-p): Python per joining request."""
+        sampling control beyond temperature, top-k and top-p); no Python call per request."""
+        params = [req.sampling for req in reqs]
+        if not _all_plain(params):
+            return None
         vocab = self._config.vocab_size
         ints = np.empty((3, len(reqs)), dtype=np.int64)
-        temps, top_ks, top_ps, slots = [], [], [], []
-        slot_of = self._allocator.slot_of
-        for req in reqs:
-            p = req.sampling
-            if not _is_plain(p):
-                return None
-            slots.append(slot_of(req))
-            temps.append(p.temperature)
-            top_ks.append(min(p.top_k or vocab, vocab))  # past the vocabulary: every token
-            top_ps.append(p.top_p)
-        ints[0] = slots
+        ints[0] = self._allocator.slots_of(reqs)
         ints[1] = self._outputs.epochs(ints[0])
-        ints[2] = top_ks
-        return PlainRows(ints=ints, floats=np.array([temps, top_ps], dtype=np.float32))
+        # No top-k, or one past the vocabulary, keeps every token.
+        ints[2] = [vocab if p.top_k is None or p.top_k > vocab else p.top_k for p in params]
+        floats = np.array([[p.temperature for p in params], [p.top_p for p in params]])
+        return PlainRows(ints=ints, floats=floats.astype(np.float32))
 
     def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         return SamplingInfo.from_params(
@@ -539,10 +555,10 @@ class Scheduler:
         )
 
 
-def _is_plain(p: SamplingParams) -> bool:
-    """True when a request's sampling is temperature, top-k and top-p only: its row of a
+def _all_plain(params: Sequence[SamplingParams]) -> bool:
+    """True when every request's sampling is temperature, top-k and top-p only: its row of a
     `SamplingInfo` has no optional tensor (`SamplingInfo.from_params` would build none)."""
-    return (
+    flags = [  # a list, not a generator: that would resume once per request
         p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
@@ -550,4 +566,6 @@ def _is_plain(p: SamplingParams) -> bool:
         and p.seed is None
         and p.speculative
         and not p.logprobs
-    )
+        for p in params
+    ]
+    return all(flags)

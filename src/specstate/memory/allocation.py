@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Final
 
@@ -210,9 +211,24 @@ class KvAllocator:
             raise LedgerViolation(f"request {req.request_id} holds no KV slot")
         return slot
 
+    def slots_of(self, reqs: Sequence[Req]) -> list[int]:
+        """The request slots ``reqs`` hold, in order; `LedgerViolation` naming the first
+        that holds none."""
+        try:
+            return list(map(self._slot_by_req.__getitem__, reqs))
+        except KeyError:
+            for req in reqs:
+                self.slot_of(req)  # raises, naming it
+            raise
+
     def holds_slot(self, req: Req) -> bool:
         """True while ``req`` holds a request slot (admitted and not yet released)."""
         return req in self._slot_by_req
+
+    def holding_slots(self, reqs: Sequence[Req]) -> list[Req]:
+        """Those of ``reqs`` that hold a request slot, in order."""
+        held = self._slot_by_req
+        return [req for req in reqs if req in held]
 
     def owned_pages(self) -> torch.Tensor:
         """Every page mapped by an open row (for ``TokenSlotAllocator.check_balance``)."""
@@ -478,6 +494,18 @@ class DeferredReleases:
             raise DoubleRelease(f"request {req.request_id}: release already deferred")
         self._pending.append((until_batch, req))
         self._waiting.add(req)
+        self._oldest = min(self._oldest, until_batch)
+
+    def defer_many(self, reqs: Sequence[Req], *, until_batch: int) -> None:
+        """`defer` for several requests (C loops; the same order as one by one)."""
+        if not reqs:
+            return
+        if not self._waiting.isdisjoint(reqs) or len(set(reqs)) != len(reqs):
+            for req in reqs:  # name the first one deferred twice, nothing changed
+                if req in self._waiting or reqs.count(req) > 1:
+                    raise DoubleRelease(f"request {req.request_id}: release already deferred")
+        self._pending.extend(zip(repeat(until_batch), reqs))
+        self._waiting.update(reqs)
         self._oldest = min(self._oldest, until_batch)
 
     def hold(self, req: Req, *, until: Callable[[], bool]) -> None:
