@@ -2,10 +2,10 @@
 
 The algorithms that serve a hybrid target (``none``, ``ngram``, chain ``draft_model`` with a
 partly agreeing LFM2 drafter), both loops, page sizes 1 and 16, whole and chunked prefill with
-mixed chunks, stops inside accepted runs, and retraction under KV pressure. Every step runs the
-invariant checker (the recurrent-state invariants included) and the ownership checks. The
-convolutions steer the output, so a conv state selected for the wrong accept length, not carried
-over a round or read from a reused row at prefix 0 shows up as a wrong token.
+mixed chunks, and stops inside accepted runs (retraction: test_hybrid_retraction.py). Every
+step runs the invariant checker (the recurrent-state invariants included) and the ownership
+checks. The convolutions steer the output, so a conv state selected for the wrong accept length
+or not carried over a round shows up as a wrong token.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-from engine_driver import checked_config, run_checked, serve_to_completion, with_stops
+from engine_driver import checked_config, serve_to_completion, with_stops
 from hf_oracle import greedy
 from lfm2_oracle import Lfm2Checkpoints, make_lfm2_checkpoints
 from spy_worker import SpyWorker
 
-from specstate import RequestLimits, SamplingParams
+from specstate import RequestLimits
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
@@ -110,26 +110,3 @@ def test_lfm2_lossless_matrix(
         max_accept = spy.capabilities.max_accept
         assert any(1 < a < max_accept for a in spy.accepts), spy.accepts
         assert max_accept in spy.accepts, spy.accepts
-
-
-@pytest.mark.parametrize(("overlap", "page_size"), [(False, 1), (True, 16)])
-@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
-def test_lfm2_retraction_under_pressure_is_lossless(
-    ckpt: Lfm2Checkpoints,
-    expected: list[list[int]],
-    algorithm: str,
-    overlap: bool,
-    page_size: int,
-) -> None:
-    """A pool too small for every request retracts some (their convolution states discarded and
-    rebuilt by re-prefill); every request still emits HF's tokens."""
-    config = checked_config(overlap=overlap, page_size=page_size, kv_tokens=112)
-    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    with Engine(ckpt.worker(algorithm), limits=limits, config=config) as engine:
-        reqs = [engine.submit(f"p{i}", p, params) for i, p in enumerate(PROMPTS)]
-        log = run_checked(engine)
-        pool = engine.allocator.recurrent
-        assert pool is not None and pool.snapshot().num_open == 0
-    assert log.retracted, "the pool was meant to force retractions"
-    assert [list(r.emitted_ids) for r in reqs] == expected

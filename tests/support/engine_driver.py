@@ -8,9 +8,10 @@ from typing import Any
 
 import attrs
 
-from specstate import Req, SamplingParams
+from specstate import Req, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.invariants import check_engine
+from specstate.engine.worker import WorkerProtocol
 
 
 @attrs.frozen(kw_only=True)
@@ -85,3 +86,24 @@ def with_stops(expected: list[list[int]]) -> tuple[list[int | None], list[list[i
         stops.append(stop)
         wants.append(out if stop is None else out[: out.index(stop) + 1])
     return stops, wants
+
+
+def serve_under_pressure(
+    worker: WorkerProtocol,
+    prompts: Sequence[Sequence[int]],
+    *,
+    vocab_size: int,
+    max_new_tokens: int,
+    overlap: bool,
+    page_size: int,
+    kv_tokens: int = 112,
+) -> tuple[list[list[int]], DriveLog, Engine]:
+    """Serve ``prompts`` greedily from a pool too small for all of them at once, every check
+    on; the outputs, what happened, and the (closed) engine to inspect."""
+    config = checked_config(overlap=overlap, page_size=page_size, kv_tokens=kv_tokens)
+    limits = RequestLimits(vocab_size=vocab_size, max_context_len=64)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    with Engine(worker, limits=limits, config=config) as engine:
+        reqs = [engine.submit(f"p{i}", p, params) for i, p in enumerate(prompts)]
+        log = run_checked(engine)
+    return [list(r.emitted_ids) for r in reqs], log, engine
