@@ -8,7 +8,9 @@ resolves at forward entry.
 
 Per iteration: a prefill batch when there is prefill work (the chunked request first, then
 waiting requests FCFS within the token budget, the running-request cap and memory), else one
-decode round for every running request, after retracting under KV pressure.
+decode round for every running request, after retracting under KV pressure. The rows' columns
+(slots, sampling state, epochs) come from `specstate.engine.row_columns`; a decode round's
+persist from round to round in `specstate.engine.decode_rows`.
 
 Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
 one; ``committed == prefill progress`` while a request prefills.
@@ -25,22 +27,16 @@ import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
-from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.errors import KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req, ReqStatus, SamplingParams
-from specstate.engine.decode_rows import (
-    DecodeColumns,
-    DecodeRows,
-    DecodeRowsSnapshot,
-    PlainRows,
-    plain_columns,
-)
+from specstate.core.request import Req, ReqStatus
+from specstate.engine.decode_rows import DecodeColumns, DecodeRows, DecodeRowsSnapshot
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.invariants import InvariantViolation
 from specstate.engine.outputs import IntArray, OutputTable
+from specstate.engine.row_columns import RowColumns
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
@@ -158,11 +154,14 @@ class Scheduler:
         self.admitted: list[Req] = []  # admitted by the last `schedule` call (trace events)
         self._progress: dict[int, _Progress] = {}
         # The persistent decode rows.
+        self._columns = RowColumns(
+            allocator=allocator, outputs=outputs, vocab_size=config.vocab_size, device=device
+        )
         self._rows = DecodeRows(
-            self._build_rows,
-            self._plain_rows,
+            self._columns.build,
+            self._columns.plain,
             device,
-            reference=self._general_rows if config.validate else None,
+            reference=self._columns.general if config.validate else None,
         )
 
     @property
@@ -323,12 +322,9 @@ class Scheduler:
             slots = self._decode_rows().slots_host
         return self._allocator.decode_tokens_needed(slots)
 
-    def _slots(self, reqs: Sequence[Req]) -> torch.Tensor:
-        return torch.tensor([self._allocator.slot_of(r) for r in reqs], dtype=torch.int64)
-
     def _extend_plan(self, rows: list[tuple[Req, int, int]]) -> LaunchPlan | None:
         reqs = [r for r, _, _ in rows]
-        slots = self._slots(reqs)
+        slots = self._columns.slots(reqs)
         ends = torch.tensor([stop for _, _, stop in rows], dtype=torch.int64)
         try:
             self._allocator.alloc_for_extend(slots, ends)
@@ -365,7 +361,7 @@ class Scheduler:
             req_pool_indices=slots.to(self._device),
             seq_lens=ends.to(self._device),
             seq_lens_cpu=tuple(ends.tolist()),
-            sampling_info=self._sampling(reqs),
+            sampling_info=self._columns.sampling(reqs),
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device),
             out_cache_loc=table[row_index, positions].to(self._device),
             prefix_lens=tuple(starts),
@@ -408,7 +404,7 @@ class Scheduler:
     ) -> LaunchPlan:
         """A MIXED batch: prefill rows first, then each running request as a tail."""
         reqs = [r for r, _, _ in rows] + tails
-        slots = self._slots(reqs)
+        slots = self._columns.slots(reqs)
         tail_slots = slots[len(rows) :].to(self._device)
         part = PrefillPart(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self._device),
@@ -429,7 +425,7 @@ class Scheduler:
             forward_mode=ForwardMode.MIXED,
             req_pool_indices=dev_slots,
             seq_lens=Unresolved(tail_slots),
-            sampling_info=self._sampling(reqs),
+            sampling_info=self._columns.sampling(reqs),
             input_ids=Unresolved(tail_slots),
             future_indices=dev_slots,
         )
@@ -505,67 +501,3 @@ class Scheduler:
     def _decode_rows(self) -> DecodeColumns:
         """The persistent running batch (`specstate.engine.decode_rows`)."""
         return self._rows.columns(lambda: tuple(self._running))
-
-    def _build_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
-        incarnations = tuple(r.incarnation for r in reqs)
-        request_ids = tuple(r.request_id for r in reqs)
-        plain = self._plain_rows(reqs)
-        if plain is not None:
-            return plain_columns(reqs, incarnations, request_ids, plain, self._device)
-        return self._general_rows(reqs)
-
-    def _general_rows(self, reqs: tuple[Req, ...]) -> DecodeColumns:
-        """The columns of ``reqs`` built from their parameters (any sampling control)."""
-        incarnations = tuple(r.incarnation for r in reqs)
-        request_ids = tuple(r.request_id for r in reqs)
-        slots = self._slots(reqs)
-        return DecodeColumns(
-            reqs=reqs,
-            slots=slots,
-            slots_host=slots.numpy(),
-            device_slots=slots.to(self._device),
-            incarnations=incarnations,
-            sampling=self._sampling(reqs),
-            epochs=self._outputs.epochs(slots.numpy()),
-            request_ids=request_ids,
-        )
-
-    def _plain_rows(self, reqs: tuple[Req, ...]) -> PlainRows | None:
-        """The host values of ``reqs``' rows, or None when one of them is not plain (it uses a
-        sampling control beyond temperature, top-k and top-p); no Python call per request."""
-        params = [req.sampling for req in reqs]
-        if not _all_plain(params):
-            return None
-        vocab = self._config.vocab_size
-        ints = np.empty((3, len(reqs)), dtype=np.int64)
-        ints[0] = self._allocator.slots_of(reqs)
-        ints[1] = self._outputs.epochs(ints[0])
-        # No top-k, or one past the vocabulary, keeps every token.
-        ints[2] = [vocab if p.top_k is None or p.top_k > vocab else p.top_k for p in params]
-        floats = np.array([[p.temperature for p in params], [p.top_p for p in params]])
-        return PlainRows(ints=ints, floats=floats.astype(np.float32))
-
-    def _sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
-        return SamplingInfo.from_params(
-            [r.sampling for r in reqs],
-            vocab_size=self._config.vocab_size,
-            device=self._device,
-            prompt_lens=[len(r.prompt_ids) for r in reqs],
-            eos_token_ids=self._outputs.eos_token_ids,
-        )
-
-
-def _all_plain(params: Sequence[SamplingParams]) -> bool:
-    """True when every request's sampling is temperature, top-k and top-p only: its row of a
-    `SamplingInfo` has no optional tensor (`SamplingInfo.from_params` would build none)."""
-    flags = [  # a list, not a generator: that would resume once per request
-        p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.min_new_tokens == 0
-        and p.seed is None
-        and p.speculative
-        and not p.logprobs
-        for p in params
-    ]
-    return all(flags)
