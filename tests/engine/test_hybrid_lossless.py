@@ -24,7 +24,7 @@ from engine_driver import (
     with_stops,
 )
 from hf_oracle import greedy
-from hybrid_oracle import HybridCheckpoints, make_hybrid_checkpoints
+from hybrid_oracle import HYBRID_PROMPTS, HybridCheckpoints, make_hybrid_checkpoints
 from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
@@ -34,13 +34,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import OnPublish, WorkerProtocol
 
-PROMPTS = [
-    [3, 14, 15, 92, 65, 35, 89],
-    [79, 32],
-    [38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93],
-    [7],
-    [5, 5, 5, 5, 5, 5],
-]
+PROMPTS = HYBRID_PROMPTS
 NEW_TOKENS = 14
 ALGORITHMS = ("none", "ngram", "draft_model", "draft_model:llama")
 SMALL_VOCAB = 12

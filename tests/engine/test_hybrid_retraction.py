@@ -14,18 +14,12 @@ from typing import Protocol
 import pytest
 from engine_driver import serve_under_pressure
 from hf_oracle import greedy
-from hybrid_oracle import make_hybrid_checkpoints
+from hybrid_oracle import HYBRID_PROMPTS, make_hybrid_checkpoints
 from lfm2_oracle import make_lfm2_checkpoints
 
 from specstate.engine.worker import WorkerProtocol
 
-PROMPTS = [
-    [3, 14, 15, 92, 65, 35, 89],
-    [79, 32],
-    [38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93],
-    [7],
-    [5, 5, 5, 5, 5, 5],
-]
+PROMPTS = HYBRID_PROMPTS
 NEW_TOKENS = 14
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import pytest
 from engine_driver import checked_config, serve_to_completion, with_stops
 from hf_oracle import greedy
+from hybrid_oracle import HYBRID_PROMPTS
 from lfm2_oracle import Lfm2Checkpoints, make_lfm2_checkpoints
 from spy_worker import SpyWorker
 
@@ -26,13 +27,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine, EngineConfig
 from specstate.engine.worker import OnPublish, WorkerProtocol
 
-PROMPTS = [
-    [3, 14, 15, 92, 65, 35, 89],
-    [79, 32],
-    [38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93],
-    [7],
-    [5, 5, 5, 5, 5, 5],
-]
+PROMPTS = HYBRID_PROMPTS
 NEW_TOKENS = 14
 LOOPS = [  # (overlap, page_size, chunked_prefill, mixed_chunk)
     (overlap, page_size, *chunking)

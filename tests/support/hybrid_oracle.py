@@ -19,6 +19,16 @@ DEFAULT_PATTERN = "M*-M"
 _KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
 
 
+HYBRID_PROMPTS = [
+    [3, 14, 15, 92, 65, 35, 89],
+    [79, 32],
+    [38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93],
+    [7],
+    [5, 5, 5, 5, 5, 5],
+]
+"""Prompts the hybrid lossless tests share: lengths 1 to 15, one that repeats a token."""
+
+
 def make_hybrid_checkpoint(
     directory: Path,
     *,
