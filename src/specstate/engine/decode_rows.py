@@ -200,11 +200,7 @@ class DecodeRows:
 
     def leave(self, req: Req) -> None:
         """``req`` stops decoding (it ended, or was retracted); its row is freed."""
-        row = self._row_of.pop(req, None)
-        if row is not None:
-            self._left.append(row)
-        elif req in self._joined:  # joined and left before a round used it
-            self._joined.remove(req)
+        self.leave_many((req,))
 
     def leave_many(self, reqs: Sequence[Req]) -> None:
         """`leave` for several requests (their rows found in one C loop)."""

@@ -120,10 +120,7 @@ class RequestLifecycle:
     # ---------------------------------------------------------------- ending
     def end(self, req: Req, *, until_batch: int) -> None:
         """Forget an ended request; its KV is released once batch ``until_batch`` retired."""
-        self._scheduler.drop(req)
-        self._aborts.pop(req, None)
-        if self._allocator.holds_slot(req):
-            self._deferred.defer(req, until_batch=until_batch)
+        self.end_many((req,), until_batch=until_batch)
 
     def end_many(self, reqs: Sequence[Req], *, until_batch: int) -> None:
         """`end` for the requests one settlement ended, in one pass per owner (no Python call

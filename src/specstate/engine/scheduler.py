@@ -188,17 +188,11 @@ class Scheduler:
 
     def drop(self, req: Req) -> None:
         """Forget ``req`` wherever it is (it ended, or was retracted)."""
-        if self._running.pop(req, False) is None:
-            self._rows.leave(req)
-        elif req in self.prefilling:
-            self.prefilling.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self._progress.pop(id(req), None)
+        self.drop_many((req,))
 
     def drop_many(self, reqs: Sequence[Req]) -> None:
-        """`drop` for several requests that ended (C loops over the running ones; the rest,
-        rare at a settlement, one by one)."""
+        """`drop` for several requests (C loops over the running ones; the rest, rare at a
+        settlement, one by one)."""
         popped = list(map(self._running.pop, reqs, repeat(False)))
         pairs = list(zip(reqs, popped, strict=True))
         self._rows.leave_many([req for req, was in pairs if was is None])

@@ -490,11 +490,7 @@ class DeferredReleases:
 
     def defer(self, req: Req, *, until_batch: int) -> None:
         """Release ``req`` when batch ``until_batch`` retires."""
-        if req in self._waiting:
-            raise DoubleRelease(f"request {req.request_id}: release already deferred")
-        self._pending.append((until_batch, req))
-        self._waiting.add(req)
-        self._oldest = min(self._oldest, until_batch)
+        self.defer_many((req,), until_batch=until_batch)
 
     def defer_many(self, reqs: Sequence[Req], *, until_batch: int) -> None:
         """`defer` for several requests (C loops; the same order as one by one)."""
