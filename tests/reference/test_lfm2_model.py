@@ -20,6 +20,7 @@ from specstate.reference.hybrid import (
     is_hybrid_checkpoint,
     load_paged_hybrid,
     read_hybrid_config,
+    save_paged_hybrid,
 )
 from specstate.reference.model import AttentionBatch
 
@@ -231,3 +232,20 @@ def test_attention_indices_give_the_layer_types(
     del raw["layer_types"]
     (tmp_path / "config.json").write_text(json.dumps(raw | {"full_attn_idxs": [1]}))
     assert read_hybrid_config(tmp_path) == read_hybrid_config(ckpt[0])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_and_load_round_trip(tmp_path: Path, tied: bool) -> None:
+    """A saved `PagedLfm2` loads in transformers with the same weights and logits (a tied head
+    stays tied, an untied one keeps its own), and back into ours with the same config."""
+    hf = make_lfm2_checkpoint(tmp_path / "src", tie_word_embeddings=tied)
+    save_paged_hybrid(_load(tmp_path / "src"), tmp_path / "out")
+    again = Lfm2ForCausalLM.from_pretrained(tmp_path / "out")
+    again.train(False)
+    mine, theirs = again.state_dict(), hf.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert (_hf_logits(again, PROMPT) - _hf_logits(hf, PROMPT)).abs().max() < TOL
+    assert read_hybrid_config(tmp_path / "out") == read_hybrid_config(tmp_path / "src")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["tie_word_embeddings"] is tied

@@ -6,7 +6,7 @@ attention) over paged KV and laid-out states.
 reference Llama, and their recurrent layers (Mamba2, short convolutions) read and write their
 states at the rows `specstate.memory.recurrent.RecurrentLayout` assigns, so a wrong state
 selection shows up as wrong tokens. `load_paged_hybrid` reads either from transformers'
-checkpoint format (dispatching on ``model_type``); `save_paged_hybrid` writes a NemotronH.
+checkpoint format (dispatching on ``model_type``); `save_paged_hybrid` writes either.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from specstate.reference.hybrid.lfm2_config import (
     Lfm2ModelConfig,
     from_hf_lfm2_config,
     is_lfm2_config,
+    to_hf_lfm2_config,
 )
 from specstate.reference.hybrid.mamba import Mamba2Mixer, StateBuffers
 from specstate.reference.hybrid.model import PagedHybrid
@@ -57,4 +58,5 @@ __all__ = [
     "read_hybrid_config",
     "save_paged_hybrid",
     "to_hf_config",
+    "to_hf_lfm2_config",
 ]

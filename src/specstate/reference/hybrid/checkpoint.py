@@ -10,7 +10,8 @@ tensors, which transformers ignores too, excepted)::
     config.json         -> HybridConfig   (specstate.reference.hybrid.config)
     model.safetensors   -> PagedHybrid    (load_paged_hybrid / save_paged_hybrid)
 
-An LFM2 checkpoint (``model_type`` ``lfm2``) reads the same way into a `PagedLfm2`
+An LFM2 checkpoint (``model_type`` ``lfm2``) reads (and `save_paged_hybrid` writes it) the same
+way into a `PagedLfm2`
 (``model.embed_tokens.weight``, ``model.layers.{i}.conv.in_proj.weight``, ...; with
 ``tie_word_embeddings`` ``lm_head.weight`` may be absent: it is the embedding).
 """
@@ -45,6 +46,7 @@ from specstate.reference.hybrid.lfm2_config import (
     Lfm2ModelConfig,
     from_hf_lfm2_config,
     is_lfm2_config,
+    to_hf_lfm2_config,
 )
 from specstate.reference.hybrid.model import PagedHybrid
 
@@ -164,13 +166,21 @@ def load_paged_hybrid(
     return model
 
 
-def save_paged_hybrid(model: PagedHybrid, directory: StrPath) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that transformers' NemotronH loads."""
+def save_paged_hybrid(model: AnyPagedHybrid, directory: StrPath) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that transformers' NemotronH (for a
+    `PagedHybrid`) or LFM2 (for a `PagedLfm2`; a tied head is not written twice) loads."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    raw = to_hf_config(model.config)
+    state = model.state_dict()
+    if isinstance(model, PagedLfm2):
+        raw = to_hf_lfm2_config(model.config)
+        prefix = "model."
+        if model.config.tie_word_embeddings:
+            del state["lm_head.weight"]  # the embedding
+    else:
+        raw, prefix = to_hf_config(model.config), _PREFIX
     (root / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     tensors = {
-        _hf_name(name): t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()
+        _hf_name(name, prefix): t.detach().to("cpu").contiguous() for name, t in state.items()
     }
     write_safetensors(tensors, root / WEIGHTS_FILE)

@@ -34,7 +34,13 @@ from specstate.memory.recurrent_layout import (
 )
 from specstate.reference.checkpoint import DTYPES, StrPath, read_float_field, read_int_field
 
-__all__ = ["Lfm2LayerKind", "Lfm2ModelConfig", "from_hf_lfm2_config", "is_lfm2_config"]
+__all__ = [
+    "Lfm2LayerKind",
+    "Lfm2ModelConfig",
+    "from_hf_lfm2_config",
+    "is_lfm2_config",
+    "to_hf_lfm2_config",
+]
 
 LFM2_MODEL_TYPE: Final = "lfm2"
 LFM2_ARCHITECTURE: Final = "Lfm2ForCausalLM"
@@ -237,3 +243,30 @@ def from_hf_lfm2_config(raw: Mapping[str, object], path: StrPath) -> Lfm2ModelCo
         )
     except InvalidConfig as error:
         raise InvalidConfig(f"{path}: {error}") from None
+
+
+def to_hf_lfm2_config(config: Lfm2ModelConfig) -> dict[str, object]:
+    """A transformers ``lfm2`` ``config.json`` object that `from_hf_lfm2_config` reads back
+    as ``config`` (the feed-forward width is written as it is, with no automatic sizing)."""
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": [LFM2_ARCHITECTURE],
+        "model_type": LFM2_MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": len(config.layer_types),
+        "layer_types": [kind.value for kind in config.layer_types],
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "conv_L_cache": config.conv_kernel,
+        "conv_bias": config.conv_bias,
+        "norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": None,
+        "dtype": str(config.dtype).removeprefix("torch."),
+    }
