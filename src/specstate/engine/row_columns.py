@@ -53,12 +53,12 @@ class RowColumns:
     def build(self, reqs: tuple[Req, ...]) -> DecodeColumns:
         """The columns of ``reqs``: from two host arrays when every row is plain, else
         `general`."""
+        plain = self.plain(reqs)
+        if plain is None:
+            return self.general(reqs)
         incarnations = tuple(r.incarnation for r in reqs)
         request_ids = tuple(r.request_id for r in reqs)
-        plain = self.plain(reqs)
-        if plain is not None:
-            return plain_columns(reqs, incarnations, request_ids, plain, self._device)
-        return self.general(reqs)
+        return plain_columns(reqs, incarnations, request_ids, plain, self._device)
 
     def general(self, reqs: tuple[Req, ...]) -> DecodeColumns:
         """The columns of ``reqs`` built from their parameters (any sampling control)."""
