@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specstate import Req, RequestLimits, SamplingParams
-from specstate.core.errors import LedgerViolation
-from specstate.core.request import FinishReason, ReqStatus
+from specstate.core.errors import InvalidTransition, LedgerViolation
+from specstate.core.request import FinishReason, FinishState, ReqStatus
 from specstate.engine.finish import resolve_finish
 from specstate.engine.outputs import OutputTable
 from specstate.internals import OwnershipChecker, Role
@@ -158,6 +158,69 @@ def test_batch_settlement_matches_the_finish_resolver(
             assert got.get(i) == (None if expect is None else (expect.reason, expect.finished_len))
             if expect is not None:
                 reqs[i].transition(ReqStatus.FINISHED, finish=expect)
+
+
+def test_ending_many_requests_copies_every_row_back_or_changes_nothing() -> None:
+    """`Req.end_many` checks every request before any ends, then copies each row back."""
+    table, checker = _table()
+    names = ("a", "b", "c", "d")
+    reqs = [_req(n, SamplingParams(max_new_tokens=50, logprobs=n == "b"), checker) for n in names]
+    for slot, req in zip((2, 3, 5, 6), reqs, strict=True):
+        _open(table, checker, slot, req)
+        req.transition(ReqStatus.PREFILL)
+        req.transition(ReqStatus.RUNNING)
+    slots = np.array([2, 3, 5, 6])
+    runs = [np.array([[4, 5, 6, 7]] * 4) + 10 * np.arange(4)[:, None], np.full((4, RUN), 9)]
+    accepts = [np.array([1, 2, 3, 4]), np.array([4, 1, 2, 3])]
+    with checker.acting(Role.RESULT_PROCESSOR):
+        for run, accept in zip(runs, accepts, strict=True):
+            probs = -np.arange(run.size, dtype=np.float32).reshape(run.shape) / 8
+            assert table.append_runs(slots, run, accept, verifies=True, logprobs=probs) is None
+    outputs = [tuple(r.output_ids) for r in reqs]
+    expect = [
+        tuple(runs[0][i, : accepts[0][i]]) + tuple(runs[1][i, : accepts[1][i]]) for i in range(4)
+    ]
+    assert outputs == expect
+    b_probs = reqs[1].stored_logprobs()
+    epochs = table.epochs(slots).copy()
+    a, b, c, d = reqs
+    stop = FinishState(reason=FinishReason.STOP, finished_len=2)
+    too_long = FinishState(reason=FinishReason.LENGTH, finished_len=len(expect[2]) + 1)
+    with pytest.raises(InvalidTransition, match="request c: finished_len 6 outside 0..5"):
+        Req.end_many([a, b, c], [stop, stop, too_long])
+    with pytest.raises(InvalidTransition, match="ended twice"):
+        Req.end_many([a, a], [stop, stop])
+    # Nothing changed: every request runs, every row is open with its outputs and epoch.
+    assert all(r.status is ReqStatus.RUNNING and r.finish is None for r in reqs)
+    assert all(table.is_open(int(s)) for s in slots) and (table.epochs(slots) == epochs).all()
+    assert [tuple(r.output_ids) for r in reqs] == expect
+    abort = FinishState(reason=FinishReason.ABORT, finished_len=1, detail="user")
+    length = FinishState(reason=FinishReason.LENGTH, finished_len=len(expect[1]))
+    Req.end_many([c, a, b], [abort, stop, length])
+    assert [r.status for r in reqs] == [
+        ReqStatus.FINISHED,
+        ReqStatus.FINISHED,
+        ReqStatus.ABORTED,
+        ReqStatus.RUNNING,
+    ]
+    assert [r.finish for r in (a, b, c)] == [stop, length, abort]
+    assert [tuple(r.output_ids) for r in reqs] == expect  # copied back, d still in its row
+    assert a.emitted_ids == expect[0][:2] and c.emitted_ids == expect[2][:1]
+    assert [r.accept_lengths for r in reqs] == [
+        (int(x), int(y)) for x, y in zip(*accepts, strict=True)
+    ]
+    assert b.stored_logprobs() == b_probs and b.logprobs == tuple(b_probs)
+    assert a.logprobs is None
+    assert [table.is_open(int(s)) for s in slots] == [False, False, False, True]
+    assert (table.epochs(slots) == epochs + np.array([1, 1, 1, 0])).all()
+    with pytest.raises(InvalidTransition, match="request a: finished -> finished"):
+        Req.end_many([d, a], [stop, stop])  # an ended request cannot end again
+    assert d.status is ReqStatus.RUNNING and table.is_open(6)
+    waiting = _req("w", SamplingParams(max_new_tokens=50), checker)
+    aborted = FinishState(reason=FinishReason.ABORT, finished_len=0)
+    Req.end_many([waiting, d], [aborted, FinishState(reason=FinishReason.LENGTH, finished_len=3)])
+    assert waiting.status is ReqStatus.ABORTED and d.status is ReqStatus.FINISHED
+    assert tuple(d.output_ids) == expect[3] and not table.is_open(6)
 
 
 def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:

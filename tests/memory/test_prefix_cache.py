@@ -8,8 +8,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import InvalidConfig, LedgerViolation
+from specstate.core.request import FinishReason, FinishState, ReqStatus
+from specstate.internals import OwnershipChecker, Role
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch, PrefixSharing, prefix_keys
+from specstate.memory.prefix_rows import insertable_lens
 
 
 def _pages(*values: int) -> np.ndarray:
@@ -198,3 +202,42 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def _ended(checker: OwnershipChecker, name: str, outputs: int, finish: FinishState | None) -> Req:
+    """A request with a 6-token prompt and ``outputs`` settled outputs, ended by ``finish``
+    (FINISHED, or ABORTED for an ABORT) or, with None, still running."""
+    limits = RequestLimits(vocab_size=100, max_context_len=64)
+    req = Req.new(name, range(6), SamplingParams(max_new_tokens=20), limits, checker=checker)
+    req.transition(ReqStatus.PREFILL)
+    req.transition(ReqStatus.RUNNING)
+    with checker.acting(Role.RESULT_PROCESSOR):
+        req.append_outputs([7] * outputs)
+    if finish is not None:
+        Req.end_many([req], [finish])
+    return req
+
+
+@pytest.mark.parametrize(("lookahead", "page_size"), [(0, 1), (1, 1), (0, 4), (1, 4)])
+def test_a_release_caches_only_committed_kv_of_what_the_user_saw(
+    lookahead: int, page_size: int
+) -> None:
+    """``floor_P(min(committed, prompt + finished_len - lookahead))`` for a stop or a length
+    finish, per row of one release; nothing for an abort, an error or a live request."""
+    checker = OwnershipChecker(enabled=False)
+
+    def finish(reason: FinishReason, n: int) -> FinishState:
+        return FinishState(reason=reason, finished_len=n)
+
+    rows = [  # (request, its kv_committed_len, what it may cache)
+        (_ended(checker, "stop", 9, finish(FinishReason.STOP, 5)), 15, 11 - lookahead),
+        (_ended(checker, "short", 9, finish(FinishReason.STOP, 9)), 9, 9),
+        (_ended(checker, "length", 12, finish(FinishReason.LENGTH, 12)), 17, 17),
+        (_ended(checker, "abort", 9, finish(FinishReason.ABORT, 9)), 15, 0),
+        (_ended(checker, "error", 9, finish(FinishReason.ERROR, 9)), 15, 0),
+        (_ended(checker, "live", 9, None), 15, 0),
+    ]
+    reqs = [req for req, _, _ in rows]
+    committed = np.array([c for _, c, _ in rows], dtype=np.int64)
+    got = insertable_lens(reqs, committed, lookahead=lookahead, page_size=page_size)
+    assert got.tolist() == [want // page_size * page_size for _, _, want in rows]

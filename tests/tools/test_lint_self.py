@@ -32,7 +32,7 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         # and copied back from the output table when the request leaves its slot.
         ("core/request.py", "Req.__init__", "assign _output_ids"): 1,
         ("core/request.py", "Req.append_outputs", "mutate _output_ids.extend"): 1,
-        ("core/request.py", "Req._leave_slot", "assign _output_ids"): 1,
+        ("core/request.py", "Req._leave_rows", "assign _output_ids"): 1,
         # The output table: rows opened at admission, appended only by append_runs.
         ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens"): 1,
         ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens_flat"): 1,

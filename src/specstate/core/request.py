@@ -83,6 +83,13 @@ class FinishReason(enum.Enum):
     ERROR = "error"
     """The worker raised while running a batch that held it."""
 
+    __hash__ = object.__hash__  # by identity, in C (as `ReqStatus`): releases look reasons up
+
+
+_ABORT: Final = FinishReason.ABORT
+_ENDS: Final = frozenset({ReqStatus.FINISHED, ReqStatus.ABORTED})
+_FINISHED, _ABORTED = ReqStatus.FINISHED, ReqStatus.ABORTED
+
 
 @attrs.frozen(kw_only=True)
 class FinishState:
@@ -152,8 +159,16 @@ class OutputSource(Protocol):
         """Log-probability of every settled output token of the request in ``slot``."""
         ...
 
-    def detach(self, slot: int) -> None:
-        """The request leaves ``slot``: a result launched before this for it is stale."""
+    def output_counts(self, slots: list[int]) -> list[int]:
+        """`num_outputs` of each of ``slots``, in one read."""
+        ...
+
+    def leave_rows(
+        self, slots: list[int], logprobs: list[bool]
+    ) -> tuple[list[list[int]], list[list[int]], list[list[float] | None]]:
+        """The requests in ``slots`` leave them: per slot, its settled outputs, its accept
+        lengths and (where ``logprobs`` is set) its log-probabilities; a result launched
+        before this for one of them is stale."""
         ...
 
 
@@ -324,6 +339,23 @@ class Req:
             finish=self._finish,
         )
 
+    @staticmethod
+    def incarnations_of(reqs: Sequence[Req]) -> list[int]:
+        """`incarnation` of each of ``reqs`` (one pass, no Python call per request)."""
+        return [r._incarnation for r in reqs]
+
+    @staticmethod
+    def visible_lens(reqs: Sequence[Req], reasons: frozenset[FinishReason]) -> list[int]:
+        """Per request, ``len(prompt_ids) + finish.finished_len`` when it FINISHED with one of
+        ``reasons`` (what its user saw), else -1; one pass, no Python call per request."""
+        prompts = list(map(len, [r.prompt_ids for r in reqs]))
+        return [
+            n + r._finish.finished_len
+            if r._status is _FINISHED and r._finish is not None and r._finish.reason in reasons
+            else -1
+            for r, n in zip(reqs, prompts, strict=True)
+        ]
+
     def check_incarnation(self, launched_for: int) -> None:
         """Raise `StaleResult` unless a result launched for ``launched_for`` is current."""
         if launched_for != self._incarnation or self.is_finished:
@@ -342,26 +374,75 @@ class Req:
         Raises:
             InvalidTransition: the move is not in the lifecycle; nothing changes.
         """
+        ends = target in _ENDS
+        if ends and finish is not None:
+            Req._end_all((self,), (target,), (finish,))
+            return
         src = self._status
         if target not in _TRANSITIONS[src]:
             raise InvalidTransition(
                 f"request {self.request_id}: {src.value} -> {target.value} is not allowed"
             )
-        ends = target in (ReqStatus.FINISHED, ReqStatus.ABORTED)
         if ends != (finish is not None):
             need = "needs a" if ends else "takes no"
             raise InvalidTransition(f"request {self.request_id}: {target.value} {need} finish")
-        if finish is not None and not 0 <= finish.finished_len <= self.num_outputs:
-            raise InvalidTransition(
-                f"request {self.request_id}: finished_len {finish.finished_len} outside "
-                f"0..{self.num_outputs} settled outputs"
-            )
-        if target in (ReqStatus.FINISHED, ReqStatus.ABORTED, ReqStatus.RETRACTED):
-            self._leave_slot()
         if target is ReqStatus.RETRACTED:
+            Req._leave_all((self,))
             self._incarnation += 1
         self._status = target
-        self._finish = finish
+
+    @staticmethod
+    def end_many(reqs: Sequence[Req], finishes: Sequence[FinishState]) -> None:
+        """End each of ``reqs`` with its finish: ABORTED for an ABORT finish, else FINISHED.
+
+        The move `transition` makes, for many requests at once: every one is checked before
+        any changes (`InvalidTransition` naming the first that cannot end, or a request listed
+        twice; then nothing changes), and the outputs of those holding an output row are
+        copied back in one pass over the rows. No Python call per request on the way but the
+        copy of its row.
+        """
+        Req._end_all(reqs, None, finishes)
+
+    @staticmethod
+    def _end_all(
+        reqs: Sequence[Req],
+        targets: Sequence[ReqStatus] | None,
+        finishes: Sequence[FinishState],
+    ) -> None:
+        if len(set(reqs)) != len(reqs):
+            names = ", ".join(r.request_id for r in reqs[:4])
+            raise InvalidTransition(f"requests {names}: one request is ended twice")
+        if targets is None:
+            targets = [_ABORTED if f.reason is _ABORT else _FINISHED for f in finishes]
+        source, slots = Req._one_source(reqs)
+        counts = [r.num_outputs for r in reqs] if source is None else source.output_counts(slots)
+        for req, target, finish, count in zip(reqs, targets, finishes, counts, strict=True):
+            if target not in _TRANSITIONS[req._status]:
+                raise InvalidTransition(
+                    f"request {req.request_id}: {req._status.value} -> {target.value} is not "
+                    "allowed"
+                )
+            if not 0 <= finish.finished_len <= count:
+                raise InvalidTransition(
+                    f"request {req.request_id}: finished_len {finish.finished_len} outside "
+                    f"0..{count} settled outputs"
+                )
+        if source is None:
+            Req._leave_all(reqs)
+        else:
+            Req._leave_rows(reqs, source, slots)
+        for req, target, finish in zip(reqs, targets, finishes, strict=True):
+            req._status = target
+            req._finish = finish
+
+    @staticmethod
+    def _one_source(reqs: Sequence[Req]) -> tuple[OutputSource | None, list[int]]:
+        """The output source that every one of ``reqs`` is attached to and their slots, or
+        (None, []) when some are not attached or their sources differ."""
+        source = reqs[0]._source if reqs else None
+        if source is None or [r for r in reqs if r._source is not source]:
+            return None, []
+        return source, [r._slot for r in reqs]
 
     def record_admission(self, *, cached_tokens: int) -> None:
         """Record how many of its tokens the prefix cache supplied (scheduler, at admission).
@@ -389,18 +470,24 @@ class Req:
         self._source = source
         self._slot = slot
 
-    def _leave_slot(self) -> None:
-        # Copy the outputs and accept lengths back before the slot can be reused; the source
-        # marks the slot so that a result still in flight for this request is skipped.
-        source = self._source
-        if source is None:
-            return
-        self._output_ids = source.read_outputs(self._slot)
-        self._accept_lengths.extend(source.read_accept_lengths(self._slot))
-        if self.sampling.logprobs:
-            self._logprobs = source.read_logprobs(self._slot)
-        source.detach(self._slot)
-        self._source = None
+    @staticmethod
+    def _leave_all(reqs: Sequence[Req]) -> None:
+        """`_leave_rows` for every attached request of ``reqs``, by source."""
+        for req in reqs:
+            if req._source is not None:
+                Req._leave_rows((req,), req._source, [req._slot])
+
+    @staticmethod
+    def _leave_rows(reqs: Sequence[Req], source: OutputSource, slots: list[int]) -> None:
+        # Copy the outputs and accept lengths back before the slots can be reused; the source
+        # marks the slots so that a result still in flight for these requests is skipped.
+        outputs, accepts, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
+        for req, out, accepted, probs in zip(reqs, outputs, accepts, logprobs, strict=True):
+            req._output_ids = out
+            req._accept_lengths += accepted
+            if probs is not None:
+                req._logprobs = probs
+            req._source = None
 
     def append_outputs(self, tokens: Sequence[int]) -> None:
         """Append an accepted run to the settled output (result processor only).

@@ -256,15 +256,11 @@ class DecodeRows:
             return _prefix_patch(last, cols, last.slots_host[departed])
         # Row i of the new round reads row gather[i] of the base write (joined rows: their own).
         gather = np.arange(len(cols.reqs), dtype=np.int64)
-        joined = []
-        for row, source in origin.items():
-            if source is None:
-                joined.append(row)
-                gather[row] = 0
-            else:
-                gather[row] = source
-        joined.sort()
+        joined = sorted([row for row, source in origin.items() if source is None])
+        moved = {row: source for row, source in origin.items() if source is not None}
+        gather[list(moved)] = list(moved.values())
         joined_rows = np.array(joined, dtype=np.int64)
+        gather[joined_rows] = 0
         joined_host = cols.slots_host[joined_rows]
         device = cols.device_slots.device
         return RowPatch(  # device tensors built now, at scheduling: the launch copies nothing
@@ -310,13 +306,11 @@ class DecodeRows:
         self._num_patches += 1
         self._num_rows_written += len(targets) + len(fill)
         origin = self._origin
-        for row in holes:
-            base_row = origin.pop(row, row)
-            if base_row is not None:
-                self._departed.append(base_row)
-        for row, source in zip(targets, sources, strict=True):
-            self._row_of[cols.reqs[source]] = row
-            origin[row] = origin.pop(source, source)
+        # Where each row's relay value came from (None: a joiner's own); C-level loops.
+        self._departed += [r for r in map(origin.pop, holes, holes) if r is not None]
+        if targets:  # rows that moved down (sources and targets are disjoint)
+            self._row_of.update(zip(map(cols.reqs.__getitem__, sources), targets, strict=True))
+            origin.update(zip(targets, list(map(origin.pop, sources, sources)), strict=True))
         for req, row in zip(joiners, fill, strict=True):
             self._row_of[req] = row
             origin[row] = None
@@ -360,12 +354,12 @@ class DecodeRows:
         out_reqs, out_incs, out_ids = list(reqs[:keep]), list(incs[:keep]), list(ids[:keep])
         for row, source in zip(targets, sources, strict=True):
             out_reqs[row], out_incs[row], out_ids[row] = reqs[source], incs[source], ids[source]
-        for row, req in zip(fill, joiners, strict=True):
+        for row, req, inc in zip(fill, joiners, Req.incarnations_of(joiners), strict=True):
             if row < keep:
-                out_reqs[row], out_incs[row], out_ids[row] = req, req.incarnation, req.request_id
+                out_reqs[row], out_incs[row], out_ids[row] = req, inc, req.request_id
             else:  # appended rows come in row order
                 out_reqs.append(req)
-                out_incs.append(req.incarnation)
+                out_incs.append(inc)
                 out_ids.append(req.request_id)
         return plain_columns(
             tuple(out_reqs),

@@ -160,15 +160,15 @@ class OutputTable:
         collection then walks them all).
         """
         now = self._output_lengths
-        slots = np.flatnonzero(now > seen)
+        slots = (now > seen).nonzero()[0]
         if not slots.size:
             return iter(())
         start = seen[slots]
         counts = now[slots] - start
-        ends = np.cumsum(counts)
+        ends = counts.cumsum()
         # Run k's tokens sit at flat positions (row start + seen) + [0, counts[k]).
         first = slots * self._width + start - (ends - counts)
-        flat = np.repeat(first, counts) + np.arange(int(ends[-1]))
+        flat = first.repeat(counts) + np.arange(int(ends[-1]))
         tokens: list[int] = self._output_tokens_flat[flat].tolist()
         bounds = ends.tolist()
         return _runs(list(map(self._holders.__getitem__, slots.tolist())), tokens, bounds)
@@ -184,6 +184,11 @@ class OutputTable:
     def num_outputs(self, slot: int) -> int:
         """How many outputs the request in ``slot`` has settled."""
         return int(self._output_lengths[slot])
+
+    def output_counts(self, slots: list[int]) -> list[int]:
+        """How many outputs the request in each of ``slots`` has settled."""
+        counts: list[int] = self._output_lengths[slots].tolist()
+        return counts
 
     def read_accept_lengths(self, slot: int) -> list[int]:
         """Accept lengths of the verifies settled in ``slot`` since it opened."""
@@ -268,17 +273,41 @@ class OutputTable:
         self._num_opened += 1
 
     def detach(self, slot: int) -> None:
-        """The request leaves ``slot`` (called by `Req.transition`); bumps the slot's epoch."""
-        self._holders[slot] = None
-        self._epochs[slot] += 1
-        self._num_detached += 1
-        if self._min_new[slot] > 0:
-            self._num_min_rows -= 1
-            self._min_new[slot] = 0
-        if self._has_seqs[slot]:
-            self._num_seq_rows -= 1
-            self._has_seqs[slot] = False
-            self._seq_last[slot] = _NO_STOP
+        """The request leaves ``slot`` without its outputs being read; bumps its epoch."""
+        self.leave_rows([slot], [False])
+
+    def leave_rows(
+        self, slots: list[int], logprobs: list[bool]
+    ) -> tuple[list[list[int]], list[list[int]], list[list[float] | None]]:
+        """The requests in ``slots`` (distinct, open) leave them (called by `Req.end_many` and
+        `Req.transition`): their outputs and accept lengths, and the log-probabilities of the
+        rows flagged in ``logprobs``, as Python lists; each slot's epoch is bumped.
+
+        One slice of each row (a row's outputs are contiguous: faster than one gather of every
+        row's positions through index arrays, whatever the number of rows).
+        """
+        s = np.array(slots, dtype=np.int64)
+        lengths, rounds = self._output_lengths[s].tolist(), self._rounds[s].tolist()
+        tokens, accepts = self._output_tokens, self._accepts
+        outputs = [tokens[k, :n].tolist() for k, n in zip(slots, lengths, strict=True)]
+        accepted = [accepts[:n, k].tolist() for k, n in zip(slots, rounds, strict=True)]
+        chosen: list[list[float] | None] = [None] * len(slots)
+        if True in logprobs:  # rare: only requests that asked for them
+            for i, wanted in enumerate(logprobs):
+                if wanted:
+                    chosen[i] = self._output_logprobs[slots[i], : lengths[i]].tolist()
+        for slot in slots:
+            self._holders[slot] = None
+        self._epochs[s] += 1
+        self._num_detached += len(slots)
+        if self._num_min_rows:
+            self._num_min_rows -= int((self._min_new[s] > 0).sum())
+            self._min_new[s] = 0
+        if self._num_seq_rows:
+            self._num_seq_rows -= int(self._has_seqs[s].sum())
+            self._has_seqs[s] = False
+            self._seq_last[s] = _NO_STOP
+        return outputs, accepted, chosen
 
     def append_runs(
         self,
@@ -401,14 +430,15 @@ class OutputTable:
         """
         width = run.shape[1]
         first_hit: dict[int, int] = {}
-        for flat in np.flatnonzero(hit).tolist():  # in row order: a row's first hit comes first
+        hits: list[int] = hit.ravel().nonzero()[0].tolist()  # row order: first hits first
+        for flat in hits:
             row, col = divmod(flat, width)
             first_hit.setdefault(row, col)
         candidates = set(first_hit)
-        candidates.update(np.flatnonzero(capped).tolist())
+        candidates.update(capped.nonzero()[0].tolist())
         seq_at = seq_index = None
         if matched is not None:
-            candidates.update(np.flatnonzero(matched[0] < _NEVER).tolist())
+            candidates.update((matched[0] < _NEVER).nonzero()[0].tolist())
             seq_at, seq_index = matched
         found: list[tuple[int, int, int, int]] = []  # (row, stop at, stop token, sequence)
         for row in sorted(candidates):

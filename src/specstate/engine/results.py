@@ -47,6 +47,8 @@ from specstate.memory.recurrent import RecurrentStatePool
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
 
+_LENGTH, _STOP = FinishReason.LENGTH, FinishReason.STOP
+
 
 class RowKind:
     """What a batch row launched (plain string constants; a row has exactly one)."""
@@ -175,7 +177,7 @@ class ResultProcessor:
             decode: IntArray | None = None  # the steady round: every row, no index
             firsts: list[int] = []
         else:
-            decode = np.flatnonzero(live[n_prefill:]) + n_prefill
+            decode = live[n_prefill:].nonzero()[0] + n_prefill
             firsts = [i for i in range(n_prefill) if last_chunk[i] and live[i]]
         with self._checker.acting(Role.RESULT_PROCESSOR):
             self._commit(slots_np, accept, decode)
@@ -251,12 +253,9 @@ class ResultProcessor:
         """End the rows that reached a stop or their cap, and any with a pending abort."""
         finished: list[Req] = []
         if ended is not None:
-            for k, row in enumerate(ended.rows):
-                req = reqs[row if rows is None else int(rows[row])]
-                sequence = ended.stop_sequence[k] if ended.stop_sequence else -1
-                finish = _finish_state(req, ended.stop_at[k], ended.stop_token[k], sequence)
-                self._end(req, finish)
-                finished.append(req)
+            at = ended.rows if rows is None else rows[list(ended.rows)].tolist()
+            finished = list(map(reqs.__getitem__, at))
+            Req.end_many(finished, _finish_states(finished, ended))
         if abort_reasons:  # rare: a user abort that reached a request with a result in flight
             order = range(len(reqs)) if rows is None else rows.tolist()
             for i in order:
@@ -272,14 +271,19 @@ class ResultProcessor:
         req.transition(target, finish=finish)
 
 
-def _finish_state(req: Req, stop_at: int, stop_token: int, sequence: int = -1) -> FinishState:
-    """The finish of a row the output table flagged: its first stop, else the length cap.
+def _finish_states(reqs: Sequence[Req], ended: FinishedRows) -> list[FinishState]:
+    """The finish of each row the output table flagged: its first stop, else the length cap.
 
     A stop token's detail is the token id; a stop sequence's is ``"stop sequence (a, b, c)"``.
     """
-    if stop_at >= 0:
-        if sequence >= 0:
-            detail = f"stop sequence {req.sampling.stop_sequences[sequence]}"
-            return FinishState(reason=FinishReason.STOP, finished_len=stop_at, detail=detail)
-        return FinishState(reason=FinishReason.STOP, finished_len=stop_at, detail=str(stop_token))
-    return FinishState(reason=FinishReason.LENGTH, finished_len=req.sampling.max_new_tokens)
+    sequences = ended.stop_sequence or (-1,) * len(reqs)
+    return [
+        FinishState(reason=_LENGTH, finished_len=req.sampling.max_new_tokens)
+        if at < 0
+        else FinishState(
+            reason=_STOP,
+            finished_len=at,
+            detail=str(token) if q < 0 else f"stop sequence {req.sampling.stop_sequences[q]}",
+        )
+        for req, at, token, q in zip(reqs, ended.stop_at, ended.stop_token, sequences, strict=True)
+    ]

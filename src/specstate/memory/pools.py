@@ -55,8 +55,8 @@ def _ceil_page(x: IntArray, p: int) -> IntArray:
 
 def _expand(counts: IntArray) -> tuple[IntArray, IntArray, IntArray]:
     """For ``counts[b]`` items per row: (row of each item, index within its row, row starts)."""
-    starts = np.cumsum(counts) - counts
-    rows = np.repeat(np.arange(counts.size), counts)
+    starts = counts.cumsum() - counts
+    rows = np.arange(counts.size).repeat(counts)
     return rows, np.arange(rows.size) - starts[rows], starts
 
 
@@ -116,9 +116,9 @@ def grow_rows(
         pages = allocator.take_pages(num_new)  # raises before any change
         if num_new:
             # Row b's positions [c, n) are flat [base_b + c_b, ...): one repeat and one range.
-            ends = np.cumsum(counts)
+            ends: IntArray = counts.cumsum()
             first = s * req_pool.row_width + c - (ends - counts)
-            _store(req_pool, np.repeat(first, counts) + np.arange(num_new), pages)
+            _store(req_pool, first.repeat(counts) + np.arange(num_new), pages)
         return num_new
     grows = counts > 0
     if not grows.all():  # rows with nothing to map take no part
@@ -132,12 +132,12 @@ def grow_rows(
     if not np.count_nonzero(n % p):
         # A decode reservation ends on a page boundary: whole new pages, and the rest of the
         # started page of the rows that just prefilled.
-        tails = np.flatnonzero(c % p)
+        tails = (c % p).nonzero()[0]
         _map_pages_to_boundary(req_pool, s, c, first_new, n_new, pages, tails, p)
         return num_new
     rows, j, starts = _expand(counts)
     pos = c[rows] + j
-    k = (pos - first_new[rows]) // p + (np.cumsum(n_new) - n_new)[rows]
+    k = (pos - first_new[rows]) // p + (n_new.cumsum() - n_new)[rows]
     fresh = pos >= first_new[rows]
     page = np.where(
         fresh,
@@ -169,21 +169,22 @@ def _map_pages_to_boundary(
     started pages' positions are expanded the same way (a fixed number of operations).
     """
     width = req_pool.row_width
-    flat_parts, value_parts = [], []
+    flat_parts: list[IntArray] = []
+    value_parts: list[IntArray] = []
     num_new = pages.size
     if num_new:
         counts = n_new * p
-        ends = np.cumsum(counts)
+        ends: IntArray = counts.cumsum()
         first = s * width + first_new - (ends - counts)
-        flat_parts.append(np.repeat(first, counts) + np.arange(num_new * p))
-        value_parts.append((pages[:, None] * p + np.arange(p)).reshape(-1))
+        flat_parts.append(first.repeat(counts) + np.arange(num_new * p, dtype=np.int64))
+        value_parts.append((pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1))
     if tails.size:  # rows whose prefill ended inside a page: the rest of that page first
         ts, tc, tf = s[tails], c[tails], first_new[tails]
         counts = tf - tc
-        ends = np.cumsum(counts)
-        offset = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
-        flat_parts.append(np.repeat(ts * width + tc, counts) + offset)
-        value_parts.append(np.repeat(req_pool._last_page[ts] * p + tc % p, counts) + offset)
+        ends = counts.cumsum()
+        offset = np.arange(int(ends[-1])) - (ends - counts).repeat(counts)
+        flat_parts.append((ts * width + tc).repeat(counts) + offset)
+        value_parts.append((req_pool._last_page[ts] * p + tc % p).repeat(counts) + offset)
     if not flat_parts:
         return
     flat = flat_parts[0] if len(flat_parts) == 1 else np.concatenate(flat_parts)

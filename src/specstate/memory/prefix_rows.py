@@ -10,7 +10,7 @@ row holds (its lock) and the admission statistics. The allocator calls it; nothi
     release     release(...)       insert [0, k) of the row; free the row's pages that turned
                                    out to duplicate cached ones; drop the hold
 
-What a release inserts (``insertable_len``): for a request that FINISHED by a stop or its
+What a release inserts (``insertable_lens``): for a request that FINISHED by a stop or its
 length cap, ``k = floor_P(min(kv_committed_len, prompt + finished_len - lookahead))``: only
 committed KV (never the reserved frontier, never a rejected draft's slot), and only of tokens
 the user saw (the KV of tokens settled past a stop is cut), and for BIGRAM keys only positions
@@ -25,12 +25,13 @@ the path's pages are exactly what the row maps at ``[0, cache_protected_len)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 import attrs
 import numpy as np
 
 from specstate.core.errors import LedgerViolation
-from specstate.core.request import FinishReason, Req, ReqStatus
+from specstate.core.request import FinishReason, Req
 from specstate.memory.pools import (
     IntArray,
     ReqToTokenPool,
@@ -45,18 +46,18 @@ from specstate.memory.prefix_cache import (
     as_token_array,
 )
 
-__all__ = ["PrefixRows", "insertable_len"]
+__all__ = ["PrefixRows", "insertable_lens"]
 
-_INSERTING = (FinishReason.STOP, FinishReason.LENGTH)
+_INSERTING = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
 
-def insertable_len(req: Req, committed: int, *, lookahead: int, page_size: int) -> int:
-    """Positions of ``req``'s row a release may cache (see the module docstring)."""
-    finish = req.finish
-    if req.status is not ReqStatus.FINISHED or finish is None or finish.reason not in _INSERTING:
-        return 0
-    visible = len(req.prompt_ids) + finish.finished_len
-    return max(min(committed, visible - lookahead), 0) // page_size * page_size
+def insertable_lens(
+    reqs: Sequence[Req], committed: IntArray, *, lookahead: int, page_size: int
+) -> IntArray:
+    """Positions of each of ``reqs``' rows a release may cache (see the module docstring),
+    given their ``kv_committed_len``: array operations, no Python call per request."""
+    visible = np.array(Req.visible_lens(reqs, _INSERTING), dtype=np.int64)  # -1: none
+    return np.maximum(np.minimum(committed, visible - lookahead), 0) // page_size * page_size
 
 
 class PrefixRows:
@@ -136,34 +137,37 @@ class PrefixRows:
 
         Returns, per row, the first position whose pages the caller still frees (the end of
         what was inserted, else ``cache_protected_len``) and the number of the row's own pages
-        the cache kept. Python per released request: a release is an event of that request.
+        the cache kept. Array operations for all the rows; Python per row only for a row that
+        inserts something (a walk of the tree) or held a match (its unlock).
         """
         p, lookahead = self.cache.page_size, self.cache.sharing.lookahead
         start = protected.copy()
         kept = np.zeros_like(protected)
         duplicate_end = protected.copy()
         table = self._req_pool.table_host
-        for i, req in enumerate(reqs):
-            slot, lo = int(slots[i]), int(protected[i])
-            k = insertable_len(req, int(committed[i]), lookahead=lookahead, page_size=p)
-            if self._validate and k > int(committed[i]):
+        lens = insertable_lens(reqs, committed, lookahead=lookahead, page_size=p)
+        if self._validate and (lens > committed).any():
+            i = int(np.flatnonzero(lens > committed)[0])
+            raise LedgerViolation(
+                f"[cache-committed] request {reqs[i].request_id}: insert of {int(lens[i])} "
+                f"positions passes its committed length {int(committed[i])}"
+            )
+        rows = slots.tolist()
+        fills = list(map(self._fill.pop, rows, repeat(None)))
+        held = list(map(self._held.pop, rows, repeat(None)))
+        for i in (lens > protected).nonzero()[0].tolist():  # rows with something to insert
+            req, slot, lo, k = reqs[i], rows[i], int(protected[i]), int(lens[i])
+            tokens = self._tokens(req, fills[i], k + lookahead)
+            existing = self.cache.insert(self.cache.keys(tokens)[:k], table[slot, :k:p] // p)
+            if self._validate and existing < lo:
                 raise LedgerViolation(
-                    f"[cache-committed] request {req.request_id}: insert of {k} positions "
-                    f"passes its committed length {int(committed[i])}"
+                    f"request {req.request_id}: its cached prefix of {lo} positions is "
+                    f"no longer cached ({existing} found at release)"
                 )
-            fill = self._fill.pop(slot, None)
-            if k > lo:
-                tokens = self._tokens(req, fill, k + lookahead)
-                existing = self.cache.insert(self.cache.keys(tokens)[:k], table[slot, :k:p] // p)
-                if self._validate and existing < lo:
-                    raise LedgerViolation(
-                        f"request {req.request_id}: its cached prefix of {lo} positions is "
-                        f"no longer cached ({existing} found at release)"
-                    )
-                start[i], duplicate_end[i], kept[i] = k, existing, (k - existing) // p
-            held = self._held.pop(slot, None)
-            if held is not None:
-                self.cache.unlock(held)
+            start[i], duplicate_end[i], kept[i] = k, existing, (k - existing) // p
+        for match in held:
+            if match is not None:
+                self.cache.unlock(match)
         if bool((duplicate_end > protected).any()):
             free_rows(
                 self._req_pool,
