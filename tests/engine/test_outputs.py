@@ -219,7 +219,7 @@ def test_ending_many_requests_copies_every_row_back_or_changes_nothing() -> None
     waiting = _req("w", SamplingParams(max_new_tokens=50), checker)
     aborted = FinishState(reason=FinishReason.ABORT, finished_len=0)
     Req.end_many([waiting, d], [aborted, FinishState(reason=FinishReason.LENGTH, finished_len=3)])
-    assert waiting.status is ReqStatus.ABORTED and d.status is ReqStatus.FINISHED
+    assert [waiting.status, d.status] == [ReqStatus.ABORTED, ReqStatus.FINISHED]
     assert tuple(d.output_ids) == expect[3] and not table.is_open(6)
 
 
