@@ -18,6 +18,7 @@ from specstate import Engine, EngineConfig, Req, RequestLimits, SamplingParams
 from specstate.core.request import FinishReason, ReqStatus
 from specstate.engine.finish import resolve_finish
 from specstate.engine.outputs import OutputTable
+from specstate.engine.stop_sequences import StopSequences
 from specstate.internals import OwnershipChecker, Role
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -125,6 +126,28 @@ def test_a_sequence_survives_retraction_and_rows_do_not_share_sequences() -> Non
     fresh = _running(table, checker, 4, SamplingParams(max_new_tokens=40))
     assert _append(table, checker, [4], [[3, 3, 3, 3]]) == {}
     assert fresh.output_ids == (3, 3, 3, 3)
+
+
+def test_sequences_cost_nothing_again_once_their_rows_close() -> None:
+    """`StopSequences` counts the open rows with sequences; closing them returns to zero, and
+    a closed row's old sequence no longer matches."""
+    seqs = StopSequences(8)
+    seqs.open(2, ((1, 2),))
+    seqs.open(3, ())
+    seqs.open(5, ((3,), (4, 1)))
+    assert seqs.num_rows == 2
+    slots, run = np.array([2, 5]), np.array([[9, 9], [1, 3]])
+    outputs = np.zeros(8 * 16, dtype=np.int64)
+    outputs[2 * 16 : 2 * 16 + 2], outputs[5 * 16 : 5 * 16 + 2] = [1, 2], [1, 3]
+    accepted = np.ones((2, 2), dtype=np.bool_)
+    before = np.zeros(2, dtype=np.int64)
+    matched = seqs.match(slots, run, before, accepted, outputs, 16, None)
+    assert matched is not None and matched[0][1] == 2 and matched[1][1] == 0
+    seqs.close(np.array([2, 3]))
+    assert seqs.num_rows == 1
+    seqs.close(np.array([5]))
+    assert seqs.num_rows == 0
+    assert seqs.match(slots, run, before, accepted, outputs, 16, None) is None
 
 
 @settings(max_examples=60, deadline=None)

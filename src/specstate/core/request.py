@@ -4,33 +4,22 @@
 slot-indexed `KvLedger`). It owns the host-settled clock ``seqlen = len(prompt) + len(output)``,
 whose only writer is the result processor (`Req.append_outputs`).
 
-Lifecycle (one checked transition function, `Req.transition`)::
-
-    WAITING ──> PREFILL ──> RUNNING ──> FINISHED
-       │          │ │          │
-       │          │ └──────────┼──────> FINISHED   (first token already ends the request)
-       │          └─────┬──────┘
-       │                v
-       │            RETRACTED ──> WAITING        (incarnation += 1 on entering RETRACTED)
-       v                │
-    ABORTED <───────────┴─── (from WAITING, PREFILL, RUNNING, RETRACTED)
-
-FINISHED and ABORTED are terminal. A late result is tagged with the incarnation it was launched
+Its lifecycle (`specstate.core.status`) has one checked transition function, `Req.transition`
+(and `Req.end_many`, the same move for many requests). FINISHED and ABORTED are terminal. A late
+result is tagged with the incarnation it was launched
 for; `Req.check_incarnation` refuses it after a retraction, and a reused request id is a new
 `Req` object, so a stale result can never be applied to a new owner.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
-
-import attrs
 
 from specstate.core.errors import InvalidRequest, InvalidTransition, StaleResult
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.params import RequestLimits, SamplingParams, is_int
+from specstate.core.status import TRANSITIONS, FinishReason, FinishState, ReqSnapshot, ReqStatus
 
 __all__ = [
     "FinishReason",
@@ -44,95 +33,9 @@ __all__ = [
 ]
 
 
-class ReqStatus(enum.Enum):
-    """Where a request is in its life. Member order carries no meaning."""
-
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    FINISHED = "finished"
-    RETRACTED = "retracted"
-    ABORTED = "aborted"
-
-    # Members are singletons compared by identity: hash them by identity too (C-level; the
-    # default hashes the name in Python, and every transition looks statuses up).
-    __hash__ = object.__hash__
-
-
-_TRANSITIONS: Final[Mapping[ReqStatus, frozenset[ReqStatus]]] = {
-    ReqStatus.WAITING: frozenset({ReqStatus.PREFILL, ReqStatus.ABORTED}),
-    ReqStatus.PREFILL: frozenset(
-        {ReqStatus.RUNNING, ReqStatus.FINISHED, ReqStatus.RETRACTED, ReqStatus.ABORTED}
-    ),
-    ReqStatus.RUNNING: frozenset({ReqStatus.FINISHED, ReqStatus.RETRACTED, ReqStatus.ABORTED}),
-    ReqStatus.RETRACTED: frozenset({ReqStatus.WAITING, ReqStatus.ABORTED}),
-    ReqStatus.FINISHED: frozenset(),
-    ReqStatus.ABORTED: frozenset(),
-}
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended."""
-
-    STOP = "stop"
-    """A stop token (or EOS unless ``ignore_eos``) was emitted; it is included in the output."""
-    LENGTH = "length"
-    """``max_new_tokens`` outputs were emitted."""
-    ABORT = "abort"
-    """The user aborted it, or the KV pool could not hold even this one request."""
-    ERROR = "error"
-    """The worker raised while running a batch that held it."""
-
-    __hash__ = object.__hash__  # by identity, in C (as `ReqStatus`): releases look reasons up
-
-
 _ABORT: Final = FinishReason.ABORT
 _ENDS: Final = frozenset({ReqStatus.FINISHED, ReqStatus.ABORTED})
 _FINISHED, _ABORTED = ReqStatus.FINISHED, ReqStatus.ABORTED
-
-
-@attrs.frozen(kw_only=True)
-class FinishState:
-    """How a request ended: the reason and how many output tokens the user sees.
-
-    Attributes:
-        reason: why it ended.
-        finished_len: output tokens the user sees (``Req.emitted_ids``); tokens settled past
-            a stop or the cap are cut.
-        detail: a human-readable reason (the stop token, the abort message, the error).
-        traceback: for an ERROR finish, the worker failure's formatted traceback; else "".
-    """
-
-    reason: FinishReason
-    finished_len: int
-    detail: str = ""
-    traceback: str = ""
-
-
-@attrs.frozen(kw_only=True)
-class ReqSnapshot:
-    """One request at one instant, for tests, traces and users.
-
-    Attributes:
-        request_id: the id given to `Engine.submit`.
-        status: its lifecycle state.
-        incarnation: how many times it was retracted.
-        prompt_len: prompt tokens.
-        output_ids: every settled output token.
-        finish: how it ended, or None while it runs.
-    """
-
-    request_id: str
-    status: ReqStatus
-    incarnation: int
-    prompt_len: int
-    output_ids: tuple[int, ...]
-    finish: FinishState | None
-
-    @property
-    def seqlen(self) -> int:
-        """Host-settled clock: ``prompt_len + len(output_ids)``."""
-        return self.prompt_len + len(self.output_ids)
 
 
 class OutputSource(Protocol):
@@ -379,7 +282,7 @@ class Req:
             Req._end_all((self,), (target,), (finish,))
             return
         src = self._status
-        if target not in _TRANSITIONS[src]:
+        if target not in TRANSITIONS[src]:
             raise InvalidTransition(
                 f"request {self.request_id}: {src.value} -> {target.value} is not allowed"
             )
@@ -417,7 +320,7 @@ class Req:
         source, slots = Req._one_source(reqs)
         counts = [r.num_outputs for r in reqs] if source is None else source.output_counts(slots)
         for req, target, finish, count in zip(reqs, targets, finishes, counts, strict=True):
-            if target not in _TRANSITIONS[req._status]:
+            if target not in TRANSITIONS[req._status]:
                 raise InvalidTransition(
                     f"request {req.request_id}: {req._status.value} -> {target.value} is not "
                     "allowed"

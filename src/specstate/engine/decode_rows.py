@@ -45,11 +45,10 @@ from typing import Final, TypeVar
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 import torch
 
-from specstate.batch.sampling import SamplingInfo
 from specstate.core.request import Req
+from specstate.engine.columns import DecodeColumns, PlainRows, plain_columns
 from specstate.engine.invariants import InvariantViolation
 from specstate.engine.outputs import IntArray
 from specstate.relay.future_map import RowPatch
@@ -57,88 +56,6 @@ from specstate.relay.future_map import RowPatch
 __all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot", "PlainRows", "plain_columns"]
 
 _T = TypeVar("_T")
-_HOST: Final = torch.device("cpu")
-FloatArray = npt.NDArray[np.float32]
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class PlainRows:
-    """Host values of rows whose sampling is temperature, top-k and top-p only (*plain*).
-
-    Two packed host arrays, one column per row: a change writes only the changed columns into
-    a copy, and on a device each array travels in one host-to-device copy.
-
-    Attributes:
-        ints: ``[3, n]`` int64: request slot, output-row epoch, top-k.
-        floats: ``[2, n]`` float32: temperature, top-p.
-    """
-
-    ints: IntArray
-    floats: FloatArray
-
-    @property
-    def size(self) -> int:
-        """Number of rows."""
-        return int(self.ints.shape[1])
-
-
-@attrs.frozen(kw_only=True)
-class DecodeColumns:
-    """The per-row columns of one set of decoding requests (one row per request, in order).
-
-    ``plain``, when set, holds the host values behind ``slots``, ``epochs`` and ``sampling``
-    (every row plain, `plain_columns`): a change then patches two host arrays.
-    """
-
-    reqs: tuple[Req, ...]
-    slots: torch.Tensor
-    slots_host: IntArray  # the same memory as ``slots``
-    device_slots: torch.Tensor
-    incarnations: tuple[int, ...]
-    sampling: SamplingInfo
-    epochs: IntArray
-    request_ids: tuple[str, ...]
-    plain: PlainRows | None = attrs.field(default=None, eq=False)
-
-
-def plain_columns(
-    reqs: tuple[Req, ...],
-    incarnations: tuple[int, ...],
-    request_ids: tuple[str, ...],
-    plain: PlainRows,
-    device: torch.device,
-) -> DecodeColumns:
-    """The columns of plain rows, built from their host values (views, two copies on a device).
-
-    The sampling state has temperatures, top-k and top-p and nothing else (every optional
-    tensor None), exactly what `SamplingInfo.from_params` builds for plain rows.
-    """
-    ints, floats = plain.ints, plain.floats
-    slots = torch.from_numpy(ints[0])  # views of the host rows: no tensor indexing on a CPU
-    if device == _HOST:  # (the device audit's ``cpu:0`` is a device: it takes the copies)
-        device_slots, top_ks = slots, torch.from_numpy(ints[2])
-        temperatures, top_ps = torch.from_numpy(floats[0]), torch.from_numpy(floats[1])
-    else:  # one copy of each array, then views of its rows
-        on_device = torch.from_numpy(ints).to(device)
-        device_floats = torch.from_numpy(floats).to(device)
-        device_slots, top_ks = on_device[0], on_device[2]
-        temperatures, top_ps = device_floats[0], device_floats[1]
-    return DecodeColumns(
-        reqs=reqs,
-        slots=slots,
-        slots_host=ints[0],
-        device_slots=device_slots,
-        incarnations=incarnations,
-        sampling=SamplingInfo(
-            temperatures=temperatures,
-            top_ks=top_ks,
-            top_ps=top_ps,
-            greedy_host=not np.count_nonzero(floats[0]),
-        ),
-        epochs=plain.ints[1],
-        request_ids=request_ids,
-        plain=plain,
-    )
 
 
 @attrs.frozen(kw_only=True)

@@ -9,8 +9,7 @@ retracted::
                                                    |  the length; it is never read)
     caps[s]                max_new_tokens           stops[s, :]  stop ids, EOS, -1 padding
     logprobs[s, :]         one float per settled output (written only for a result with them)
-    seqs[s, q, :]          stop sequence q, left-aligned (seq_lens[s, q] tokens; last token
-                           seq_last[s, q], -1 padding); min_new[s] min_new_tokens
+    min_new[s]             min_new_tokens; the stop sequences: `StopSequences`
     accepts[:rounds[s], s] accept length of every verify settled in this slot (stored
                            round-major, so one round's writes for a batch are close)
     epochs[s]              bumped when the request leaves the slot: a batch launched before
@@ -18,12 +17,10 @@ retracted::
 
 Settling a round is a fixed number of array operations for the whole batch (`append_runs`):
 scatter every accepted run, advance the lengths, find the first stop token and the length cap
-per row with masks, record the accept lengths. Stop sequences cost nothing while no open row has
-one; otherwise one mask finds the accepted tokens that end some row's sequence, and only those
-candidates are compared with the stored outputs (a sequence may span rounds, retractions, or
-end inside a run). A stop — token or sequence — counts only when its last token is output
-``min_new_tokens`` (0-based) or later. Python touches a request only when it finishes
-(`Req.transition` copies its row back) or when someone reads its ``output_ids``.
+per row with masks, record the accept lengths. Stop sequences cost nothing while no open row
+has one (`specstate.engine.stop_sequences`). A stop — token or sequence — counts only when its
+last token is output ``min_new_tokens`` (0-based) or later. Python touches a request only when
+it finishes (`Req.end_many` copies its row back) or when someone reads its ``output_ids``.
 
 The columns are NumPy arrays: this is host-only state (never read by a device), and on a CPU
 one NumPy operation costs about a microsecond where a torch operation costs three to five, which
@@ -47,12 +44,13 @@ import numpy.typing as npt
 from specstate.core.errors import InvalidConfig, LedgerViolation
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
+from specstate.engine.stop_sequences import NEVER, NO_STOP, StopSequences
 
 __all__ = ["FinishedRows", "OutputTable"]
 
 IntArray = npt.NDArray[np.int64]
-_NO_STOP: Final = -1
-_NEVER: Final = np.iinfo(np.int64).max
+_NO_STOP: Final = NO_STOP
+_NEVER: Final = NEVER
 
 
 @attrs.frozen(kw_only=True)
@@ -121,11 +119,7 @@ class OutputTable:
         self._output_logprobs_flat = self._output_logprobs.reshape(-1)
         self._min_new = np.zeros(size, dtype=np.int64)
         self._num_min_rows = 0  # open rows with min_new_tokens > 0
-        self._seq_tokens = np.zeros((size, 1, 1), dtype=np.int64)
-        self._seq_lens = np.zeros((size, 1), dtype=np.int64)
-        self._seq_last = np.full((size, 1), _NO_STOP, dtype=np.int64)
-        self._has_seqs = np.zeros(size, dtype=np.bool_)
-        self._num_seq_rows = 0  # open rows with stop sequences
+        self._sequences = StopSequences(size)
         self._holders: list[Req | None] = [None] * size
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
@@ -267,7 +261,7 @@ class OutputTable:
         self._min_new[slot] = req.sampling.min_new_tokens
         if req.sampling.min_new_tokens > 0:
             self._num_min_rows += 1
-        self._open_sequences(slot, req.sampling.stop_sequences)
+        self._sequences.open(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
         self._num_opened += 1
@@ -303,10 +297,8 @@ class OutputTable:
         if self._num_min_rows:
             self._num_min_rows -= int((self._min_new[s] > 0).sum())
             self._min_new[s] = 0
-        if self._num_seq_rows:
-            self._num_seq_rows -= int(self._has_seqs[s].sum())
-            self._has_seqs[s] = False
-            self._seq_last[s] = _NO_STOP
+        if self._sequences.num_rows:
+            self._sequences.close(s)
         return outputs, accepted, chosen
 
     def append_runs(
@@ -355,8 +347,16 @@ class OutputTable:
                 hit &= (before[:, None] + steps) >= self._min_new[slots][:, None]
             stopped = int(np.count_nonzero(hit))
         matched = None
-        if self._num_seq_rows:
-            matched = self._match_sequences(slots, run, before, accept)
+        if self._sequences.num_rows:
+            matched = self._sequences.match(
+                slots,
+                run,
+                before,
+                steps < accept[:, None],
+                self._output_tokens_flat,
+                self._width,
+                self._min_new if self._num_min_rows else None,
+            )
         capped = after >= caps
         if not (stopped or np.count_nonzero(capped) or matched is not None):
             return None  # nobody stops or reaches the cap: the steady round ends here
@@ -372,47 +372,6 @@ class OutputTable:
         base, stops, caps = slots * self._width, self._stops[slots], self._caps[slots]
         self._constants = (slots, self._num_opened, base, stops, caps)
         return base, stops, caps
-
-    def _match_sequences(
-        self, slots: IntArray, run: IntArray, before: IntArray, accept: IntArray
-    ) -> tuple[IntArray, IntArray] | None:
-        """Per row, the earliest stop-sequence end in this run (``finished_len``) and which
-        sequence, or None when no sequence completes.
-
-        Only accepted tokens equal to the last token of one of their row's sequences are
-        candidates; each candidate is compared with the stored outputs (this run included).
-        """
-        width = run.shape[1]
-        last = self._seq_last[slots]  # [n, q]
-        accepted = self._steps[:width] < accept[:, None]
-        cand = (run[:, :, None] == last[:, None, :]) & accepted[:, :, None]
-        if not np.count_nonzero(cand):
-            return None
-        row, step, which = np.nonzero(cand)
-        slot = slots[row]
-        end = before[row] + step  # output index of the candidate's last token
-        length = self._seq_lens[slot, which]
-        start = end - length + 1
-        ok = start >= 0  # a sequence lies inside the output
-        if self._num_min_rows:
-            ok &= end >= self._min_new[slot]
-        offsets = np.arange(self._seq_tokens.shape[2])
-        inside = offsets < length[:, None]
-        index = slot[:, None] * self._width + np.clip(start[:, None] + offsets, 0, self._width - 1)
-        got = self._output_tokens_flat[index]
-        want = self._seq_tokens[slot, which]
-        ok &= ((got == want) | ~inside).all(axis=1)
-        if not ok.any():
-            return None
-        row, end, which = row[ok], end[ok] + 1, which[ok]
-        order = np.lexsort((which, end, row))  # per row: the earliest end, then the first listed
-        row, end, which = row[order], end[order], which[order]
-        first = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
-        stop_at = np.full(run.shape[0], _NEVER, dtype=np.int64)
-        index_of = np.full(run.shape[0], -1, dtype=np.int64)
-        stop_at[row[first]] = end[first]
-        index_of[row[first]] = which[first]
-        return stop_at, index_of
 
     def _finished_rows(
         self,
@@ -464,30 +423,6 @@ class OutputTable:
             stop_token=stop_token,
             stop_sequence=() if matched is None else stop_sequence,
         )
-
-    def _open_sequences(self, slot: int, sequences: tuple[tuple[int, ...], ...]) -> None:
-        """Store ``slot``'s stop sequences (admission); widen the columns when needed."""
-        self._seq_last[slot] = _NO_STOP
-        self._seq_lens[slot] = 0
-        if not sequences:
-            return
-        count, longest = len(sequences), max(len(seq) for seq in sequences)
-        have_count, have_len = self._seq_lens.shape[1], self._seq_tokens.shape[2]
-        if count > have_count or longest > have_len:  # rare: widen once
-            count, longest = max(count, have_count), max(longest, have_len)
-            tokens = np.zeros((self._seq_tokens.shape[0], count, longest), dtype=np.int64)
-            tokens[:, :have_count, :have_len] = self._seq_tokens
-            lens = np.zeros((self._seq_lens.shape[0], count), dtype=np.int64)
-            lens[:, :have_count] = self._seq_lens
-            last = np.full((self._seq_last.shape[0], count), _NO_STOP, dtype=np.int64)
-            last[:, :have_count] = self._seq_last
-            self._seq_tokens, self._seq_lens, self._seq_last = tokens, lens, last
-        for q, seq in enumerate(sequences):
-            self._seq_tokens[slot, q, : len(seq)] = seq
-            self._seq_lens[slot, q] = len(seq)
-            self._seq_last[slot, q] = seq[-1]
-        self._has_seqs[slot] = True
-        self._num_seq_rows += 1
 
     def _ensure_stop_width(self, n: int) -> None:
         have = self._stops.shape[1]

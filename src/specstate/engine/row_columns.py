@@ -16,7 +16,7 @@ import torch
 
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.request import Req, SamplingParams
-from specstate.engine.decode_rows import DecodeColumns, PlainRows, plain_columns
+from specstate.engine.columns import DecodeColumns, PlainRows, plain_columns
 from specstate.engine.outputs import OutputTable
 from specstate.memory.allocation import KvAllocator
 
