@@ -248,6 +248,33 @@ def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:
     assert list(table.read_all_since(table.all_lengths())) == []
 
 
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_streaming_read_agrees_with_the_requests_at_any_number_of_rows(rows: int) -> None:
+    """Few grown rows are sliced one by one, many are gathered at once: the same runs."""
+    table, checker = _table(slots=48)
+    rng = np.random.default_rng(rows)
+    slots = np.arange(1, rows + 2)  # one more row that does not grow
+    reqs = [_req(f"r{s}", SamplingParams(max_new_tokens=50), checker) for s in slots.tolist()]
+    for slot, req in zip(slots.tolist(), reqs, strict=True):
+        _open(table, checker, slot, req)
+    run = rng.integers(0, VOCAB - 1, size=(slots.size, RUN))  # no EOS: nobody stops
+    with checker.acting(Role.RESULT_PROCESSOR):
+        table.append_runs(slots, run, rng.integers(1, RUN + 1, slots.size), verifies=True)
+    seen = table.all_lengths()
+    before = {req: req.num_outputs for req in reqs}
+    grown = slots[:-1]
+    run = rng.integers(0, VOCAB - 1, size=(grown.size, RUN))
+    with checker.acting(Role.RESULT_PROCESSOR):
+        table.append_runs(grown, run, rng.integers(1, RUN + 1, grown.size), verifies=True)
+    reqs[1].transition(ReqStatus.PREFILL)
+    reqs[1].transition(ReqStatus.RETRACTED)  # left its row: read from the request
+    read = list(table.read_all_since(seen))
+    want = [r for i, r in enumerate(reqs[:-1]) if i != 1]
+    assert [req for req, _ in read] == want
+    assert all(new == list(req.output_ids[before[req] :]) for req, new in read)
+    assert all(new for _, new in read)
+
+
 def test_a_streaming_read_of_a_large_batch_leaves_no_young_objects_behind() -> None:
     """`read_all_since` makes its pairs as they are taken: for 500 grown rows the read itself
     allocates a fixed handful of tracked objects, and a reader that drops each pair leaves the

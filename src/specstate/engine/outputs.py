@@ -49,6 +49,9 @@ from specstate.engine.stop_sequences import NEVER, NO_STOP, StopSequences
 __all__ = ["FinishedRows", "OutputTable"]
 
 IntArray = npt.NDArray[np.int64]
+_FEW_ROWS: Final = 16
+"""Up to this many grown rows, a streaming read slices each row (a few µs in all); beyond, it
+gathers every run at once (fixed cost about 8 µs, then well under a µs per row)."""
 _NO_STOP: Final = NO_STOP
 _NEVER: Final = NEVER
 
@@ -157,6 +160,17 @@ class OutputTable:
         slots = (now > seen).nonzero()[0]
         if not slots.size:
             return iter(())
+        if slots.size <= _FEW_ROWS:  # a slice per row is cheaper than the index arrays
+            table, holders = self._output_tokens, self._holders
+            return iter(
+                [
+                    (req, table[slot, a:b].tolist())
+                    for slot, a, b in zip(
+                        slots.tolist(), seen[slots].tolist(), now[slots].tolist(), strict=True
+                    )
+                    if (req := holders[slot]) is not None
+                ]
+            )
         start = seen[slots]
         counts = now[slots] - start
         ends = counts.cumsum()
