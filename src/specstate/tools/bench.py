@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, TypeVar
 
 from specstate.tools import bench_grammar, bench_recurrent, bench_reports, bench_step, bench_tp
 from specstate.tools.bench_reports import fail, header, progress
+from specstate.tools.cli_types import count, milliseconds, positive_ints
 
 __all__ = ["add_arguments", "run"]
 
@@ -46,42 +46,6 @@ _T = TypeVar("_T", int, float)
 
 _BATCH_SIZES: Final = (1, 64, 256, 1024)
 """Default batch sizes: the peer workload's."""
-
-
-# ---------------------------------------------------------------- argument types
-def _comma_list(text: str, convert: Callable[[str], _T], minimum: _T) -> tuple[_T, ...]:
-    try:
-        values = tuple(convert(item) for item in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of numbers"
-        ) from None
-    if not all(minimum <= v < math.inf for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every item must be at least {minimum}")
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r} names an item twice")
-    return values
-
-
-def _positive_ints(text: str) -> tuple[int, ...]:
-    return _comma_list(text, int, 1)
-
-
-def _milliseconds(text: str) -> tuple[float, ...]:
-    return _comma_list(text, float, 0.0)
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}")
-        return value
-
-    return parse
 
 
 def _list_option(
@@ -152,11 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument(
         "--steady", dest="workload", action="store_const", const="steady", help="nobody finishes"
     )
-    _list_option(host, "--page-sizes", _positive_ints, (1, 16), "KV page sizes")
-    _list_option(host, "--batch-sizes", _positive_ints, _BATCH_SIZES, "batch sizes")
-    host.add_argument("--iters", type=_count(1), default=300, help="timed rounds per run (300)")
-    host.add_argument("--warmup", type=_count(0), default=20, help="untimed rounds per run (20)")
-    host.add_argument("--repeats", type=_count(1), default=5, help="fresh runs per size (5)")
+    _list_option(host, "--page-sizes", positive_ints, (1, 16), "KV page sizes")
+    _list_option(host, "--batch-sizes", positive_ints, _BATCH_SIZES, "batch sizes")
+    host.add_argument("--iters", type=count(1), default=300, help="timed rounds per run (300)")
+    host.add_argument("--warmup", type=count(0), default=20, help="untimed rounds per run (20)")
+    host.add_argument("--repeats", type=count(1), default=5, help="fresh runs per size (5)")
     host.add_argument(
         "--launch-us",
         type=float,
@@ -165,13 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     host.add_argument(
         "--malloc-mmap-threshold",
-        type=_count(0),
+        type=count(0),
         default=64 << 20,
         help="glibc M_MMAP_THRESHOLD set at start, bytes (64 MiB)",
     )
     host.add_argument(
         "--malloc-trim-threshold",
-        type=_count(0),
+        type=count(0),
         default=256 << 20,
         help="glibc M_TRIM_THRESHOLD set at start, bytes (256 MiB)",
     )
@@ -186,9 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = benches.add_parser(
         "engine", help="Engine.step time per steady decode round", formatter_class=shown
     )
-    _list_option(engine, "--batch-sizes", _positive_ints, _BATCH_SIZES, "batch sizes")
-    engine.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per size")
-    engine.add_argument("--page-size", type=_count(1), default=16, help="KV page size")
+    _list_option(engine, "--batch-sizes", positive_ints, _BATCH_SIZES, "batch sizes")
+    engine.add_argument("--rounds", type=count(1), default=200, help="timed rounds per size")
+    engine.add_argument("--page-size", type=count(1), default=16, help="KV page size")
     engine.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
@@ -209,13 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _list_option(
         overlap,
         "--device-ms",
-        _milliseconds,
+        milliseconds,
         (1.0, 2.0, 5.0, 10.0),
         "device milliseconds a forward",
     )
-    overlap.add_argument("--batch-size", type=_count(1), default=64, help="requests decoding")
-    overlap.add_argument("--rounds", type=_count(1), default=50, help="timed rounds per run")
-    overlap.add_argument("--page-size", type=_count(1), default=16, help="KV page size")
+    overlap.add_argument("--batch-size", type=count(1), default=64, help="requests decoding")
+    overlap.add_argument("--rounds", type=count(1), default=50, help="timed rounds per run")
+    overlap.add_argument("--page-size", type=count(1), default=16, help="KV page size")
     _device_model_option(overlap)
     _accept_option(overlap)
     overlap.add_argument("--json", action="store_true", help="print JSON, not a table")
@@ -232,12 +196,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_prefix_arguments(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prefix = benches.add_parser("prefix", help="prefix cache work per round; hit rates (--hits)")
-    _list_option(prefix, "--page-sizes", _positive_ints, (1, 16), "KV page sizes")
-    _list_option(prefix, "--concurrency", _positive_ints, (16, 64, 256), "concurrent requests")
-    prefix.add_argument("--rounds", type=_count(1), default=200, help="timed rounds per run")
-    prefix.add_argument("--warmup", type=_count(0), default=100, help="untimed rounds per run")
-    prefix.add_argument("--repeats", type=_count(1), default=3, help="fresh runs per size")
-    prefix.add_argument("--seed", type=_count(0), default=0)
+    _list_option(prefix, "--page-sizes", positive_ints, (1, 16), "KV page sizes")
+    _list_option(prefix, "--concurrency", positive_ints, (16, 64, 256), "concurrent requests")
+    prefix.add_argument("--rounds", type=count(1), default=200, help="timed rounds per run")
+    prefix.add_argument("--warmup", type=count(0), default=100, help="untimed rounds per run")
+    prefix.add_argument("--repeats", type=count(1), default=3, help="fresh runs per size")
+    prefix.add_argument("--seed", type=count(0), default=0)
     prefix.add_argument("--peer", type=Path, metavar="PEER.json", help="the peer's report")
     prefix.add_argument("--hits", action="store_true", help="hit rates of a multi-turn workload")
     prefix.add_argument("--json", action="store_true", help="print JSON, not a table")

@@ -45,6 +45,7 @@ from specstate.grammar.rows import RowMasks
 from specstate.grammar.spec import Grammar, GrammarVocabulary
 from specstate.relay.future_map import RelayPayload
 from specstate.tools.bench_steady import decode_whole
+from specstate.tools.cli_types import positive, positive_ints
 
 __all__ = ["GrammarBenchWorker", "add_arguments", "run"]
 
@@ -214,7 +215,9 @@ class _Run:
     table: list[float]
 
 
-def _engine(batch_size: int, rounds: int, *, grammar: bool, overlap: bool) -> tuple[Any, ...]:
+def _engine(
+    batch_size: int, rounds: int, *, grammar: bool, overlap: bool, mask_threads: int
+) -> tuple[Any, ...]:
     from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 
     worker = GrammarBenchWorker()
@@ -234,6 +237,7 @@ def _engine(batch_size: int, rounds: int, *, grammar: bool, overlap: bool) -> tu
         max_prefill_tokens=max(4096, batch_size * len(_PROMPT)),
         check_invariants=False,
         check_ownership=False,
+        grammar_mask_threads=mask_threads,
     )
     params = SamplingParams(
         max_new_tokens=max_new, grammar=Grammar.json_schema(SCHEMA) if grammar else None
@@ -256,9 +260,13 @@ def _timed(spent: list[float], method: Callable[..., _T]) -> Callable[..., _T]:
     return call
 
 
-def _run(batch_size: int, rounds: int, *, grammar: bool, overlap: bool) -> _Run:
+def _run(
+    batch_size: int, rounds: int, *, grammar: bool, overlap: bool, mask_threads: int = 1
+) -> _Run:
     """Time ``rounds`` steady decode rounds of ``batch_size`` requests."""
-    engine, worker, reqs = _engine(batch_size, rounds, grammar=grammar, overlap=overlap)
+    engine, worker, reqs = _engine(
+        batch_size, rounds, grammar=grammar, overlap=overlap, mask_threads=mask_threads
+    )
     table_time = [0.0]
     table = engine.grammar
     table.attach = _timed(table_time, table.attach)  # the seams the round calls
@@ -290,7 +298,7 @@ def _median_us(seconds: Sequence[float]) -> float:
     return round(statistics.median(seconds) * 1e6, 1) if seconds else 0.0
 
 
-def _row(batch_size: int, rounds: int, repeats: int, overlap: bool) -> _Row:
+def _row(batch_size: int, rounds: int, repeats: int, overlap: bool, mask_threads: int = 1) -> _Row:
     plain: list[float] = []
     runs: list[_Run] = []
     threads = torch.get_num_threads()
@@ -298,7 +306,9 @@ def _row(batch_size: int, rounds: int, repeats: int, overlap: bool) -> _Row:
     try:
         for _ in range(repeats):  # alternated, so drift hits both alike
             plain += _run(batch_size, rounds, grammar=False, overlap=overlap).step
-            runs.append(_run(batch_size, rounds, grammar=True, overlap=overlap))
+            runs.append(
+                _run(batch_size, rounds, grammar=True, overlap=overlap, mask_threads=mask_threads)
+            )
     finally:
         torch.set_num_threads(threads)
     rows = _median_us([s for r in runs for s in r.rows])
@@ -319,14 +329,22 @@ def add_arguments(benches: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = benches.add_parser("grammar", help="host cost per round of grammar rows vs plain")
     parser.add_argument(
         "--batch-sizes",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
+        type=positive_ints,
         default=(1, 64, 256),
         metavar="N,N,...",
         help="grammar requests per round (default: 1,64,256)",
     )
-    parser.add_argument("--rounds", type=int, default=40, help="timed rounds per run")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated runs per size")
+    parser.add_argument("--rounds", type=positive, default=40, help="timed rounds per run")
+    parser.add_argument("--repeats", type=positive, default=3, help="alternated runs per size")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument(
+        "--mask-threads",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="EngineConfig.grammar_mask_threads of the grammar runs (default: 1, one mask after "
+        "the other on the forward stream)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON, not a table")
     parser.set_defaults(bench_run=run)
 
@@ -336,9 +354,14 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for bs in args.batch_sizes:
         print(f"bench grammar: bs {bs}, {args.repeats} x {args.rounds} rounds", file=sys.stderr)
-        rows.append(_row(bs, args.rounds, args.repeats, args.overlap))
+        rows.append(_row(bs, args.rounds, args.repeats, args.overlap, args.mask_threads))
     if args.json:
-        config = {"overlap": args.overlap, "vocab": VOCAB, "num_steps": 3}
+        config = {
+            "overlap": args.overlap,
+            "vocab": VOCAB,
+            "num_steps": 3,
+            "mask_threads": args.mask_threads,
+        }
         print(
             json.dumps(
                 {"bench": "grammar", "config": config, "results": [attrs.asdict(r) for r in rows]},
@@ -347,7 +370,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     loop = "overlap" if args.overlap else "normal"
-    print(f"Engine.step per steady decode round, µs ({loop} loop, chain K=3, vocab {VOCAB})")
+    threads = f", {args.mask_threads} mask threads" if args.mask_threads > 1 else ""
+    print(
+        f"Engine.step per steady decode round, µs ({loop} loop, chain K=3, vocab {VOCAB}{threads})"
+    )
     print(f"{'bs':>5} {'plain':>10} {'grammar':>10} {'rows':>10} {'table':>8} {'µs/row':>8}")
     for r in rows:
         cells = f"{r.plain_us:>10.1f} {r.grammar_us:>10.1f} {r.rows_us:>10.1f} {r.table_us:>8.1f}"

@@ -39,6 +39,7 @@ from specstate.memory.recurrent_layout import (
     StateTensorSpec,
 )
 from specstate.tools.bench_steady import decode_whole
+from specstate.tools.cli_types import positive
 from specstate.tools.timed_worker import TimedWaitWorker
 
 __all__ = ["STATE_SPEC", "StatefulTimedWorker", "add_parser", "run"]
@@ -81,18 +82,8 @@ class StatefulTimedWorker(TimedWaitWorker):
         return super().forward_batch_generation(batch, on_publish=on_publish)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 1")
-    return value
-
-
 def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(_positive(item) for item in text.split(","))
+    return tuple(positive(item) for item in text.split(","))
 
 
 def add_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -105,9 +96,9 @@ def add_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         metavar="LIST",
         help="default 1,256,1024",
     )
-    parser.add_argument("--rounds", type=_positive, default=200, help="timed rounds per run")
+    parser.add_argument("--rounds", type=positive, default=200, help="timed rounds per run")
     parser.add_argument(
-        "--repeats", type=_positive, default=3, help="alternated engine runs each way"
+        "--repeats", type=positive, default=3, help="alternated engine runs each way"
     )
     parser.add_argument("--json", action="store_true", help="print JSON, not a table")
 

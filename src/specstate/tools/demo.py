@@ -33,6 +33,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.tools.cli_types import positive
 
 if TYPE_CHECKING:
     from specstate.engine.engine import EngineConfig
@@ -75,29 +76,21 @@ class _RunResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
-def _positive(text: str) -> int:
-    """An integer >= 1 (argparse turns the ValueError into a usage error, exit 2)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` command's arguments."""
     parser.description = "Serve a built-in workload on the embedded model and report."
     parser.add_argument(
         "--algorithm", choices=("eagle", "draft_model", "ngram"), default="eagle", help="drafting"
     )
-    parser.add_argument("--num-steps", type=_positive, default=4, help="draft steps per round")
+    parser.add_argument("--num-steps", type=positive, default=4, help="draft steps per round")
     parser.add_argument(
-        "--requests", type=_positive, default=len(PROMPTS), help="requests in the workload"
+        "--requests", type=positive, default=len(PROMPTS), help="requests in the workload"
     )
-    parser.add_argument("--max-new-tokens", type=_positive, default=96, help="tokens per request")
-    parser.add_argument("--page-size", type=_positive, default=16, help="KV page size")
+    parser.add_argument("--max-new-tokens", type=positive, default=96, help="tokens per request")
+    parser.add_argument("--page-size", type=positive, default=16, help="KV page size")
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive,
         default=1,
         metavar="N",
         help="torch intra-op threads (torch.set_num_threads); the normal-loop runs do the "
