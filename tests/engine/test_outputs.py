@@ -190,6 +190,8 @@ def test_ending_many_requests_copies_every_row_back_or_changes_nothing() -> None
         Req.end_many([a, b, c], [stop, stop, too_long])
     with pytest.raises(InvalidTransition, match="ended twice"):
         Req.end_many([a, a], [stop, stop])
+    with pytest.raises(InvalidTransition, match="requests a, b: 2 requests to end, 1 finishes"):
+        Req.end_many([a, b], [stop])
     # Nothing changed: every request runs, every row is open with its outputs and epoch.
     assert all(r.status is ReqStatus.RUNNING and r.finish is None for r in reqs)
     assert all(table.is_open(int(s)) for s in slots) and (table.epochs(slots) == epochs).all()

@@ -6,9 +6,9 @@ whose only writer is the result processor (`Req.append_outputs`).
 
 Its lifecycle (`specstate.core.status`) has one checked transition function, `Req.transition`
 (and `Req.end_many`, the same move for many requests). FINISHED and ABORTED are terminal. A late
-result is tagged with the incarnation it was launched
-for; `Req.check_incarnation` refuses it after a retraction, and a reused request id is a new
-`Req` object, so a stale result can never be applied to a new owner.
+result is tagged with the incarnation it was launched for; `Req.check_incarnation` refuses it
+after a retraction, and a reused request id is a new `Req` object, so a stale result can never
+be applied to a new owner.
 """
 
 from __future__ import annotations
@@ -312,8 +312,12 @@ class Req:
         targets: Sequence[ReqStatus] | None,
         finishes: Sequence[FinishState],
     ) -> None:
+        names = ", ".join(r.request_id for r in reqs[:4])
+        if len(finishes) != len(reqs):
+            raise InvalidTransition(
+                f"requests {names}: {len(reqs)} requests to end, {len(finishes)} finishes"
+            )
         if len(set(reqs)) != len(reqs):
-            names = ", ".join(r.request_id for r in reqs[:4])
             raise InvalidTransition(f"requests {names}: one request is ended twice")
         if targets is None:
             targets = [_ABORTED if f.reason is _ABORT else _FINISHED for f in finishes]

@@ -154,7 +154,6 @@ class PrefixRows:
             )
         rows = slots.tolist()
         fills = list(map(self._fill.pop, rows, repeat(None)))
-        held = list(map(self._held.pop, rows, repeat(None)))
         for i in (lens > protected).nonzero()[0].tolist():  # rows with something to insert
             req, slot, lo, k = reqs[i], rows[i], int(protected[i]), int(lens[i])
             tokens = self._tokens(req, fills[i], k + lookahead)
@@ -165,7 +164,7 @@ class PrefixRows:
                     f"no longer cached ({existing} found at release)"
                 )
             start[i], duplicate_end[i], kept[i] = k, existing, (k - existing) // p
-        for match in held:
+        for match in map(self._held.pop, rows, repeat(None)):  # the holds, after the inserts
             if match is not None:
                 self.cache.unlock(match)
         if bool((duplicate_end > protected).any()):
