@@ -312,12 +312,12 @@ class Req:
         targets: Sequence[ReqStatus] | None,
         finishes: Sequence[FinishState],
     ) -> None:
-        names = ", ".join(r.request_id for r in reqs[:4])
-        if len(finishes) != len(reqs):
-            raise InvalidTransition(
-                f"requests {names}: {len(reqs)} requests to end, {len(finishes)} finishes"
-            )
-        if len(set(reqs)) != len(reqs):
+        if len(finishes) != len(reqs) or len(set(reqs)) != len(reqs):
+            names = ", ".join(r.request_id for r in reqs[:4])
+            if len(finishes) != len(reqs):
+                raise InvalidTransition(
+                    f"requests {names}: {len(reqs)} requests to end, {len(finishes)} finishes"
+                )
             raise InvalidTransition(f"requests {names}: one request is ended twice")
         if targets is None:
             targets = [_ABORTED if f.reason is _ABORT else _FINISHED for f in finishes]

@@ -52,8 +52,6 @@ IntArray = npt.NDArray[np.int64]
 _FEW_ROWS: Final = 16
 """Up to this many grown rows, a streaming read slices each row (a few µs in all); beyond, it
 gathers every run at once (fixed cost about 8 µs, then well under a µs per row)."""
-_NO_STOP: Final = NO_STOP
-_NEVER: Final = NEVER
 
 
 @attrs.frozen(kw_only=True)
@@ -116,7 +114,7 @@ class OutputTable:
         self._output_lengths = np.zeros(size, dtype=np.int64)
         self._rounds = np.zeros(size, dtype=np.int64)
         self._caps = np.zeros(size, dtype=np.int64)
-        self._stops = np.full((size, max(1, len(self._eos))), _NO_STOP, dtype=np.int64)
+        self._stops = np.full((size, max(1, len(self._eos))), NO_STOP, dtype=np.int64)
         self._epochs = np.zeros(size, dtype=np.int64)
         self._output_logprobs = np.zeros((size, self._width), dtype=np.float32)
         self._output_logprobs_flat = self._output_logprobs.reshape(-1)
@@ -268,7 +266,7 @@ class OutputTable:
         self._output_lengths[slot] = len(outputs)
         self._rounds[slot] = 0
         self._caps[slot] = req.sampling.max_new_tokens
-        self._stops[slot] = _NO_STOP
+        self._stops[slot] = NO_STOP
         self._stops[slot, : len(stops)] = sorted(stops)
         if req.sampling.logprobs:
             self._output_logprobs[slot, : len(outputs)] = req.stored_logprobs()[: len(outputs)]
@@ -411,12 +409,12 @@ class OutputTable:
         candidates.update(capped.nonzero()[0].tolist())
         seq_at = seq_index = None
         if matched is not None:
-            candidates.update((matched[0] < _NEVER).nonzero()[0].tolist())
+            candidates.update((matched[0] < NEVER).nonzero()[0].tolist())
             seq_at, seq_index = matched
         found: list[tuple[int, int, int, int]] = []  # (row, stop at, stop token, sequence)
         for row in sorted(candidates):
             start = int(before[row])
-            at, token, sequence = _NEVER, -1, -1
+            at, token, sequence = NEVER, -1, -1
             col = first_hit.get(row)
             if col is not None:
                 at, token = start + col + 1, int(run[row, col])
@@ -441,7 +439,7 @@ class OutputTable:
     def _ensure_stop_width(self, n: int) -> None:
         have = self._stops.shape[1]
         if n > have:  # rare: a request with more stop ids than any before; widen once
-            wider = np.full((self._stops.shape[0], n), _NO_STOP, dtype=np.int64)
+            wider = np.full((self._stops.shape[0], n), NO_STOP, dtype=np.int64)
             wider[:, :have] = self._stops
             self._stops = wider
 

@@ -382,7 +382,7 @@ class Scheduler:
             return []
         rows = self._decode_rows()
         try:
-            self._allocator.reserve_for_spec_decode(rows.slots_host)
+            self._allocator.reserve_decode_rows(rows.slots_host)
         except KvPoolExhausted:
             return []  # no room to mix: they decode once the prefill settles
         return list(rows.reqs)
@@ -443,7 +443,7 @@ class Scheduler:
         rows = self._decode_rows()
         outcome = None
         try:
-            self._allocator.reserve_for_spec_decode(rows.slots_host)
+            self._allocator.reserve_decode_rows(rows.slots_host)
         except KvPoolExhausted:  # nothing was taken
             if self._releases_pending is not None and self._releases_pending():
                 # Pages of requests that ended under the batch in flight come back when it
@@ -460,7 +460,7 @@ class Scheduler:
             if not outcome.kept:
                 return None, outcome
             rows = self._decode_rows()
-            self._allocator.reserve_for_spec_decode(rows.slots_host)
+            self._allocator.reserve_decode_rows(rows.slots_host)
         patch = self._rows.relay_patch(rows)
         batch = ScheduleBatch(
             reqs=rows.reqs,

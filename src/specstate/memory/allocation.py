@@ -323,16 +323,26 @@ class KvAllocator:
         the batch ``seq_lens`` or ``out_cache_loc``. `KvPoolExhausted` if the pool cannot
         hold it, with nothing taken.
         """
-        s = host_index(slots)
+        cur, nxt = self._reserve_rows(host_index(slots))
+        needed = 0 if nxt is cur else int((nxt - cur).sum())
+        return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
+
+    def reserve_decode_rows(self, slots: IntArray) -> None:
+        """`reserve_for_spec_decode` without its report (the scheduler's call every round:
+        nothing reads the lengths, so none are built)."""
+        self._reserve_rows(slots)
+
+    def _reserve_rows(self, s: IntArray) -> tuple[IntArray, IntArray]:
+        """Grow the rows ``s`` for a decode round; their allocated lengths before and after
+        (the same array when nothing grew)."""
         committed, cur = self._ledger.host_lengths(s)
         p, target = self._page_size, committed + self._reserve
         # ceil_P(target) > cur exactly when target > floor_P(cur): most rounds nothing grows.
         if not np.count_nonzero(target > (cur if p == 1 else cur // p * p)):
-            return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(cur), needed=0)
+            return cur, cur
         nxt = np.maximum(cur, target if p == 1 else -(-target // p) * p)
-        needed = int((nxt - cur).sum())
         self._grow(s, cur, nxt, counter="spec reserve")
-        return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
+        return cur, nxt
 
     def decode_tokens_needed(self, slots: torch.Tensor | IntArray) -> int:
         """Free tokens the next `reserve_for_spec_decode` of ``slots`` takes, page for page.
