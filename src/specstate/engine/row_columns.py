@@ -56,13 +56,13 @@ class RowColumns:
         plain = self.plain(reqs)
         if plain is None:
             return self.general(reqs)
-        incarnations = tuple(r.incarnation for r in reqs)
+        incarnations = tuple(Req.incarnations_of(reqs))
         request_ids = tuple(r.request_id for r in reqs)
         return plain_columns(reqs, incarnations, request_ids, plain, self._device)
 
     def general(self, reqs: tuple[Req, ...]) -> DecodeColumns:
         """The columns of ``reqs`` built from their parameters (any sampling control)."""
-        incarnations = tuple(r.incarnation for r in reqs)
+        incarnations = tuple(Req.incarnations_of(reqs))
         request_ids = tuple(r.request_id for r in reqs)
         slots = self.slots(reqs)
         return DecodeColumns(

@@ -350,7 +350,7 @@ class Scheduler:
         continuing = [i for i, (r, s, _) in enumerate(rows) if s > self._progress[id(r)].cached]
         batch = ScheduleBatch(
             reqs=tuple(reqs),
-            incarnations=tuple(r.incarnation for r in reqs),
+            incarnations=tuple(Req.incarnations_of(reqs)),
             forward_mode=ForwardMode.EXTEND,
             req_pool_indices=slots.to(self._device),
             seq_lens=ends.to(self._device),
@@ -415,7 +415,7 @@ class Scheduler:
         dev_slots = slots.to(self._device)
         batch = ScheduleBatch(
             reqs=tuple(reqs),
-            incarnations=tuple(r.incarnation for r in reqs),
+            incarnations=tuple(Req.incarnations_of(reqs)),
             forward_mode=ForwardMode.MIXED,
             req_pool_indices=dev_slots,
             seq_lens=Unresolved(tail_slots),
