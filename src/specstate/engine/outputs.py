@@ -280,7 +280,8 @@ class OutputTable:
         self._num_opened += 1
 
     def detach(self, slot: int) -> None:
-        """The request leaves ``slot`` without its outputs being read; bumps its epoch."""
+        """The request leaves ``slot`` and its outputs are dropped (`leave_rows` for one row,
+        its lists discarded); bumps the slot's epoch."""
         self.leave_rows([slot], [False])
 
     def leave_rows(
