@@ -8,9 +8,10 @@ from spec_checkpoints import SpecCheckpoints
 from tp_programs import reference_worker
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams, UsageError
+from specstate.core.errors import InvariantViolation
 from specstate.distributed import DistributedEngine, RankGroup, result_digest
-from specstate.engine.invariants import InvariantViolation, check_engine
-from specstate.engine.result_copy import HostResult
+from specstate.engine.invariants import check_engine
+from specstate.engine.launch.result_copy import HostResult
 
 CONFIG = EngineConfig(kv_tokens=1024, check_invariants=True, check_ownership=True)
 LIMITS = RequestLimits(vocab_size=97, max_context_len=256)

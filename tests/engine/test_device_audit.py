@@ -23,7 +23,8 @@ from hf_oracle import greedy
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.testing.device_audit import DeviceAudit
 

@@ -17,7 +17,8 @@ from spec_checkpoints import (
 )
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.metrics import register_metrics
 
 

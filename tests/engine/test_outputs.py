@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import InvalidTransition, LedgerViolation
-from specstate.core.request import FinishReason, FinishState, ReqStatus
+from specstate.core.status import FinishReason, FinishState, ReqStatus
 from specstate.engine.finish import resolve_finish
-from specstate.engine.outputs import OutputTable
+from specstate.engine.settle.outputs import OutputTable
 from specstate.internals import OwnershipChecker, Role
 
 VOCAB = 12

@@ -19,7 +19,8 @@ from spec_checkpoints import (
 )
 
 from specstate import FinishReason, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate.engine.config import EngineConfig, StepReport
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.stream import TokenEvent, stream
 

@@ -19,7 +19,8 @@ from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import FinishReason, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate.engine.config import EngineConfig, StepReport
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.stream import TokenEvent, stream
 from specstate.engine.trace import TraceRecorder

@@ -11,14 +11,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted, LedgerViolation
-from specstate.memory.pools import (
-    ReqToTokenPool,
-    SlotHandle,
-    TokenSlotAllocator,
-    free_rows,
-    grow_rows,
-)
+from specstate.memory.pages import TokenSlotAllocator
+from specstate.memory.pools import free_rows, grow_rows
 from specstate.memory.sizing import page_aligned_decode_alloc_lens, spec_decode_tokens_needed
+from specstate.memory.slots import ReqToTokenPool, SlotHandle
 
 
 def t(values: list[int]) -> torch.Tensor:

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specstate.core.errors import InvalidConfig, LedgerViolation
-from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator, grow_rows
+from specstate.memory.pages import TokenSlotAllocator
+from specstate.memory.pools import grow_rows
 from specstate.memory.sizing import (
     SpecWindow,
     ceil_to_page,
@@ -16,6 +17,7 @@ from specstate.memory.sizing import (
     page_aligned_decode_alloc_lens,
     spec_decode_tokens_needed,
 )
+from specstate.memory.slots import ReqToTokenPool
 
 # (allocated, committed, reserve, page_size, cur, nxt, needed): SGLang spec v2's vectors.
 SECTION_4_1_VECTORS = [

@@ -28,7 +28,8 @@ from sampling_oracle import (
 from transformers import LlamaForCausalLM
 
 from specstate import InvalidConfig, RequestLimits, SamplingInfo, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head

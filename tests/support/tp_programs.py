@@ -18,7 +18,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
 from specstate.engine.config import EngineConfig

@@ -173,7 +173,8 @@ def test_generate_runs_in_float32_unless_asked(flags: tuple[str, ...], dtype: st
     import argparse
 
     from specstate.reference.embedded import target_dir
-    from specstate.tools.generate import add_arguments, build_worker
+    from specstate.tools.generate.options import add_arguments
+    from specstate.tools.generate.workers import build_worker
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -292,7 +293,7 @@ def test_a_non_llama_model_is_explained(
     """A GPT-2 --model: with --worker, checkpoint_limits reads it and a text line is refused
     for its vocabulary (not its model_type); without --worker, the reference worker says it
     runs Llama and points at --worker."""
-    from specstate.tools.generate import checkpoint_limits
+    from specstate.tools.generate.workers import checkpoint_limits
 
     _gpt2_checkpoint(tmp_path / "gpt2")
     limits = checkpoint_limits(tmp_path / "gpt2")

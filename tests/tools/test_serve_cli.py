@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from specstate import Engine, EngineConfig, Grammar, RequestLimits, SamplingParams
-from specstate.memory.planning import kv_layouts, kv_tokens_for_budget
+from specstate.engine.planning import kv_layouts, kv_tokens_for_budget
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
 from specstate.tools import serve

@@ -11,6 +11,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
     │                           token id outside the vocabulary, prompt longer than the context
     ├── InvalidConfig           inconsistent engine / memory / worker configuration
     ├── InvalidTransition       a request lifecycle change the state machine does not allow
+    ├── InvariantViolation      a relation between clocks, owners or pools does not hold
+    │                           (the invariant checker, ``check_invariants``; names it)
     ├── OwnershipError          a counter mutated by a role that does not own it (run-time check)
     ├── LedgerViolation         a ledger change that would break
     │   │                       0 <= protected <= committed <= allocated <= row width
@@ -44,6 +46,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
+    "InvariantViolation",
     "KvPoolExhausted",
     "LedgerViolation",
     "OwnershipError",
@@ -74,6 +77,19 @@ class InvalidConfig(SpecStateError, ValueError):
 
 class InvalidTransition(SpecStateError):
     """A request lifecycle transition that the state machine does not allow."""
+
+
+class InvariantViolation(SpecStateError):
+    """A relation between the engine's clocks, owners or pools does not hold.
+
+    Attributes:
+        invariant: the name of the relation (``ledger-order``, ``steady-state``, ...: the
+            invariant checker's docs list them).
+    """
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"[{invariant}] {message}")
+        self.invariant = invariant
 
 
 class OwnershipError(SpecStateError):

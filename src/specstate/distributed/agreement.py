@@ -31,12 +31,12 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from specstate.batch.plan import LaunchPlan
 from specstate.core.errors import RankDivergence, RankFailure
 from specstate.distributed.groups import ControlGroup, RankGroup, WorkerGroup
-from specstate.engine.agreement import AgreementSnapshot
+from specstate.engine.capabilities.agreement import AgreementSnapshot
 from specstate.engine.draft_policy import DraftPolicy
-from specstate.engine.result_copy import HostResult
-from specstate.engine.scheduler import LaunchPlan
+from specstate.engine.launch.result_copy import HostResult
 
 __all__ = ["LeaderDraftPolicy", "RankAgreement", "plan_digest", "result_digest"]
 

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from typing import Final
 
 from specstate.core.errors import InvalidRequest, RankDivergence, RankError, UsageError
-from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
 from specstate.distributed.agreement import LeaderDraftPolicy, RankAgreement
 from specstate.distributed.groups import RankGroup
 from specstate.engine.config import EngineConfig, StepReport

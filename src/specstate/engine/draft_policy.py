@@ -24,7 +24,7 @@ Invariant: ``0 <= choose(b) <= max_steps`` and, when not 0, ``choose(b) >= min(m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -32,7 +32,16 @@ import numpy.typing as npt
 
 from specstate.core.errors import InvalidConfig
 
-__all__ = ["AcceptanceEma", "DraftPolicy"]
+__all__ = ["AcceptanceEma", "DraftPolicy", "DraftWidth", "full_width"]
+
+DraftWidth = Callable[[int], "int | None"]
+"""What the scheduler asks when it plans a decode round of ``n`` rows: its draft steps, or None
+for the worker's full ``num_steps`` (`full_width`, the engine's choice without a policy)."""
+
+
+def full_width(batch_size: int) -> None:
+    """Every decode round drafts the worker's full width: the engine without a draft policy."""
+    return None
 
 
 @runtime_checkable

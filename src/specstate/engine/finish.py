@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specstate.core.request import FinishReason, FinishState, Req, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.request import Req
+from specstate.core.status import FinishReason, FinishState
 
 __all__ = ["abort_finish", "resolve_finish"]
 

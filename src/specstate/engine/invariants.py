@@ -1,6 +1,6 @@
 """The invariant checker: the relations between clocks, owners and pools, checked after a step.
 
-`check_engine` reads an engine's owners (never writes) and raises `InvariantViolation` for the
+`check_engine` reads an engine's owners through an `EngineView` (never writes) and raises `InvariantViolation` for the
 first relation that does not hold, naming the invariant, the request and the numbers. Each has
 a name (`InvariantViolation.invariant`):
 
@@ -36,14 +36,14 @@ a name (`InvariantViolation.invariant`):
 * ``recurrent-commit``: a running request's committed state has absorbed exactly its committed
   KV (``recurrent_committed_len == kv_committed_len``); a prefilling one has committed none
   (its partial state is carried on the device from chunk to chunk);
-* ``grammar-records``, ``grammar-committed``, ``grammar-position`` (grammar requests): one
-  grammar record per live grammar request, its committed count equal to the settled outputs,
-  its matcher where the last forward left it (`specstate.grammar.table`);
-* ``rank-agreement`` (one rank of a tensor-parallel group): the agreement saw every step's
-  launch point and agreed on every retired batch before it was settled
-  (`specstate.engine.agreement`);
-* ``delivery``: a stream never delivered more of a request than it emitted
-  (`specstate.engine.delivery`).
+* each capability's own invariants (`RoundHook.check`): ``grammar-records``,
+  ``grammar-committed``, ``grammar-position`` (grammar requests: one grammar record per live
+  grammar request, its committed count equal to the settled outputs, its matcher where the
+  last forward left it, `specstate.engine.capabilities.grammar`); ``rank-agreement`` (one
+  rank of a tensor-parallel group: the agreement saw every step's launch point and agreed on
+  every retired batch before it was settled, `specstate.engine.capabilities.agreement`);
+  ``delivery`` (a stream never delivered more of a request than it emitted,
+  `specstate.engine.capabilities.delivery`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -59,10 +59,10 @@ The engine also checks, around every settlement (with ``check_invariants``):
 * ``decode-rows``: the persistent decode rows, every time a change patched them, equal the
   columns built from scratch for the same requests (slots, incarnations, ids, output-row
   epochs, the per-row sampling values), and at scheduling every row's epoch is current
-  (`specstate.engine.decode_rows`).
+  (`specstate.engine.schedule.decode_rows`).
 
 Forward isolation checks ``isolation`` (a worker wrote a scheduler-owned tensor in place:
-`specstate.relay.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a
+`specstate.batch.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a
 frontier nobody published, or one was published twice) with ``debug_relay``; the ownership
 checker refuses a counter write by a role that does not own it (`OwnershipError`).
 """
@@ -76,15 +76,16 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.errors import SpecStateError
-from specstate.core.request import Req, ReqStatus
+from specstate.core.errors import InvariantViolation, SpecStateError
+from specstate.core.request import Req
+from specstate.core.status import ReqStatus
 
 if TYPE_CHECKING:
     from specstate.core.ledger import KvLedgerSnapshot, LedgerReader
-    from specstate.engine.engine import Engine
-    from specstate.engine.launch import InFlight
-    from specstate.engine.outputs import OutputTable
-    from specstate.engine.result_copy import HostResult
+    from specstate.engine.launch.outcome import Collected
+    from specstate.engine.launch.result_copy import HostResult
+    from specstate.engine.settle.outputs import OutputTable
+    from specstate.engine.view import EngineView
     from specstate.memory.allocation import KvAllocator
 
 
@@ -108,7 +109,6 @@ class SettlementParts(Protocol):
 
 
 __all__ = [
-    "InvariantViolation",
     "SettlementProbe",
     "check_engine",
     "check_recurrent",
@@ -116,23 +116,11 @@ __all__ = [
 ]
 
 
-class InvariantViolation(SpecStateError):
-    """A relation between the engine's clocks, owners or pools does not hold.
-
-    Attributes:
-        invariant: the name of the relation (see the module docstring).
-    """
-
-    def __init__(self, invariant: str, message: str) -> None:
-        super().__init__(f"[{invariant}] {message}")
-        self.invariant = invariant
-
-
 def _fail(invariant: str, message: str) -> None:
     raise InvariantViolation(invariant, message)
 
 
-def check_engine(engine: Engine) -> None:
+def check_engine(engine: EngineView) -> None:
     """Check every invariant of the module docstring; raise on the first that fails."""
     entries = engine.ledger.batch_snapshot().entries
     for e in entries:
@@ -192,11 +180,9 @@ def check_engine(engine: Engine) -> None:
     _check_reserve(engine)
     _check_output_rows(engine, [*sched.prefilling, *sched.running])
     _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
-    engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
     _check_page_owners(engine)
-    _check_agreement(engine)
-    for problem in engine.deliveries.problems():
-        _fail("delivery", problem)
+    for check in engine.hooks.check:  # each capability's own invariants
+        check(engine)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         free = engine.allocator.available_tokens() // pool.page_size
@@ -207,7 +193,7 @@ def check_engine(engine: Engine) -> None:
             )
 
 
-def _check_page_owners(engine: Engine) -> None:
+def _check_page_owners(engine: EngineView) -> None:
     """``page-owners``: cached pages are held exactly by the rows that map them."""
     prefix = engine.allocator.prefix
     if prefix is None:
@@ -247,26 +233,7 @@ def _check_page_owners(engine: Engine) -> None:
         )
 
 
-def _check_agreement(engine: Engine) -> None:
-    """``rank-agreement``: every launch point and every retired batch passed the agreement."""
-    rounds = engine.rounds
-    if rounds.agreement is None:
-        return
-    snap = rounds.agreement.snapshot()
-    retired = rounds.num_retired
-    # An abandoned forward retires the batch queued behind it unsettled (its KV quarantined).
-    settled = snap.last_settled == retired or (
-        snap.last_settled == retired - 1 and bool(engine.deferred.held())
-    )
-    if snap.last_launched != rounds.num_launched or not settled:
-        _fail(
-            "rank-agreement",
-            f"the agreement saw launch point {snap.last_launched} and settled batch "
-            f"{snap.last_settled}; the engine launched {rounds.num_launched} and retired {retired}",
-        )
-
-
-def _check_reserve(engine: Engine) -> None:
+def _check_reserve(engine: EngineView) -> None:
     """``reserve``: the decode batch in flight may write L positions past committed."""
     flight = engine.in_flight
     if flight is None or not flight.plan.is_decode:
@@ -296,7 +263,7 @@ class SettlementProbe:
     states: npt.NDArray[np.int64] | None = None  # committed recurrent lengths (hybrid)
 
     @classmethod
-    def take(cls, engine: SettlementParts, flight: InFlight) -> SettlementProbe:
+    def take(cls, engine: SettlementParts, flight: Collected) -> SettlementProbe:
         """Read the rows of ``flight``'s batch (Python per row: checking mode only)."""
         plan = flight.plan
         slots = plan.slots_host
@@ -319,7 +286,7 @@ class SettlementProbe:
 
 
 def check_settlement(
-    engine: SettlementParts, flight: InFlight, host: HostResult, before: SettlementProbe
+    engine: SettlementParts, flight: Collected, host: HostResult, before: SettlementProbe
 ) -> None:
     """``commit-settlement`` and the verify's write bound (``reserve``) of one settled batch.
 
@@ -373,7 +340,7 @@ def check_settlement(
             )
 
 
-def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
+def _check_output_rows(engine: EngineView, admitted: list[Req]) -> None:
     """``output-rows``: output rows and admitted requests correspond one to one."""
     rows = set(engine.outputs.open_rows())
     for req in admitted:
@@ -388,7 +355,7 @@ def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
 
 
 def _check_state_settled(
-    engine: SettlementParts, flight: InFlight, row: int, accept: int, before: SettlementProbe
+    engine: SettlementParts, flight: Collected, row: int, accept: int, before: SettlementProbe
 ) -> None:
     """``recurrent-settlement``: row ``row``'s committed state moved by exactly ``accept``."""
     pool = engine.allocator.recurrent
@@ -406,7 +373,7 @@ def _check_state_settled(
         )
 
 
-def check_recurrent(engine: Engine) -> None:
+def check_recurrent(engine: EngineView) -> None:
     """``recurrent-slots`` and ``recurrent-commit`` alone (`check_engine` runs them too)."""
     sched = engine.scheduler
     entries = engine.ledger.batch_snapshot().entries
@@ -414,7 +381,7 @@ def check_recurrent(engine: Engine) -> None:
 
 
 def _check_recurrent(
-    engine: Engine, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
+    engine: EngineView, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
 ) -> None:
     """``recurrent-slots`` and ``recurrent-commit`` (see the module docstring)."""
     pool = engine.allocator.recurrent

@@ -9,7 +9,7 @@ that is retracted and re-admitted continues where it stopped; tokens past a stop
 are never yielded). Requests can be submitted between events; the loop ends when the engine is
 idle (or closed).
 
-What has been yielded is recorded by the engine (`specstate.engine.delivery.Deliveries`), not by
+What has been yielded is recorded by the engine (`specstate.engine.capabilities.delivery.Deliveries`), not by
 the iterator, so a stream can be left and resumed: calling ``stream(engine)`` again first
 yields what the previous stream had not handed out yet, then steps on, and yields nothing twice.
 Two streams advanced in turn share that record (each event goes to one of them), and
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import attrs
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import FinishState
+from specstate.core.status import FinishState
 from specstate.engine.engine import Engine
 
 __all__ = ["StreamCursor", "TokenEvent", "stream"]
@@ -60,7 +60,7 @@ class StreamCursor:
 
     A driver that must do other work between steps (`specstate.serving.AsyncEngine`) holds a
     cursor: `step` steps the engine once and returns the events that are due, from the same
-    engine-side record `stream` reads (`specstate.engine.delivery.Deliveries`), so a cursor and
+    engine-side record `stream` reads (`specstate.engine.capabilities.delivery.Deliveries`), so a cursor and
     streams never hand out a token twice. Only the engine's driving thread may call it.
     """
 

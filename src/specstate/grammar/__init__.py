@@ -12,7 +12,7 @@ package has one owner and three parts, bottom to top:
 * `specstate.grammar.rows` — `GrammarRows`, the forward-scoped view a worker gets as
   ``ForwardBatch.grammar``: packed int32 bitmasks per sampled or verified position, built from
   exactly the drafts the forward verifies.
-* `specstate.grammar.table` — `GrammarTable`, the owner: it compiles at submit, hands each
+* `specstate.engine.capabilities.grammar` — `GrammarTable`, the owner: it compiles at submit, hands each
   launched batch its view, commits settled tokens, ends dead ends, checks its invariants and
   takes its snapshot.
 

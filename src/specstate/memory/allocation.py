@@ -42,20 +42,15 @@ from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted,
 from specstate.core.ledger import AllocatorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
-from specstate.memory.pools import (
-    IntArray,
-    ReqToTokenPool,
-    SlotHandle,
-    TokenSlotAllocator,
-    free_rows,
-    grow_rows,
-    host_index,
-)
+from specstate.memory.host_arrays import IntArray, host_index
+from specstate.memory.pages import TokenSlotAllocator
+from specstate.memory.pools import free_rows, grow_rows
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool
 from specstate.memory.releases import DeferredReleases, ReleasedBatch, ReleasedKv
 from specstate.memory.sizing import DecodeAllocLens, SpecWindow
+from specstate.memory.slots import ReqToTokenPool, SlotHandle
 
 __all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
 

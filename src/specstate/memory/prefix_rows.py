@@ -31,20 +31,18 @@ import attrs
 import numpy as np
 
 from specstate.core.errors import LedgerViolation
-from specstate.core.request import FinishReason, Req
-from specstate.memory.pools import (
-    IntArray,
-    ReqToTokenPool,
-    TokenSlotAllocator,
-    free_rows,
-    map_prefix,
-)
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.memory.host_arrays import IntArray
+from specstate.memory.pages import TokenSlotAllocator
+from specstate.memory.pools import free_rows, map_prefix
 from specstate.memory.prefix_cache import (
     PrefixCache,
     PrefixCacheSnapshot,
     PrefixMatch,
     as_token_array,
 )
+from specstate.memory.slots import ReqToTokenPool
 
 __all__ = ["PrefixRows", "insertable_lens"]
 

@@ -11,7 +11,7 @@ lives, without scattering anything::
     entry 8 (prefill of F)     rows [F]            stamp F -> 8
     read for round N+1         rows [A B F D]      = entry 7's rows [0 1 _ 3], row 2 <- entry 8
 
-So the persistent running batch (rows stay in place, `specstate.engine.decode_rows`) reads its
+So the persistent running batch (rows stay in place, `specstate.engine.schedule.decode_rows`) reads its
 unchanged rows from the previous round's tensor and only the changed rows from elsewhere: the
 cost is one gather per tensor plus one write of the joined rows into it; with no change at all
 the read returns the written tensor itself (no copy). The slots of requests that left the batch

@@ -33,8 +33,9 @@ from typing import TypeVar
 import attrs
 
 from specstate.core.errors import EngineUnavailable, InvalidConfig, InvalidRequest, UsageError
-from specstate.core.request import SamplingParams
-from specstate.engine.engine import Engine, EngineSnapshot
+from specstate.core.params import SamplingParams
+from specstate.engine.config import EngineSnapshot
+from specstate.engine.engine import Engine
 from specstate.engine.stream import TokenEvent
 from specstate.serving.driver import Driver
 from specstate.serving.inbox import (

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from specstate.core.request import FinishReason, FinishState
+from specstate.core.status import FinishReason, FinishState
 from specstate.serving.openai_protocol import ApiError, CompletionRequest
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, TextStream

@@ -31,8 +31,10 @@ from typing import Any
 import attrs
 
 from specstate.core.errors import EngineUnavailable, ForwardTimeout, InvalidRequest, UsageError
-from specstate.core.request import FinishReason, Req
-from specstate.engine.engine import Engine, EngineSnapshot
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineSnapshot
+from specstate.engine.engine import Engine
 from specstate.engine.stream import StreamCursor, TokenEvent
 from specstate.serving.inbox import Abort, Cancel, Close, Inbox, Read, Reply, Submit, WaitIdle
 from specstate.serving.request_stream import Accepted, Ended, RequestStream, Update

@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import attrs
 
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.grammar.spec import Grammar
 from specstate.serving.text import TextCodec
 

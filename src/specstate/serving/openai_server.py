@@ -40,7 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specstate.core.errors import EngineUnavailable, InvalidRequest, QueueFull, UsageError
-from specstate.core.request import RequestLimits
+from specstate.core.params import RequestLimits
 from specstate.engine.engine import Engine
 from specstate.serving.async_engine import AsyncEngine
 from specstate.serving.completions import CompletionIds, collect_completion, stream_completion

@@ -20,7 +20,8 @@ from types import TracebackType
 
 import attrs
 
-from specstate.core.request import FinishState, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.status import FinishState
 from specstate.engine.stream import TokenEvent
 
 __all__ = ["Accepted", "Ended", "RequestStream", "Update"]

@@ -105,7 +105,7 @@ def load_codec(model: Path) -> TextCodec | None:
     Raises:
         InvalidConfig: the checkpoint has a tokenizer that cannot be loaded.
     """
-    from specstate.tools.generate import byte_codec
+    from specstate.tools.generate.codec import byte_codec
 
     try:
         codec = byte_codec(model)

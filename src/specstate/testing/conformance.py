@@ -58,8 +58,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.request import FinishReason, Req, RequestLimits
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.core.params import RequestLimits
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerCapabilities, WorkerProtocol
 from specstate.testing.kit_findings import (
     ConfigRun,

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from specstate.core.request import Req, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.request import Req
 from specstate.engine.worker import WorkerCapabilities
 
 __all__ = ["Job", "build_jobs", "job_problems"]

@@ -43,9 +43,13 @@ import specstate.memory.pools as pools
 import specstate.relay.write_log as write_log
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.core.errors import InvariantViolation
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.relay.future_map import RelayPayload
 from specstate.tools import host_workload as wl

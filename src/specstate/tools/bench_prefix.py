@@ -134,8 +134,9 @@ def _conversations(
     algorithm: str, *, page_size: int, kv_tokens: int, max_running: int, cache: bool
 ) -> dict[str, Any]:
     """Serve the multi-turn workload once; hit statistics and first-round accept lengths."""
-    from specstate.core.request import RequestLimits, SamplingParams
-    from specstate.engine.engine import Engine, EngineConfig
+    from specstate.core.params import RequestLimits, SamplingParams
+    from specstate.engine.config import EngineConfig
+    from specstate.engine.engine import Engine
     from specstate.reference import embedded
     from specstate.tools.demo import PROMPTS, _worker
 

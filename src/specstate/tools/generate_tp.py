@@ -29,7 +29,7 @@ import attrs
 from specstate.core.errors import InvalidConfig, SpecStateError
 
 if TYPE_CHECKING:
-    from specstate.core.request import RequestLimits
+    from specstate.core.params import RequestLimits
     from specstate.distributed.engine import DistributedEngine
     from specstate.distributed.groups import RankGroup
     from specstate.engine.config import EngineConfig
@@ -126,7 +126,7 @@ def leader_engine(
 def _follow(group: RankGroup, args: argparse.Namespace) -> int:
     """A rank above 0: rank 0's config, the same worker, then follow until rank 0 closes."""
     from specstate.distributed.engine import DistributedEngine
-    from specstate.tools.generate import build_worker, load_factory
+    from specstate.tools.generate.workers import build_worker, load_factory
 
     config = _receive_config(group)
     if config is None:

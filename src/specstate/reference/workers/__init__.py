@@ -52,18 +52,14 @@ from __future__ import annotations
 from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
-from specstate.reference.workers.ngram import NgramWorker, TokenHistory
+from specstate.reference.workers.history import TokenHistory
+from specstate.reference.workers.ngram import NgramWorker
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
 from specstate.reference.workers.sources import ModelSource
-from specstate.reference.workers.tree import (
-    DraftTree,
-    TreeRoundWorker,
-    TreeShape,
-    TreeVerdict,
-    VerifiedTree,
-    verify_greedy_tree,
-)
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
+from specstate.reference.workers.tree_draft import DraftTree, TreeShape
+from specstate.reference.workers.tree_verify import TreeVerdict, verify_greedy_tree
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,

@@ -19,10 +19,11 @@ from typing import IO, TYPE_CHECKING
 import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
-from specstate.core.request import FinishReason, Req
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.tools.engine_options import engine_config
 from specstate.tools.generate.codec import Codec, byte_codec
 from specstate.tools.generate.kv_memory import resolve_kv_tokens
-from specstate.tools.generate.options import engine_config
 from specstate.tools.generate.report import Progress, ResultWriter, RunSummary, write_trace
 from specstate.tools.generate.request_lines import RequestLine, read_requests
 from specstate.tools.generate.workers import load_engine, load_factory

@@ -16,7 +16,8 @@ from typing import IO, TYPE_CHECKING, Any, Final
 
 import attrs
 
-from specstate.core.request import FinishReason, Req
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
 
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine

@@ -19,7 +19,7 @@ from typing import Any, Final
 import attrs
 
 from specstate.core.errors import InvalidRequest
-from specstate.core.request import SamplingParams
+from specstate.core.params import SamplingParams
 from specstate.grammar.spec import Grammar
 
 __all__ = ["FIELDS", "RequestLine", "parse_line", "read_requests"]

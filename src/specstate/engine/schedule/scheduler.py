@@ -9,8 +9,8 @@ resolves at forward entry.
 Per iteration: a prefill batch when there is prefill work (the chunked request first, then
 waiting requests FCFS within the token budget, the running-request cap and memory), else one
 decode round for every running request, after retracting under KV pressure. The rows' columns
-(slots, sampling state, epochs) come from `specstate.engine.row_columns`; a decode round's
-persist from round to round in `specstate.engine.decode_rows`.
+(slots, sampling state, epochs) come from `specstate.engine.schedule.column_builder`; a decode round's
+persist from round to round in `specstate.engine.schedule.decode_rows`.
 
 Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
 one; ``committed == prefill progress`` while a request prefills.
@@ -27,22 +27,24 @@ import numpy as np
 import torch
 
 from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.plan import LaunchPlan, PrefillPart
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import KvPoolExhausted
+from specstate.core.errors import InvariantViolation, KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req, ReqStatus
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows, DecodeRowsSnapshot
-from specstate.engine.draft_policy import DraftPolicy
-from specstate.engine.invariants import InvariantViolation
-from specstate.engine.outputs import IntArray, OutputTable
-from specstate.engine.row_columns import RowColumns
+from specstate.core.request import Req
+from specstate.core.status import ReqStatus
+from specstate.engine.draft_policy import DraftWidth, full_width
+from specstate.engine.schedule.column_builder import RowColumns
+from specstate.engine.schedule.decode_columns import DecodeColumns
+from specstate.engine.schedule.decode_rows import DecodeRows, DecodeRowsSnapshot
+from specstate.engine.settle.outputs import OutputTable
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
 
-__all__ = ["LaunchPlan", "PrefillPart", "Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -56,54 +58,6 @@ class SchedulerConfig:
     mixed_chunk: bool = False
     validate: bool = False
     """Check every patched set of decode rows against a fresh build (``check_invariants``)."""
-
-
-@attrs.frozen(kw_only=True)
-class LaunchPlan:
-    """One batch to launch, with what settlement needs to know about its rows.
-
-    Attributes:
-        batch: the batch; its prefill rows (if any) come first, then the decode-like rows.
-        slots: ``[B]`` host request slots of the rows.
-        epochs: ``[B]`` output-row epochs at scheduling (a changed epoch marks a stale row).
-        last_chunk: one flag per prefill row: its chunk completes the prefill.
-        prefill: the host-known prefill part of a MIXED batch, else None.
-        relay_rows: ``[n]`` device index of the rows whose inputs come from the FutureMap
-            (continuing chunks, running tails), built at scheduling; None when none does.
-    """
-
-    batch: ScheduleBatch
-    slots: torch.Tensor
-    epochs: IntArray
-    last_chunk: tuple[bool, ...] = ()
-    prefill: PrefillPart | None = None
-    relay_rows: torch.Tensor | None = None
-    slots_host: IntArray = attrs.field(
-        default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
-    )
-    """``slots`` as a host array (the same memory)."""
-    detached: int = -1
-    """`OutputTable.num_detached` when ``epochs`` were current (-1: not known): while it is
-    unchanged, no row of the batch went stale, and settlement need not compare epochs."""
-
-    @property
-    def is_decode(self) -> bool:
-        """True for a decode round."""
-        return self.batch.forward_mode is ForwardMode.DECODE
-
-
-@attrs.frozen(kw_only=True)
-class PrefillPart:
-    """The host-known prefill rows of a MIXED batch; its running tails bind at forward entry."""
-
-    input_ids: torch.Tensor
-    out_cache_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: tuple[int, ...]
-    extend_lens: tuple[int, ...]
-    tail_slots: torch.Tensor
-    prefix_lens_device: torch.Tensor  # ``prefix_lens`` on the device
-    positions: torch.Tensor  # the prefill tokens' positions, on the device
 
 
 @attrs.define
@@ -122,8 +76,9 @@ class Scheduler:
         releases_pending: True while some request's KV waits for a launched batch to retire
             (`DeferredReleases.has_pending`). A decode round that does not fit then waits one
             step for those pages instead of retracting or aborting anyone.
-        draft_policy: picks the draft steps of each decode round (adaptive draft length);
-            None drafts the worker's ``num_steps`` every round.
+        draft_width: the draft steps of each decode round of ``n`` rows (adaptive draft
+            length: `DraftGuard.choose`); the default, `full_width`, drafts the worker's
+            ``num_steps`` every round.
     """
 
     def __init__(
@@ -136,11 +91,11 @@ class Scheduler:
         checker: OwnershipChecker,
         device: torch.device,
         releases_pending: Callable[[], bool] | None = None,
-        draft_policy: DraftPolicy | None = None,
+        draft_width: DraftWidth = full_width,
     ) -> None:
         self._config = config
         self._releases_pending = releases_pending
-        self._draft_policy = draft_policy
+        self._draft_width = draft_width
         self._allocator = allocator
         self._ledger = ledger
         self._outputs = outputs
@@ -170,7 +125,7 @@ class Scheduler:
         return list(self._running)
 
     def decode_rows_snapshot(self) -> DecodeRowsSnapshot:
-        """How the persistent decode rows changed so far (`specstate.engine.decode_rows`)."""
+        """How the persistent decode rows changed so far (`specstate.engine.schedule.decode_rows`)."""
         return self._rows.snapshot()
 
     @property
@@ -472,9 +427,7 @@ class Scheduler:
             input_ids=Unresolved(rows.device_slots, patch),
             future_indices=rows.device_slots,
             ids=rows.request_ids,
-            num_draft_steps=(
-                None if self._draft_policy is None else self._draft_policy.choose(len(rows.reqs))
-            ),
+            num_draft_steps=self._draft_width(len(rows.reqs)),
         )
         if self._config.validate and not np.array_equal(
             self._outputs.epochs(rows.slots_host), rows.epochs
@@ -493,5 +446,5 @@ class Scheduler:
         return plan, outcome if has_retraction else None
 
     def _decode_rows(self) -> DecodeColumns:
-        """The persistent running batch (`specstate.engine.decode_rows`)."""
+        """The persistent running batch (`specstate.engine.schedule.decode_rows`)."""
         return self._rows.columns(lambda: tuple(self._running))

@@ -7,7 +7,7 @@ Two halves, so that the launch never reads a device value:
   worker returns, on every device;
 * `check_values` reads host arrays (`HostResult`). On the host CPU it runs right after
   `check_form`, before the launcher publishes or stashes anything; on a device it runs when the
-  host settles the batch, after the result's one copy (see `specstate.engine.result_copy`).
+  host settles the batch, after the result's one copy (see `specstate.engine.launch.result_copy`).
   There the frontier the worker published has already reached the next forward, so the
   launcher relays it *clamped* into ``[seq_lens + 1, seq_lens + max_accept]`` (decode) or to
   ``seq_lens`` (extend): a wrong frontier can only move a row inside its own reservation.
@@ -54,7 +54,7 @@ import torch
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import WorkerResultError
-from specstate.engine.result_copy import HostResult
+from specstate.engine.launch.result_copy import HostResult
 
 __all__ = ["check_form", "check_result_type", "check_sampling_rows", "check_values"]
 

@@ -3,15 +3,15 @@
 `check_request` refuses, with `InvalidRequest` naming the request and the numbers, a request
 that the worker cannot serve (a sampling control it does not declare), that cannot fit the
 model's context, or that could never fit the KV pool even alone (prompt, outputs and the
-speculative reserve), or whose grammar does not compile. A refused request changes nothing.
+speculative reserve). A refused request changes nothing.
 """
 
 from __future__ import annotations
 
 from specstate.core.errors import InvalidRequest
-from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
 from specstate.engine.worker import WorkerCapabilities
-from specstate.grammar.table import GrammarTable
 from specstate.memory.sizing import SpecWindow
 
 __all__ = ["check_request"]
@@ -24,14 +24,14 @@ def check_request(
     *,
     window: SpecWindow,
     pool_tokens: int,
-    grammar: GrammarTable | None = None,
 ) -> None:
-    """Refuse ``req`` if this worker, context or pool of ``pool_tokens`` cannot serve it; last,
-    compile its grammar (``grammar``: the engine's table, which keeps the compiled state).
+    """Refuse ``req`` if this worker, context or pool of ``pool_tokens`` cannot serve it.
+
+    (A grammar that does not compile is refused after this, by the grammar capability's
+    ``on_submit``.)
 
     Raises:
-        InvalidRequest: naming the request and what it asks for (for a grammar that does not
-            compile, the grammar library's error).
+        InvalidRequest: naming the request and what it asks for.
     """
     rid, sampling = req.request_id, req.sampling
     if sampling.temperature > 0 and not caps.supports_sampling:
@@ -67,8 +67,6 @@ def check_request(
             f"request {rid!r}: needs up to {need} KV tokens (prompt {prompt}, max_new_tokens "
             f"{sampling.max_new_tokens}, reserve {window.reserve}) but the pool holds {capacity}"
         )
-    if grammar is not None:
-        grammar.compile(req)
 
 
 def unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:

@@ -18,7 +18,7 @@ retracted::
 Settling a round is a fixed number of array operations for the whole batch (`append_runs`):
 scatter every accepted run, advance the lengths, find the first stop token and the length cap
 per row with masks, record the accept lengths. Stop sequences cost nothing while no open row
-has one (`specstate.engine.stop_sequences`). A stop — token or sequence — counts only when its
+has one (`specstate.engine.settle.stop_sequences`). A stop — token or sequence — counts only when its
 last token is output ``min_new_tokens`` (0-based) or later. Python touches a request only when
 it finishes (`Req.end_many` copies its row back) or when someone reads its ``output_ids``.
 
@@ -44,7 +44,7 @@ import numpy.typing as npt
 from specstate.core.errors import InvalidConfig, LedgerViolation
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
-from specstate.engine.stop_sequences import NEVER, NO_STOP, StopSequences
+from specstate.engine.settle.stop_sequences import NEVER, NO_STOP, StopSequences
 
 __all__ = ["FinishedRows", "OutputTable"]
 

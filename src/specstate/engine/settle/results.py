@@ -21,6 +21,8 @@ For a worker with recurrent state the same settle commits the states (`Recurrent
 decode-like rows by their runs, the completed prefills to their lengths.
 A finishing row's detail names its stop token, or its stop sequence.
 
+Settling decides finishes but ends nobody: `Settlement.finished` and `Settlement.finishes` are the
+verdicts, and the engine's lifecycle (`specstate.engine.settle.lifecycle`) ends those requests.
 Python touches a request only when it finishes, or when its last prefill chunk settles.
 
 Invariant: for a settled decode row, ``committed_after - committed_before == accept_len ==
@@ -39,10 +41,11 @@ import torch
 
 from specstate.core.ledger import ResultProcessorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
-from specstate.engine.finish import abort_finish
-from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
-from specstate.engine.result_copy import HostResult
+from specstate.core.request import Req
+from specstate.core.status import FinishReason, FinishState, ReqStatus
+from specstate.engine.launch.result_copy import HostResult
+from specstate.engine.settle.lifecycle import abort_finish
+from specstate.engine.settle.outputs import FinishedRows, IntArray, OutputTable
 from specstate.memory.recurrent import RecurrentStatePool
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
@@ -61,12 +64,22 @@ class RowKind:
 
 @attrs.frozen(kw_only=True)
 class Settlement:
-    """What settling one result did."""
+    """What settling one result did, and which requests it found finished.
+
+    Attributes:
+        finished: the requests that reached a stop or their cap, or met a pending abort,
+            in this settlement (verdicts: they are still live until the lifecycle ends them).
+        finishes: the finish of each, in the same order.
+        num_settled_rows: rows whose tokens were settled.
+        num_skipped_rows: rows whose request no longer held the output row launched for.
+        live: per row, whether its request still held that row.
+    """
 
     finished: tuple[Req, ...]
+    finishes: tuple[FinishState, ...]
     num_settled_rows: int
     num_skipped_rows: int
-    live: npt.NDArray[np.bool_]  # per row: its request still held the launched output row
+    live: npt.NDArray[np.bool_]
 
 
 @attrs.frozen(kw_only=True)
@@ -190,12 +203,13 @@ class ResultProcessor:
             for i in firsts:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
-            finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
+            finished, finishes = self._finished(reqs, ended, rows, abort_reasons)
         chunks = (
             sum(1 for i in range(n_prefill) if live[i] and not last_chunk[i]) if n_prefill else 0
         )
         return Settlement(
             finished=tuple(finished),
+            finishes=tuple(finishes),
             num_settled_rows=num_live - chunks,  # a non-final chunk settles nothing
             num_skipped_rows=b - num_live,
             live=live,
@@ -242,33 +256,31 @@ class ResultProcessor:
             slots, tokens, accept, verifies=verifies and n_prefill == 0, logprobs=logprobs
         )
 
-    def _finish(
+    def _finished(
         self,
         reqs: Sequence[Req],
         ended: FinishedRows | None,
         rows: IntArray | None,
-        tokens: IntArray,
         abort_reasons: Mapping[Req, str],
-    ) -> list[Req]:
-        """End the rows that reached a stop or their cap, and any with a pending abort."""
+    ) -> tuple[list[Req], list[FinishState]]:
+        """The rows that reached a stop or their cap, and any with a pending abort; their
+        finishes (the lifecycle ends them)."""
         finished: list[Req] = []
+        finishes: list[FinishState] = []
         if ended is not None:
             at = ended.rows if rows is None else rows[list(ended.rows)].tolist()
             finished = list(map(reqs.__getitem__, at))
-            Req.end_many(finished, _finish_states(finished, ended))
+            finishes = _finish_states(finished, ended)
         if abort_reasons:  # rare: a user abort that reached a request with a result in flight
             order = range(len(reqs)) if rows is None else rows.tolist()
+            stopped = set(finished)
             for i in order:
                 req = reqs[i]
                 reason = abort_reasons.get(req)
-                if reason is not None and not req.is_finished:
-                    self._end(req, abort_finish(req, reason))
+                if reason is not None and not req.is_finished and req not in stopped:
                     finished.append(req)
-        return finished
-
-    def _end(self, req: Req, finish: FinishState) -> None:
-        target = ReqStatus.ABORTED if finish.reason is FinishReason.ABORT else ReqStatus.FINISHED
-        req.transition(target, finish=finish)
+                    finishes.append(abort_finish(req, reason))
+        return finished, finishes
 
 
 def _finish_states(reqs: Sequence[Req], ended: FinishedRows) -> list[FinishState]:

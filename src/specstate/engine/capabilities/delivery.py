@@ -1,7 +1,8 @@
 """Deliveries: what the engine's streams have handed out, per request, kept by the engine.
 
-`Deliveries` is the engine-side record behind `specstate.engine.stream.stream`. It is off (and
-costs nothing) until the first ``stream(engine)``; from then on, after every step it compares
+`Deliveries` is the engine-side record behind `specstate.engine.stream.stream`, a capability of the
+round at its ``on_end`` hook point (`specstate.engine.hooks`). It is off (and costs a call a step)
+until the first ``stream(engine)``; from then on, after every step it compares
 the output table's lengths with the previous step's (one array comparison) and queues the
 requests whose outputs changed and the requests that ended. A stream pops the queue one request
 at a time: the tokens it emitted since its last delivery, and on its last one its `FinishState`.
@@ -26,12 +27,20 @@ of it is delivered afterwards.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
-from specstate.core.request import FinishState, Req
-from specstate.engine.outputs import IntArray, OutputTable
+from specstate.core.errors import InvariantViolation
+from specstate.core.request import Req
+from specstate.core.status import FinishState
+from specstate.engine.hooks import RoundHook
+from specstate.engine.settle.outputs import IntArray, OutputTable
+
+if TYPE_CHECKING:
+    from specstate.engine.config import StepReport
+    from specstate.engine.view import EngineView
 
 __all__ = ["Deliveries", "Delivery", "DeliverySnapshot"]
 
@@ -54,7 +63,7 @@ class DeliverySnapshot:
     ended_waiting: int
 
 
-class Deliveries:
+class Deliveries(RoundHook):
     """Owner of what has been delivered per request (module docstring).
 
     Args:
@@ -83,10 +92,11 @@ class Deliveries:
         if self._seen is None:
             self._seen = self._outputs.all_lengths()
 
-    def note_step(self, ended: Sequence[Req]) -> None:
+    def on_end(self, report: StepReport) -> None:
         """After a step: queue the requests whose outputs changed, then those that ended."""
         if self._seen is None:
             return
+        ended = report.ended
         now = self._outputs.all_lengths()
         changed = np.flatnonzero(now != self._seen)
         self._seen = now
@@ -119,6 +129,11 @@ class Deliveries:
                 self._delivered[req] = len(emitted)
             return req, tuple(emitted[start:]), req.finish if finished else None
         return None
+
+    def check(self, view: EngineView) -> None:
+        """``delivery``: no stream delivered more of a request than it emitted."""
+        for problem in self.problems():
+            raise InvariantViolation("delivery", problem)
 
     def problems(self) -> list[str]:
         """Debug (the invariant checker): requests delivered past what they emitted."""

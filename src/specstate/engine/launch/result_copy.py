@@ -1,6 +1,6 @@
 """The round's one device-to-host transfer: a worker result, as host arrays the host settles.
 
-Settlement, the value checks of `specstate.engine.result_check` and the finish rules all read
+Settlement, the value checks of `specstate.engine.launch.result_check` and the finish rules all read
 host arrays (`HostResult`). Where they come from depends on where the worker's tensors live:
 
 * on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
