@@ -34,11 +34,12 @@ from specstate.engine.capabilities.grammar import GrammarSnapshot, GrammarTable
 from specstate.engine.finish import resolve_finish
 from specstate.grammar.state import GrammarCompiler, GrammarState
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.deferred import DeferredReleases
 from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentPoolSnapshot, RecurrentStatePool
-from specstate.memory.releases import DeferredReleases, ReleasedKv
+from specstate.memory.releases import ReleasedKv
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
 from specstate.memory.sizing import DecodeAllocLens, page_aligned_decode_alloc_lens
 from specstate.memory.slots import ReqToTokenPool, SlotHandle

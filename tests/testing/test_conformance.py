@@ -23,7 +23,8 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import RelayError
 from specstate.engine.worker import OnPublish, WorkerMemory, WorkerProtocol
-from specstate.testing.conformance import DEFAULT_PROMPTS, assert_worker_conforms, check_worker
+from specstate.testing.conformance import assert_worker_conforms, check_worker
+from specstate.testing.kit_workload import DEFAULT_PROMPTS
 
 Pub = OnPublish | None
 Result = GenerationBatchResult

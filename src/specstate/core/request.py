@@ -21,16 +21,7 @@ from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.params import RequestLimits, SamplingParams, is_int
 from specstate.core.status import TRANSITIONS, FinishReason, FinishState, ReqSnapshot, ReqStatus
 
-__all__ = [
-    "FinishReason",
-    "FinishState",
-    "OutputSource",
-    "Req",
-    "ReqSnapshot",
-    "ReqStatus",
-    "RequestLimits",
-    "SamplingParams",
-]
+__all__ = ["OutputSource", "Req"]
 
 
 _ABORT: Final = FinishReason.ABORT

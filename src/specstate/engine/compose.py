@@ -39,11 +39,11 @@ from specstate.engine.settle.results import ResultProcessor
 from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory, WorkerProtocol
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.deferred import DeferredReleases
 from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.prefix_cache import PrefixCache, PrefixSharing
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool, recurrent_pool_for
-from specstate.memory.releases import DeferredReleases
 from specstate.memory.slots import ReqToTokenPool
 
 __all__ = ["EngineParts", "compose"]

@@ -37,7 +37,7 @@ per step. A hook that overrides no point costs the round nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import numpy as np
@@ -45,20 +45,80 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from specstate.batch.plan import LaunchPlan
+    from specstate.core.ledger import LedgerReader
     from specstate.core.request import Req
     from specstate.engine.config import StepReport
-    from specstate.engine.launch.outcome import Collected
+    from specstate.engine.launch.outcome import Collected, InFlightView
     from specstate.engine.launch.result_copy import HostResult
+    from specstate.engine.schedule.scheduler import Scheduler
+    from specstate.engine.settle.outputs import OutputTable
     from specstate.engine.settle.results import Settlement
-    from specstate.engine.view import EngineView
+    from specstate.memory.allocation import KvAllocator
+    from specstate.memory.deferred import DeferredReleases
 
-__all__ = ["BoolArray", "LiveRows", "RoundHook", "RoundHooks", "RowFailure"]
+__all__ = ["BoolArray", "EngineView", "LiveRows", "RoundHook", "RoundHooks", "RowFailure"]
 
 BoolArray = npt.NDArray[np.bool_]
 """A host array of one flag per batch row."""
 
 LiveRows = Callable[[], BoolArray]
 """Which rows of the batch being settled are still live (`RoundHook.on_result`)."""
+
+
+class EngineView(Protocol):
+    """What `check_engine` and every `RoundHook.check` read of an engine: its owners (read
+    only), the round's counters and its capabilities. `specstate.Engine` and its round
+    pipeline both provide it."""
+
+    @property
+    def ledger(self) -> LedgerReader:
+        """The KV ledger."""
+        ...
+
+    @property
+    def allocator(self) -> KvAllocator:
+        """The KV allocator (pools, prefix cache, recurrent state rows)."""
+        ...
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (waiting, prefilling and running requests)."""
+        ...
+
+    @property
+    def deferred(self) -> DeferredReleases:
+        """The releases that wait for launched batches (or quarantined behind a timeout)."""
+        ...
+
+    @property
+    def outputs(self) -> OutputTable:
+        """The output table."""
+        ...
+
+    @property
+    def hooks(self) -> RoundHooks:
+        """The engine's capabilities."""
+        ...
+
+    @property
+    def in_flight(self) -> InFlightView | None:
+        """The batch launched and not settled yet (overlap), or None."""
+        ...
+
+    @property
+    def num_launched(self) -> int:
+        """Batches launched so far."""
+        ...
+
+    @property
+    def num_retired(self) -> int:
+        """Batches settled (or given up on) so far."""
+        ...
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing waits, runs or is in flight."""
+        ...
 
 
 @attrs.frozen

@@ -82,10 +82,10 @@ from specstate.core.status import ReqStatus
 
 if TYPE_CHECKING:
     from specstate.core.ledger import KvLedgerSnapshot, LedgerReader
+    from specstate.engine.hooks import EngineView
     from specstate.engine.launch.outcome import Collected
     from specstate.engine.launch.result_copy import HostResult
     from specstate.engine.settle.outputs import OutputTable
-    from specstate.engine.view import EngineView
     from specstate.memory.allocation import KvAllocator
 
 

@@ -50,7 +50,7 @@ from specstate.engine.settle.lifecycle import RequestLifecycle
 from specstate.engine.settle.outputs import OutputTable
 from specstate.engine.settle.results import ResultProcessor, Settlement
 from specstate.memory.allocation import KvAllocator
-from specstate.memory.releases import DeferredReleases
+from specstate.memory.deferred import DeferredReleases
 
 __all__ = ["RoundParts", "RoundPipeline"]
 

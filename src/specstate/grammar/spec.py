@@ -179,9 +179,13 @@ class GrammarVocabulary:
         Raises:
             InvalidConfig: the file cannot be read or its tokens cannot be spelled as bytes.
         """
-        from specstate.grammar.tokenizer_json import vocabulary_from_tokenizer_json
+        from specstate.grammar.tokenizer_json import token_bytes_from_tokenizer_json
 
-        return vocabulary_from_tokenizer_json(path, vocab_size=vocab_size, special_ids=special_ids)
+        return cls(
+            token_bytes=token_bytes_from_tokenizer_json(
+                path, vocab_size=vocab_size, special_ids=special_ids
+            )
+        )
 
     @property
     def size(self) -> int:

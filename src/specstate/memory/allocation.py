@@ -48,11 +48,11 @@ from specstate.memory.pools import free_rows, grow_rows
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool
-from specstate.memory.releases import DeferredReleases, ReleasedBatch, ReleasedKv
+from specstate.memory.releases import ReleasedBatch, ReleasedKv
 from specstate.memory.sizing import DecodeAllocLens, SpecWindow
 from specstate.memory.slots import ReqToTokenPool, SlotHandle
 
-__all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
+__all__ = ["KvAllocator"]
 
 _CALLERS = (Role.SCHEDULER, Role.ALLOCATOR)
 

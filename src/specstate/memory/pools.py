@@ -29,24 +29,11 @@ import numpy as np
 import torch
 
 from specstate.core.errors import LedgerViolation
-from specstate.memory.host_arrays import Indices, IntArray, has_duplicates, host_index
-from specstate.memory.pages import TokenSlotAllocator, TokenSlotAllocatorSnapshot
-from specstate.memory.slots import ReqToTokenPool, ReqToTokenPoolSnapshot, SlotHandle
+from specstate.memory.host_arrays import Indices, IntArray, host_index
+from specstate.memory.pages import TokenSlotAllocator
+from specstate.memory.slots import ReqToTokenPool
 
-__all__ = [
-    "Indices",
-    "IntArray",
-    "ReqToTokenPool",
-    "ReqToTokenPoolSnapshot",
-    "SlotHandle",
-    "TokenSlotAllocator",
-    "TokenSlotAllocatorSnapshot",
-    "free_rows",
-    "grow_rows",
-    "has_duplicates",
-    "host_index",
-    "map_prefix",
-]
+__all__ = ["free_rows", "grow_rows", "map_prefix"]
 
 
 def _ceil_page(x: IntArray, p: int) -> IntArray:

@@ -33,8 +33,8 @@ from specstate.distributed.groups import RankGroup
 from specstate.distributed.spawn import RankOutcome, spawn_ranks
 from specstate.engine.config import EngineConfig
 from specstate.engine.worker import WorkerProtocol
-from specstate.testing.conformance import DEFAULT_PROMPTS
 from specstate.testing.kit_findings import ConformanceReport, Finding
+from specstate.testing.kit_workload import DEFAULT_PROMPTS
 
 __all__ = ["check_tp_worker"]
 

@@ -231,7 +231,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------- prefix
 def _run_prefix(args: argparse.Namespace) -> int:
-    from specstate.tools import bench_prefix
+    from specstate.tools import bench_prefix, prefix_workload
 
     if args.hits:
         report = bench_prefix.hit_rates(page_sizes=args.page_sizes, progress=progress)
@@ -259,7 +259,7 @@ def _run_prefix(args: argparse.Namespace) -> int:
         progress=progress,
     )
     if args.json:
-        config = bench_prefix.config(args.rounds, args.warmup, args.seed)
+        config = prefix_workload.config(args.rounds, args.warmup, args.seed)
         print(json.dumps({**header("prefix"), "config": config, "results": results}, indent=2))
         return 0
     print("prefix cache work per round (match + insert + evict), median µs")

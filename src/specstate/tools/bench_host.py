@@ -51,6 +51,8 @@ from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.memory.host_arrays import IntArray
+from specstate.memory.slots import ReqToTokenPool
 from specstate.relay.future_map import RelayPayload
 from specstate.tools import host_workload as wl
 
@@ -368,9 +370,7 @@ def host_benchmark(
     store = pools._store
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
-    def store_with_launch(
-        req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
-    ) -> None:
+    def store_with_launch(req_pool: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
         store(req_pool, flat, values)
         _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
 

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch, PrefixSharing, as_token_array
-from specstate.tools.prefix_workload import OUTPUT_LEN, config, make_workload
+from specstate.tools.prefix_workload import OUTPUT_LEN, make_workload
 
-__all__ = ["config", "make_workload", "prefix_benchmark", "run_rounds"]
+__all__ = ["prefix_benchmark", "run_rounds"]
 
 
 def run_rounds(

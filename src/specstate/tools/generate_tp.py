@@ -49,6 +49,17 @@ class TpLeader:
     group: RankGroup
     told: bool = False
 
+    def engine(
+        self,
+        worker: WorkerProtocol,
+        *,
+        limits: RequestLimits,
+        config: EngineConfig,
+        trace: TraceRecorder | None,
+    ) -> DistributedEngine:
+        """Rank 0's engine (`leader_engine`): ``load_engine`` builds it through the leader."""
+        return leader_engine(self, worker, limits=limits, config=config, trace=trace)
+
 
 def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], int]) -> int:
     """Run ``specstate generate`` as a tensor-parallel group; rank 0 runs ``run_leader``."""

@@ -30,8 +30,8 @@ from specstate.engine.launch.result_copy import HostResult
 from specstate.engine.worker import ParallelGroup
 
 if TYPE_CHECKING:
+    from specstate.engine.hooks import EngineView
     from specstate.engine.launch.outcome import Collected
-    from specstate.engine.view import EngineView
 
 __all__ = ["AgreementHook", "AgreementSnapshot", "RoundAgreement"]
 

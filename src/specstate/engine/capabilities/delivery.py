@@ -26,7 +26,6 @@ of it is delivered afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -40,7 +39,7 @@ from specstate.engine.settle.outputs import IntArray, OutputTable
 
 if TYPE_CHECKING:
     from specstate.engine.config import StepReport
-    from specstate.engine.view import EngineView
+    from specstate.engine.hooks import EngineView
 
 __all__ = ["Deliveries", "Delivery", "DeliverySnapshot"]
 

@@ -45,10 +45,10 @@ if TYPE_CHECKING:
 
     from specstate.batch.plan import LaunchPlan
     from specstate.engine.config import StepReport
+    from specstate.engine.hooks import EngineView
     from specstate.engine.launch.outcome import Collected
     from specstate.engine.launch.result_copy import HostResult
     from specstate.engine.trace import TraceRecorder
-    from specstate.engine.view import EngineView
 
 __all__ = ["GrammarSnapshot", "GrammarTable"]
 

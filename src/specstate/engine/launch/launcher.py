@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -347,7 +346,10 @@ class Launcher:
         if old is None and self._inline:
             # Launched inline: each forward's device work ends with its result's copy event.
             events = [f.result.copy_done for f in flights if f.result is not None]
-            drained: Callable[[], bool] = lambda: all(e is None or e.query() for e in events)
+
+            def drained() -> bool:
+                return all(e is None or e.query() for e in events)
+
         elif old is None:
             raise RelayError("no forward stream to abandon (the forward ran inline)")
         else:

@@ -53,7 +53,7 @@ from specstate.engine.schedule.decode_columns import DecodeColumns, PlainRows, p
 from specstate.engine.settle.outputs import IntArray
 from specstate.relay.write_log import RowPatch
 
-__all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot", "PlainRows", "plain_columns"]
+__all__ = ["DecodeRows", "DecodeRowsSnapshot"]
 
 _T = TypeVar("_T")
 

@@ -25,7 +25,7 @@ from specstate.core.request import Req
 from specstate.core.status import FinishReason, FinishState, ReqStatus
 from specstate.engine.schedule.scheduler import Scheduler
 from specstate.memory.allocation import KvAllocator
-from specstate.memory.releases import DeferredReleases
+from specstate.memory.deferred import DeferredReleases
 from specstate.memory.retraction import RetractionOutcome
 
 __all__ = ["RequestLifecycle", "abort_finish"]

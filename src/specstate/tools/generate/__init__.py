@@ -48,7 +48,7 @@ The command is split by owner:
   in `specstate.tools.engine_options`: a new engine flag is one ``add_argument`` and one
   keyword there;
 * `specstate.tools.generate.request_lines` — reading and validating the JSONL requests;
-* `specstate.tools.generate.codec` — text prompts on a byte-level checkpoint;
+* `specstate.serving.byte_codec` — text prompts on a byte-level checkpoint;
 * `specstate.tools.generate.workers` — the worker and the engine (`build_worker`,
   ``--worker`` factories, `checkpoint_limits`);
 * `specstate.tools.generate.report` — result rows, the progress bar and the summary;
@@ -59,7 +59,7 @@ None of them imports torch or the engine at import time, so ``--help`` is instan
 
 from __future__ import annotations
 
-from specstate.tools.generate.codec import ByteCodec, byte_codec
+from specstate.serving.byte_codec import ByteCodec, byte_codec
 from specstate.tools.generate.command import run
 from specstate.tools.generate.options import add_arguments
 from specstate.tools.generate.report import RunSummary

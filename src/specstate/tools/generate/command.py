@@ -21,8 +21,9 @@ import attrs
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.request import Req
 from specstate.core.status import FinishReason
+from specstate.serving.byte_codec import byte_codec
+from specstate.serving.text import Codec
 from specstate.tools.engine_options import engine_config
-from specstate.tools.generate.codec import Codec, byte_codec
 from specstate.tools.generate.kv_memory import resolve_kv_tokens
 from specstate.tools.generate.report import Progress, ResultWriter, RunSummary, write_trace
 from specstate.tools.generate.request_lines import RequestLine, read_requests

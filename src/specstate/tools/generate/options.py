@@ -12,25 +12,13 @@ import argparse
 from pathlib import Path
 
 from specstate.tools.engine_options import (
-    ALGORITHMS,
-    DTYPES,
     THREADS_NOTE,
     add_engine_options,
     add_worker_options,
-    engine_config,
-    fraction,
     positive,
 )
 
-__all__ = [
-    "ALGORITHMS",
-    "DTYPES",
-    "THREADS_NOTE",
-    "add_arguments",
-    "engine_config",
-    "fraction",
-    "positive",
-]
+__all__ = ["add_arguments"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

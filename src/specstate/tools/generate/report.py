@@ -22,7 +22,7 @@ from specstate.core.status import FinishReason
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine
     from specstate.engine.trace import TraceRecorder
-    from specstate.tools.generate.codec import Codec
+    from specstate.serving.text import Codec
 
 __all__ = ["Progress", "ResultWriter", "RunSummary", "write_trace"]
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.params import RequestLimits
 from specstate.grammar.spec import GrammarVocabulary
+from specstate.serving.byte_codec import MAX_SPECIAL_IDS, NUM_BYTES
+from specstate.serving.vocabulary import read_vocabulary
 from specstate.tools.engine_options import DTYPES
-from specstate.tools.generate.codec import MAX_SPECIAL_IDS, NUM_BYTES
-from specstate.tools.generate.hf_config import read_vocabulary
 from specstate.tools.generate.kv_memory import check_kv_fits
 
 if TYPE_CHECKING:
@@ -238,10 +238,9 @@ def load_engine(
         else:
             worker, limits = build_worker(args)
         leader = getattr(args, "tp_leader", None)
-        if leader is not None:  # --tp: rank 0 of a tensor-parallel group
-            from specstate.tools.generate_tp import leader_engine
-
-            return leader_engine(leader, worker, limits=limits, config=config, trace=trace)
+        if leader is not None:  # --tp: rank 0 of a tensor-parallel group (a `TpLeader`)
+            engine: Engine = leader.engine(worker, limits=limits, config=config, trace=trace)
+            return engine
         return Engine(worker, limits=limits, config=config, trace=trace)
     except SpecStateError:
         raise
