@@ -203,3 +203,19 @@ def test_every_import_names_the_module_that_defines_it(root: str) -> None:
                 if a.name not in defined and f"{module}.{a.name}" not in MODULES
             ]
     assert not found, "imports through a module that does not define the name:\n" + "\n".join(found)
+
+
+def test_the_front_ends_do_not_import_each_other() -> None:
+    """serving, distributed and reference stand side by side on the engine: none imports another."""
+    fronts = ("specstate.serving", "specstate.distributed", "specstate.reference")
+
+    def front(module: str) -> str | None:
+        return next((f for f in fronts if module == f or module.startswith(f + ".")), None)
+
+    crossing = [
+        f"{MODULES[m].relative_to(SRC)}:{line}: {m} imports {target}"
+        for m, edges in EDGES.items()
+        for line, target, _ in edges
+        if front(m) and front(target) and front(m) != front(target)
+    ]
+    assert not crossing, "\n".join(crossing)

@@ -5,8 +5,8 @@ level: the KV ledger and its typed role views (`KvLedger.views`: one writer per 
 slot pools and the KV allocator with its 2x speculative reservation, the prefix cache (a radix
 tree of committed KV pages) and the rows' holds on it, the recurrent-state pool of hybrid
 models (`RecurrentStatePool`), retraction, the FutureMap relay and its batch helpers, forward
-isolation, the CPU/CUDA forward streams, the scheduler's `ScheduleBatch`, finish resolution,
-and the grammar owner (`GrammarTable`, with each request's `GrammarState`).
+isolation, the CPU/CUDA forward streams, the scheduler's `ScheduleBatch`, and the grammar owner
+(`GrammarTable`, with each request's `GrammarState`).
 `OwnershipChecker` and `Role` are the run-time half of ownership checking.
 
 The ledger is built only by a composing factory (`specstate.Engine` is one); everyone else
@@ -31,7 +31,6 @@ from specstate.core.ledger import (
 )
 from specstate.core.ownership import OwnershipChecker, Role, RoleScope
 from specstate.engine.capabilities.grammar import GrammarSnapshot, GrammarTable
-from specstate.engine.finish import resolve_finish
 from specstate.grammar.state import GrammarCompiler, GrammarState
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.deferred import DeferredReleases
@@ -97,7 +96,6 @@ __all__ = [
     "page_aligned_decode_alloc_lens",
     "resolve_batch_forward_inputs",
     "resolve_batch_seq_lens",
-    "resolve_finish",
     "retract_for_decode",
     "retraction_order",
 ]

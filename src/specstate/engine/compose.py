@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.ledger import KvLedger
+from specstate.core.ledger import KvLedger, LedgerViews
 from specstate.core.ownership import OwnershipChecker
 from specstate.core.params import RequestLimits
 from specstate.engine.capabilities.agreement import AgreementHook, RoundAgreement
@@ -29,7 +29,7 @@ from specstate.engine.capabilities.grammar import GrammarTable
 from specstate.engine.capabilities.tracing import ContainedRecorder, TraceHook
 from specstate.engine.config import EngineConfig
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy, full_width
-from specstate.engine.hooks import RoundHook, RoundHooks
+from specstate.engine.hooks import RoundHooks
 from specstate.engine.launch.launcher import Launcher
 from specstate.engine.rounds import RoundParts, RoundPipeline
 from specstate.engine.schedule.scheduler import Scheduler, SchedulerConfig
@@ -46,22 +46,15 @@ from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentStatePool, recurrent_pool_for
 from specstate.memory.slots import ReqToTokenPool
 
-__all__ = ["EngineParts", "compose"]
+__all__ = ["EngineMemory", "EngineParts", "compose"]
 
 
 @attrs.frozen(kw_only=True)
 class EngineParts:
     """Every owner of one engine, as `compose` wired them."""
 
-    checker: OwnershipChecker
-    ledger: KvLedger
-    recurrent: RecurrentStatePool | None
-    allocator: KvAllocator
-    deferred: DeferredReleases
-    outputs: OutputTable
+    memory: EngineMemory
     scheduler: Scheduler
-    results: ResultProcessor
-    lifecycle: RequestLifecycle
     grammar: GrammarTable
     deliveries: Deliveries
     draft_guard: DraftGuard | None
@@ -89,146 +82,181 @@ def compose(
         raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
     if config.mixed_chunk and not caps.supports_mixed_chunk:
         raise InvalidConfig(f"worker {caps.algorithm!r} does not support mixed chunks")
-    checker = OwnershipChecker(enabled=config.check_ownership)
-    window = caps.spec_window(config.page_size)
-    # No request outgrows the pool, so a context longer than the pool only wastes rows.
-    context = min(limits.max_context_len, config.kv_tokens)
-    row_width = context + window.row_headroom + caps.max_accept + config.page_size
-    num_pages = config.kv_tokens // config.page_size
-    max_requests = config.max_running * 2  # room for requests whose release is deferred
-    recurrent = recurrent_pool_for(
-        caps.recurrent,
-        num_draft_tokens=caps.num_draft_tokens,
-        topk=caps.topk,
-        num_request_slots=max_requests + 1,
-        checker=checker,
-        validate=config.check_invariants,
+    memory = EngineMemory.build(caps, limits, config)
+    scheduler = _scheduler(limits, config, memory, guard)
+    worker.attach(
+        WorkerMemory(
+            req_to_token=memory.allocator.req_to_token,
+            ledger=memory.views.worker,
+            num_token_slots=memory.num_token_slots,
+            device=torch.device(config.device),
+            recurrent=None if memory.recurrent is None else memory.recurrent.layout,
+            parallel=None if agreement is None else agreement.parallel,
+        )
     )
-    ledger = KvLedger(max_requests, row_width, checker=checker, validate=config.check_invariants)
-    views = ledger.views()
-    req_pool = ReqToTokenPool(max_requests, row_width, device=config.device)
-    token_pool = TokenSlotAllocator(num_pages, config.page_size)
-    allocator = KvAllocator(
-        ledger=views.allocator,
-        req_pool=req_pool,
-        token_pool=token_pool,
-        validate=config.check_invariants,
-        window=window,
-        checker=checker,
-        recurrent=recurrent,
-        prefix=_prefix_rows(caps, config, req_pool, token_pool),
-    )
-    deferred = DeferredReleases(allocator)
-    outputs = OutputTable(
-        max_slots=max_requests,
-        max_outputs=context,
-        max_run=caps.max_accept,
-        eos_token_ids=limits.eos_token_ids,
-        checker=checker,
-    )
-    # The recorder is called inside the round: contained (capabilities/tracing.py).
+    # The user's recorder is called inside the round: contained, once for every caller
+    # (capabilities/tracing.py).
     recorder = None if trace is None else ContainedRecorder(trace)
     grammar = GrammarTable(limits=limits, trace=recorder, mask_threads=config.grammar_mask_threads)
-    device = torch.device(config.device)
-    budget = config.chunked_prefill or config.max_prefill_tokens
-    scheduler = Scheduler(
+    # What the streams have delivered, per request (capabilities/delivery.py).
+    deliveries = Deliveries(memory.outputs, history=config.finished_history)
+    tracing = None
+    if trace is not None and recorder is not None:
+        tracing = _trace_hook(trace, recorder, config, caps, memory, scheduler)
+    # The hooks' order is their order at every point: the agreement settles a batch's verdict
+    # first; grammar refuses a request before the trace records its submit; the trace records
+    # a round before the draft policy observes it (the policy is user code, so it goes last).
+    agreed = None if agreement is None else AgreementHook(agreement)
+    ordered = (agreed, grammar, tracing, guard, deliveries)
+    hooks = RoundHooks([hook for hook in ordered if hook is not None])
+    parts = _round_parts(worker, limits, config, memory, scheduler, trace is not None)
+    return EngineParts(
+        memory=memory,
+        scheduler=scheduler,
+        grammar=grammar,
+        deliveries=deliveries,
+        draft_guard=guard,
+        rounds=RoundPipeline(parts=parts, hooks=hooks, config=config),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class EngineMemory:
+    """The memory owners of one engine, sized from the worker's window and the config."""
+
+    checker: OwnershipChecker
+    ledger: KvLedger
+    views: LedgerViews
+    recurrent: RecurrentStatePool | None
+    allocator: KvAllocator
+    deferred: DeferredReleases
+    outputs: OutputTable
+    num_token_slots: int
+
+    @classmethod
+    def build(
+        cls, caps: WorkerCapabilities, limits: RequestLimits, config: EngineConfig
+    ) -> EngineMemory:
+        """The ledger (with its role views), the pools, the allocator and the output table."""
+        checker = OwnershipChecker(enabled=config.check_ownership)
+        window = caps.spec_window(config.page_size)
+        # No request outgrows the pool, so a context longer than the pool only wastes rows.
+        context = min(limits.max_context_len, config.kv_tokens)
+        row_width = context + window.row_headroom + caps.max_accept + config.page_size
+        num_pages = config.kv_tokens // config.page_size
+        max_requests = config.max_running * 2  # room for requests whose release is deferred
+        validate = config.check_invariants
+        recurrent = recurrent_pool_for(
+            caps.recurrent,
+            num_draft_tokens=caps.num_draft_tokens,
+            topk=caps.topk,
+            num_request_slots=max_requests + 1,
+            checker=checker,
+            validate=validate,
+        )
+        ledger = KvLedger(max_requests, row_width, checker=checker, validate=validate)
+        views = ledger.views()
+        req_pool = ReqToTokenPool(max_requests, row_width, device=config.device)
+        token_pool = TokenSlotAllocator(num_pages, config.page_size)
+        allocator = KvAllocator(
+            ledger=views.allocator,
+            req_pool=req_pool,
+            token_pool=token_pool,
+            validate=validate,
+            window=window,
+            checker=checker,
+            recurrent=recurrent,
+            prefix=_prefix_rows(caps, config, req_pool, token_pool),
+        )
+        outputs = OutputTable(
+            max_slots=max_requests,
+            max_outputs=context,
+            max_run=caps.max_accept,
+            eos_token_ids=limits.eos_token_ids,
+            checker=checker,
+        )
+        return cls(
+            checker=checker,
+            ledger=ledger,
+            views=views,
+            recurrent=recurrent,
+            allocator=allocator,
+            deferred=DeferredReleases(allocator),
+            outputs=outputs,
+            num_token_slots=num_pages * config.page_size,
+        )
+
+
+def _scheduler(
+    limits: RequestLimits, config: EngineConfig, memory: EngineMemory, guard: DraftGuard | None
+) -> Scheduler:
+    """The scheduler, with its admission limits and the draft width of each decode round."""
+    return Scheduler(
         config=SchedulerConfig(
             max_running=config.max_running,
-            prefill_token_budget=budget,
+            prefill_token_budget=config.chunked_prefill or config.max_prefill_tokens,
             chunked_prefill=config.chunked_prefill is not None,
             vocab_size=limits.vocab_size,
             mixed_chunk=config.mixed_chunk,
             validate=config.check_invariants,
         ),
-        allocator=allocator,
-        ledger=views.scheduler,
-        outputs=outputs,
-        checker=checker,
-        device=device,
-        releases_pending=lambda: deferred.has_pending,
+        allocator=memory.allocator,
+        ledger=memory.views.scheduler,
+        outputs=memory.outputs,
+        checker=memory.checker,
+        device=torch.device(config.device),
+        releases_pending=lambda: memory.deferred.has_pending,
         draft_width=full_width if guard is None else guard.choose,
     )
-    results = ResultProcessor(
-        ledger=views.result_processor,
-        outputs=outputs,
-        checker=checker,
-        num_draft_tokens=caps.num_draft_tokens,
-        recurrent=recurrent,
-    )
+
+
+def _round_parts(
+    worker: WorkerProtocol,
+    limits: RequestLimits,
+    config: EngineConfig,
+    memory: EngineMemory,
+    scheduler: Scheduler,
+    traced: bool,
+) -> RoundParts:
+    """The owners the round calls: the result processor, the launcher and the lifecycle."""
+    caps = worker.capabilities
     launcher = Launcher(
         worker=worker,
         overlap=config.overlap,
         speculative=caps.speculative,
         max_accept=caps.max_accept,
         vocab_size=limits.vocab_size,
-        max_slots=max_requests + 1,
-        device=device,
+        max_slots=config.max_running * 2 + 1,
+        device=torch.device(config.device),
         debug_relay=config.debug_relay,
-        req_to_token=allocator.req_to_token,
-        checker=checker,
+        req_to_token=memory.allocator.req_to_token,
+        checker=memory.checker,
         forward_timeout=config.forward_timeout_s,
         check=config.check_invariants,
         asynchronous=caps.asynchronous,
-        traced=recorder is not None,
+        traced=traced,
     )
-    worker.attach(
-        WorkerMemory(
-            req_to_token=allocator.req_to_token,
-            ledger=views.worker,
-            num_token_slots=num_pages * config.page_size,
-            device=device,
-            recurrent=None if recurrent is None else recurrent.layout,
-            parallel=None if agreement is None else agreement.parallel,
-        )
-    )
-    lifecycle = RequestLifecycle(
-        scheduler=scheduler,
-        allocator=allocator,
-        deferred=deferred,
-        finished_history=config.finished_history,
-    )
-    # What the streams have delivered, per request (capabilities/delivery.py).
-    deliveries = Deliveries(outputs, history=config.finished_history)
-    # The hooks' order is their order at every point: the agreement settles a batch's verdict
-    # first; grammar refuses a request before the trace records its submit; the trace records
-    # a round before the draft policy observes it (the policy is user code, so it goes last).
-    hooks: list[RoundHook] = [] if agreement is None else [AgreementHook(agreement)]
-    hooks.append(grammar)
-    if recorder is not None:
-        hooks.append(
-            TraceHook(
-                recorder, ledger=ledger, outputs=outputs, scheduler=scheduler, allocator=allocator
-            )
-        )
-        _trace_header(trace, config, caps)
-    if guard is not None:
-        hooks.append(guard)
-    hooks.append(deliveries)
-    parts = RoundParts(
+    return RoundParts(
         scheduler=scheduler,
         launcher=launcher,
-        results=results,
-        lifecycle=lifecycle,
-        deferred=deferred,
-        checker=checker,
-        ledger=ledger,
-        allocator=allocator,
-        outputs=outputs,
-    )
-    return EngineParts(
-        checker=checker,
-        ledger=ledger,
-        recurrent=recurrent,
-        allocator=allocator,
-        deferred=deferred,
-        outputs=outputs,
-        scheduler=scheduler,
-        results=results,
-        lifecycle=lifecycle,
-        grammar=grammar,
-        deliveries=deliveries,
-        draft_guard=guard,
-        rounds=RoundPipeline(parts=parts, hooks=RoundHooks(hooks), config=config),
+        results=ResultProcessor(
+            ledger=memory.views.result_processor,
+            outputs=memory.outputs,
+            checker=memory.checker,
+            num_draft_tokens=caps.num_draft_tokens,
+            recurrent=memory.recurrent,
+        ),
+        lifecycle=RequestLifecycle(
+            scheduler=scheduler,
+            allocator=memory.allocator,
+            deferred=memory.deferred,
+            finished_history=config.finished_history,
+        ),
+        deferred=memory.deferred,
+        checker=memory.checker,
+        ledger=memory.ledger,
+        allocator=memory.allocator,
+        outputs=memory.outputs,
     )
 
 
@@ -264,16 +292,28 @@ def _prefix_rows(
     return PrefixRows(cache, req_pool, token_pool, validate=config.check_invariants)
 
 
-def _trace_header(
-    trace: TraceRecorder | None, config: EngineConfig, caps: WorkerCapabilities
-) -> None:
-    """The trace's header: the engine's config and the worker's speculation."""
-    if trace is not None:
-        trace.header = {
-            "config": attrs.asdict(config),
-            "worker": {
-                "algorithm": caps.algorithm,
-                "num_draft_tokens": caps.num_draft_tokens,
-                "max_accept": caps.max_accept,
-            },
-        }
+def _trace_hook(
+    trace: TraceRecorder,
+    recorder: ContainedRecorder,
+    config: EngineConfig,
+    caps: WorkerCapabilities,
+    memory: EngineMemory,
+    scheduler: Scheduler,
+) -> TraceHook:
+    """Tracing: the trace's header (the config, the worker's speculation) and its hook, which
+    records through ``recorder`` (the user's ``trace``, contained)."""
+    trace.header = {
+        "config": attrs.asdict(config),
+        "worker": {
+            "algorithm": caps.algorithm,
+            "num_draft_tokens": caps.num_draft_tokens,
+            "max_accept": caps.max_accept,
+        },
+    }
+    return TraceHook(
+        recorder,
+        ledger=memory.ledger,
+        outputs=memory.outputs,
+        scheduler=scheduler,
+        allocator=memory.allocator,
+    )

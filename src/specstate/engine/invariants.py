@@ -1,8 +1,8 @@
 """The invariant checker: the relations between clocks, owners and pools, checked after a step.
 
-`check_engine` reads an engine's owners through an `EngineView` (never writes) and raises `InvariantViolation` for the
-first relation that does not hold, naming the invariant, the request and the numbers. Each has
-a name (`InvariantViolation.invariant`):
+`check_engine` reads an engine's owners through an `EngineView` (never writes) and raises
+`InvariantViolation` for the first relation that does not hold, naming the invariant, the
+request and the numbers. Each has a name (`InvariantViolation.invariant`):
 
 * ``ledger-order``: ``0 <= protected <= committed <= allocated <= row width`` for every open
   slot;
@@ -137,49 +137,13 @@ def check_engine(engine: EngineView) -> None:
     except SpecStateError as exc:
         raise InvariantViolation("pool-balance", f"KV pool does not balance: {exc}") from exc
     sched = engine.scheduler
-    owners = [*sched.prefilling, *sched.running]
-    deferred = set(engine.deferred.pending())
-    open_ids = [e.request_id for e in entries]
-    holders = {r.request_id for r in owners} | deferred
-    if sorted(open_ids) != sorted(holders):
-        _fail(
-            "slot-owners",
-            f"open slots {sorted(open_ids)} != live or deferred requests {sorted(holders)}",
-        )
-    for req in sched.waiting:
-        if engine.allocator.holds_slot(req):
-            _fail("slot-owners", f"request {req.request_id}: waiting but holds a KV slot")
-    for req in sched.prefilling:
-        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        done = sched.prefill_progress(req)
-        if not entry.kv_committed_len == entry.kv_allocated_len == done:
-            _fail(
-                "prefill-progress",
-                f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
-                f"allocated {entry.kv_allocated_len}, launched prefill {done}",
-            )
-    records = sched.num_prefill_records
-    if records != len(owners):
-        _fail(
-            "prefill-progress",
-            f"{records} prefill records for {len(owners)} admitted requests (an ended or "
-            "retracted request kept its record)",
-        )
-    in_flight = engine.in_flight
-    busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
-    for req in sched.running:
-        if id(req) in busy or req.status is not ReqStatus.RUNNING:
-            continue
-        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        if req.seqlen != entry.kv_committed_len + 1:
-            _fail(
-                "steady-state",
-                f"request {req.request_id}: seqlen {req.seqlen} != committed "
-                f"{entry.kv_committed_len} + 1 with no result in flight",
-            )
+    admitted = [*sched.prefilling, *sched.running]
+    _check_slot_owners(engine, entries, admitted)
+    _check_prefill_progress(engine, admitted)
+    _check_steady_state(engine)
     _check_reserve(engine)
-    _check_output_rows(engine, [*sched.prefilling, *sched.running])
-    _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
+    _check_output_rows(engine, admitted)
+    _check_recurrent(engine, admitted, entries)
     _check_page_owners(engine)
     for check in engine.hooks.check:  # each capability's own invariants
         check(engine)
@@ -190,6 +154,59 @@ def check_engine(engine: EngineView) -> None:
             _fail(
                 "idle-empty",
                 f"idle engine holds {len(entries)} slots and {pool.num_pages - 1 - free} pages",
+            )
+
+
+def _check_slot_owners(
+    engine: EngineView, entries: Sequence[KvLedgerSnapshot], admitted: list[Req]
+) -> None:
+    """``slot-owners``: open slots are the admitted and the deferred; no waiter holds one."""
+    open_ids = [e.request_id for e in entries]
+    holders = {r.request_id for r in admitted} | set(engine.deferred.pending())
+    if sorted(open_ids) != sorted(holders):
+        _fail(
+            "slot-owners",
+            f"open slots {sorted(open_ids)} != live or deferred requests {sorted(holders)}",
+        )
+    for req in engine.scheduler.waiting:
+        if engine.allocator.holds_slot(req):
+            _fail("slot-owners", f"request {req.request_id}: waiting but holds a KV slot")
+
+
+def _check_prefill_progress(engine: EngineView, admitted: list[Req]) -> None:
+    """``prefill-progress``: a prefill's committed length is its launched progress."""
+    sched = engine.scheduler
+    for req in sched.prefilling:
+        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
+        done = sched.prefill_progress(req)
+        if not entry.kv_committed_len == entry.kv_allocated_len == done:
+            _fail(
+                "prefill-progress",
+                f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
+                f"allocated {entry.kv_allocated_len}, launched prefill {done}",
+            )
+    records = sched.num_prefill_records
+    if records != len(admitted):
+        _fail(
+            "prefill-progress",
+            f"{records} prefill records for {len(admitted)} admitted requests (an ended or "
+            "retracted request kept its record)",
+        )
+
+
+def _check_steady_state(engine: EngineView) -> None:
+    """``steady-state``: a running request with nothing in flight holds its pending bonus."""
+    in_flight = engine.in_flight
+    busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
+    for req in engine.scheduler.running:
+        if id(req) in busy or req.status is not ReqStatus.RUNNING:
+            continue
+        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
+        if req.seqlen != entry.kv_committed_len + 1:
+            _fail(
+                "steady-state",
+                f"request {req.request_id}: seqlen {req.seqlen} != committed "
+                f"{entry.kv_committed_len} + 1 with no result in flight",
             )
 
 

@@ -304,6 +304,16 @@ class RoundPipeline:
 
     # ---------------------------------------------------------- the view
     @property
+    def results(self) -> ResultProcessor:
+        """The result processor."""
+        return self._parts.results
+
+    @property
+    def lifecycle(self) -> RequestLifecycle:
+        """The request lifecycle."""
+        return self._parts.lifecycle
+
+    @property
     def launcher(self) -> Launcher:
         """The launcher (its FutureMap, stream and batches in flight)."""
         return self._parts.launcher

@@ -9,8 +9,8 @@ that is retracted and re-admitted continues where it stopped; tokens past a stop
 are never yielded). Requests can be submitted between events; the loop ends when the engine is
 idle (or closed).
 
-What has been yielded is recorded by the engine (`specstate.engine.capabilities.delivery.Deliveries`), not by
-the iterator, so a stream can be left and resumed: calling ``stream(engine)`` again first
+What has been yielded is recorded by the engine (`Deliveries`, a capability of its round), not
+by the iterator, so a stream can be left and resumed: calling ``stream(engine)`` again first
 yields what the previous stream had not handed out yet, then steps on, and yields nothing twice.
 Two streams advanced in turn share that record (each event goes to one of them), and
 ``engine.step()`` calls made outside any stream lose nothing: their events wait for the next
@@ -60,8 +60,8 @@ class StreamCursor:
 
     A driver that must do other work between steps (`specstate.serving.AsyncEngine`) holds a
     cursor: `step` steps the engine once and returns the events that are due, from the same
-    engine-side record `stream` reads (`specstate.engine.capabilities.delivery.Deliveries`), so a cursor and
-    streams never hand out a token twice. Only the engine's driving thread may call it.
+    engine-side record `stream` reads (`Deliveries`), so a cursor and streams never hand out a
+    token twice. Only the engine's driving thread may call it.
     """
 
     def __init__(self, engine: Engine) -> None:

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 import specstate
-import specstate.memory.pools as pools
 import specstate.relay.write_log as write_log
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
@@ -367,15 +366,15 @@ def host_benchmark(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     LAUNCH_NS[0] = int(settings.launch_us * 1e3)
-    store = pools._store
+    store = ReqToTokenPool._store
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
-    def store_with_launch(req_pool: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
-        store(req_pool, flat, values)
+    def store_with_launch(self: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
+        store(self, flat, values)
         _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
 
     runs: dict[tuple[int, int], list[_Run]] = {}
-    pools._store = store_with_launch
+    ReqToTokenPool._store = store_with_launch  # type: ignore[method-assign]
     write_log._gather = _device_kernel(
         gather, lambda buffers, indices: sum(b is not None for b in buffers)
     )
@@ -390,7 +389,7 @@ def host_benchmark(
                         progress(f"repeat {rep + 1}/{settings.repeats}: page {page}, bs {bs}")
                     runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
-        pools._store = store
+        ReqToTokenPool._store = store  # type: ignore[method-assign]
         write_log._gather, write_log._patch_rows = gather, patch_rows
         torch.set_num_threads(threads)
     return {

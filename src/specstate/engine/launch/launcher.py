@@ -242,7 +242,7 @@ class Launcher:
         self.isolator = ForwardIsolator(overlap=overlap, check=check)
         self._device = device
         # On the host CPU a result is checked before anything is relayed; on a device, after
-        # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.launch.result_check`).
+        # its copy, with the relayed frontier clamped meanwhile (`result_check`).
         self._on_host = device == torch.device("cpu")
         # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
         # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a

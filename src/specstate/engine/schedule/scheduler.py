@@ -9,8 +9,8 @@ resolves at forward entry.
 Per iteration: a prefill batch when there is prefill work (the chunked request first, then
 waiting requests FCFS within the token budget, the running-request cap and memory), else one
 decode round for every running request, after retracting under KV pressure. The rows' columns
-(slots, sampling state, epochs) come from `specstate.engine.schedule.column_builder`; a decode round's
-persist from round to round in `specstate.engine.schedule.decode_rows`.
+(slots, sampling state, epochs) come from `specstate.engine.schedule.column_builder`; a decode
+round's persist from round to round in `specstate.engine.schedule.decode_rows`.
 
 Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
 one; ``committed == prefill progress`` while a request prefills.
@@ -125,7 +125,7 @@ class Scheduler:
         return list(self._running)
 
     def decode_rows_snapshot(self) -> DecodeRowsSnapshot:
-        """How the persistent decode rows changed so far (`specstate.engine.schedule.decode_rows`)."""
+        """How the persistent decode rows changed so far (`DecodeRows.snapshot`)."""
         return self._rows.snapshot()
 
     @property

@@ -1,4 +1,4 @@
-"""The request lifecycle: the engine's requests by id, pending aborts, and the one place a request ends.
+"""The request lifecycle: the requests by id, pending aborts, and the one place a request ends.
 
 `RequestLifecycle` owns the table of requests an engine knows (live ones, and the last
 ``finished_history`` ended ones), the user aborts not applied yet, and every way a request leaves

@@ -18,9 +18,10 @@ retracted::
 Settling a round is a fixed number of array operations for the whole batch (`append_runs`):
 scatter every accepted run, advance the lengths, find the first stop token and the length cap
 per row with masks, record the accept lengths. Stop sequences cost nothing while no open row
-has one (`specstate.engine.settle.stop_sequences`). A stop — token or sequence — counts only when its
-last token is output ``min_new_tokens`` (0-based) or later. Python touches a request only when
-it finishes (`Req.end_many` copies its row back) or when someone reads its ``output_ids``.
+has one (`specstate.engine.settle.stop_sequences`). A stop — token or sequence — counts only
+when its last token is output ``min_new_tokens`` (0-based) or later. Python touches a request
+only when it finishes (`Req.end_many` copies its row back) or when someone reads its
+``output_ids``.
 
 The columns are NumPy arrays: this is host-only state (never read by a device), and on a CPU
 one NumPy operation costs about a microsecond where a torch operation costs three to five, which
