@@ -70,7 +70,7 @@ checker refuses a counter write by a role that does not own it (`OwnershipError`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -81,31 +81,10 @@ from specstate.core.request import Req
 from specstate.core.status import ReqStatus
 
 if TYPE_CHECKING:
-    from specstate.core.ledger import KvLedgerSnapshot, LedgerReader
+    from specstate.core.ledger import KvLedgerSnapshot
     from specstate.engine.hooks import EngineView
     from specstate.engine.launch.outcome import Collected
     from specstate.engine.launch.result_copy import HostResult
-    from specstate.engine.settle.outputs import OutputTable
-    from specstate.memory.allocation import KvAllocator
-
-
-class SettlementParts(Protocol):
-    """The owners a settlement check reads (the engine, or its round pipeline)."""
-
-    @property
-    def ledger(self) -> LedgerReader:
-        """The KV ledger (read only)."""
-        ...
-
-    @property
-    def allocator(self) -> KvAllocator:
-        """The KV allocator (read only here)."""
-        ...
-
-    @property
-    def outputs(self) -> OutputTable:
-        """The output table (read only here)."""
-        ...
 
 
 __all__ = [
@@ -280,7 +259,7 @@ class SettlementProbe:
     states: npt.NDArray[np.int64] | None = None  # committed recurrent lengths (hybrid)
 
     @classmethod
-    def take(cls, engine: SettlementParts, flight: Collected) -> SettlementProbe:
+    def take(cls, engine: EngineView, flight: Collected) -> SettlementProbe:
         """Read the rows of ``flight``'s batch (Python per row: checking mode only)."""
         plan = flight.plan
         slots = plan.slots_host
@@ -303,7 +282,7 @@ class SettlementProbe:
 
 
 def check_settlement(
-    engine: SettlementParts, flight: Collected, host: HostResult, before: SettlementProbe
+    engine: EngineView, flight: Collected, host: HostResult, before: SettlementProbe
 ) -> None:
     """``commit-settlement`` and the verify's write bound (``reserve``) of one settled batch.
 
@@ -372,7 +351,7 @@ def _check_output_rows(engine: EngineView, admitted: list[Req]) -> None:
 
 
 def _check_state_settled(
-    engine: SettlementParts, flight: Collected, row: int, accept: int, before: SettlementProbe
+    engine: EngineView, flight: Collected, row: int, accept: int, before: SettlementProbe
 ) -> None:
     """``recurrent-settlement``: row ``row``'s committed state moved by exactly ``accept``."""
     pool = engine.allocator.recurrent
