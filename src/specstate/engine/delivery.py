@@ -2,8 +2,10 @@
 
 `Deliveries` is the engine-side record behind `specstate.engine.stream.stream`. It is off (and
 costs nothing) until the first ``stream(engine)``; from then on, after every step it compares
-the output table's lengths with the previous step's (one array comparison) and queues the
-requests whose outputs changed and the requests that ended. A stream pops the queue one request
+the output table's lengths and row openings with the previous step's (two array comparisons)
+and queues the requests whose outputs changed, the requests that took a row since (a new holder
+may have emitted as many tokens as the row's previous holder ended with), and the requests that
+ended. A stream pops the queue one request
 at a time: the tokens it emitted since its last delivery, and on its last one its `FinishState`.
 Because the record is the engine's and a request is marked delivered exactly when its event is
 handed out, every way of driving the engine sees each token once, in order:
@@ -66,6 +68,7 @@ class Deliveries:
         self._outputs = outputs
         self._history = history
         self._seen: IntArray | None = None  # output lengths after the last step (None: off)
+        self._seen_openings: IntArray | None = None  # row openings after the last step
         self._delivered: dict[Req, int] = {}  # tokens delivered, by request (hash: identity)
         self._queued: dict[Req, None] = {}  # to look at, in the order their changes came
         self._ended: dict[Req, None] = {}  # queued requests that ended (oldest first)
@@ -82,14 +85,18 @@ class Deliveries:
         """
         if self._seen is None:
             self._seen = self._outputs.all_lengths()
+            self._seen_openings = self._outputs.all_openings()
 
     def note_step(self, ended: Sequence[Req]) -> None:
-        """After a step: queue the requests whose outputs changed, then those that ended."""
+        """After a step: queue the requests whose outputs changed or that took a row, then
+        those that ended."""
         if self._seen is None:
             return
-        now = self._outputs.all_lengths()
-        changed = np.flatnonzero(now != self._seen)
-        self._seen = now
+        now, openings = self._outputs.all_lengths(), self._outputs.all_openings()
+        # NOTE: a length compare alone misses a new holder that emitted exactly as many tokens
+        # as the row's previous holder ended with: its first tokens would wait a step.
+        changed = np.flatnonzero((now != self._seen) | (openings != self._seen_openings))
+        self._seen, self._seen_openings = now, openings
         for slot in changed.tolist():
             req = self._outputs.holder(slot)
             if req is not None:
