@@ -12,9 +12,10 @@ handed out, every way of driving the engine sees each token once, in order:
 
 * leaving a stream and calling ``stream(engine)`` again resumes: nothing is yielded twice, and
   what the first stream had not handed out yet comes first;
-* two streams advanced in turn share the queue: each event goes to whichever asks first;
 * ``engine.step()`` calls between (or instead of) stream iterations are seen too: their tokens
-  and finishes wait in the queue for the next stream.
+  and finishes wait in the queue for the next stream;
+* one reader at a time (`claim`): a second stream, or a `StreamCursor`, while one is live is
+  refused with `UsageError` (each event would reach only one of them).
 
 Retention: a request stays queued until its finish is delivered. If nobody streams any more,
 ended requests stop being queued once more than ``finished_history`` of them wait (the oldest
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from specstate.core.errors import UsageError
 from specstate.core.request import FinishState, Req
 from specstate.engine.outputs import IntArray, OutputTable
 
@@ -72,6 +74,7 @@ class Deliveries:
         self._delivered: dict[Req, int] = {}  # tokens delivered, by request (hash: identity)
         self._queued: dict[Req, None] = {}  # to look at, in the order their changes came
         self._ended: dict[Req, None] = {}  # queued requests that ended (oldest first)
+        self._reader: tuple[str, object] | None = None  # the live reader: its name and token
 
     @property
     def is_active(self) -> bool:
@@ -86,6 +89,31 @@ class Deliveries:
         if self._seen is None:
             self._seen = self._outputs.all_lengths()
             self._seen_openings = self._outputs.all_openings()
+
+    def claim(self, reader: str) -> object:
+        """Make ``reader`` (``"a stream(engine) iterator"``, ``"a StreamCursor"``) the one
+        reader of the events until `release` gets the token returned.
+
+        Raises:
+            UsageError: another reader is live (each event would reach only one of them).
+        """
+        if self._reader is not None:
+            raise UsageError(
+                f"{reader.removeprefix('a ')}: another reader is live: {self._reader[0]} (each "
+                "event would reach only one of them; close it, or let it end, first)"
+            )
+        token = object()
+        self._reader = (reader, token)
+        return token
+
+    def release(self, token: object) -> None:
+        """The reader holding ``token`` is done (a no-op for any other token)."""
+        if self._reader is not None and self._reader[1] is token:
+            self._reader = None
+
+    def has_due(self) -> bool:
+        """Whether an event waits (`pop` would return one); nothing is marked delivered."""
+        return any(self._event(req) is not None for req in self._queued)
 
     def note_step(self, ended: Sequence[Req]) -> None:
         """After a step: queue the requests whose outputs changed or that took a row, then
@@ -113,18 +141,15 @@ class Deliveries:
         while self._queued:
             req = next(iter(self._queued))
             del self._queued[req]
-            finished = req.is_finished
-            if finished and req not in self._ended:
-                continue  # its finish was delivered already (or dropped: nobody streamed)
-            emitted = req.emitted_ids
-            start = self._delivered.get(req, 0)
-            if len(emitted) <= start and not finished:
-                continue  # a change with nothing new for the user (a retraction's row)
-            if finished:
+            event = self._event(req)
+            if event is None:
+                continue
+            tokens, finish = event
+            if req.is_finished:
                 self._forget(req)
             else:
-                self._delivered[req] = len(emitted)
-            return req, tuple(emitted[start:]), req.finish if finished else None
+                self._delivered[req] = self._delivered.get(req, 0) + len(tokens)
+            return req, tokens, finish
         return None
 
     def problems(self) -> list[str]:
@@ -142,6 +167,18 @@ class Deliveries:
             queued=tuple(r.request_id for r in self._queued),
             ended_waiting=len(self._ended),
         )
+
+    def _event(self, req: Req) -> tuple[tuple[int, ...], FinishState | None] | None:
+        """Queued ``req``'s event (its new tokens, its finish once ended), not yet marked
+        delivered; None when it has none."""
+        finished = req.is_finished
+        if finished and req not in self._ended:
+            return None  # its finish was delivered already (or dropped: nobody streamed)
+        emitted = req.emitted_ids
+        start = self._delivered.get(req, 0)
+        if len(emitted) <= start and not finished:
+            return None  # a change with nothing new for the user (a retraction's row)
+        return tuple(emitted[start:]), req.finish if finished else None
 
     def _forget(self, req: Req) -> None:
         self._queued.pop(req, None)
