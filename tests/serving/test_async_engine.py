@@ -390,6 +390,40 @@ def test_an_exception_out_of_step_fails_every_stream() -> None:
     run(main())
 
 
+class _Halt(BaseException):
+    """A `BaseException` that is not an `Exception` (as a library's own cancellation is)."""
+
+
+@pytest.mark.parametrize("kind", [_Halt, KeyboardInterrupt, SystemExit, GeneratorExit])
+def test_a_read_that_raises_a_base_exception_fails_only_that_read(
+    kind: type[BaseException],
+) -> None:
+    """``read(fn)`` whose ``fn`` raises a `BaseException` that is no `Exception`: the caller
+    gets `UsageError` caused by it (its own loop goes on); the driver keeps running: a stream
+    open across it ends with all its tokens, a new request is served, the front door is healthy."""
+
+    async def main() -> None:
+        async with AsyncEngine(timed_engine()) as front:
+            sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            stream = await front.submit("open", [1, 2, 3], sampling)
+
+            def raise_it(engine: Engine) -> None:
+                raise kind("raised by the read")
+
+            with pytest.raises(UsageError, match=f"read.*fn raised {kind.__name__}") as info:
+                await asyncio.wait_for(front.read(raise_it), 30)  # a hang fails here, fast
+            assert isinstance(info.value.__cause__, kind)
+            assert front.is_healthy and front.failure is None
+            tokens, finish = await collect(stream)
+            assert len(tokens) == 40 and finish.reason is FinishReason.LENGTH
+            after = await collect(await front.submit("after", [1, 2, 3], sampling))
+            assert len(after[0]) == 40 and after[1].reason is FinishReason.LENGTH
+            assert await front.read(lambda engine: engine.is_closed) is False
+            await assert_released(front)
+
+    run(main())
+
+
 def test_a_full_waiting_queue_refuses_with_queue_full() -> None:
     """With max_waiting requests waiting for admission, one more is refused; nothing is lost."""
 

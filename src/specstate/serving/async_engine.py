@@ -198,7 +198,10 @@ class AsyncEngine:
         For reads only (a snapshot, a metrics scrape): ``fn`` must not change the engine.
 
         Raises:
-            UsageError: the front door is closed (`EngineUnavailable` if it failed).
+            UsageError: the front door is closed (`EngineUnavailable` if it failed); or ``fn``
+                raised a `BaseException` that is no `Exception` (``__cause__``; handed over
+                wrapped, so that a `KeyboardInterrupt` does not stop the caller's event loop).
+                The driver goes on either way.
             Exception: whatever ``fn`` raised.
         """
         reply = Reply.here()
