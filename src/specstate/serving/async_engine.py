@@ -127,14 +127,16 @@ class AsyncEngine:
         if not isinstance(sampling, SamplingParams):  # refused here: the driver serves everyone
             raise InvalidRequest(
                 f"request {request_id!r}: sampling must be a SamplingParams, got "
-                f"{type(sampling).__name__}"
+                f"{type(sampling).__name__}",
+                fields=("sampling",),
             )
         try:
             prompt = tuple(prompt_ids)
         except TypeError:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt_ids must be a sequence of token ids, got "
-                f"{type(prompt_ids).__name__}"
+                f"{type(prompt_ids).__name__}",
+                fields=("prompt_ids",),
             ) from None
         stream = RequestStream(request_id, sampling, cancel=self._cancel)
         self._inbox.submit(Submit(stream, prompt))
