@@ -202,8 +202,8 @@ def _check_text(obj: Mapping[str, Any]) -> None:
             value = todo.pop()
             if isinstance(value, dict):
                 todo += [*value, *value.values()]
-            elif isinstance(value, list):
-                todo += value
+            elif isinstance(value, list):  # a prompt may be millions of ids: skip them fast
+                todo += [item for item in value if type(item) is not int]
             elif isinstance(value, str):
                 _encodable(value, name)
 
