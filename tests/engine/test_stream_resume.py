@@ -118,7 +118,9 @@ def test_a_second_live_stream_is_refused(partial_ckpt: SpecCheckpoints, overlap:
         with pytest.raises(UsageError, match="another reader is live: a stream"):
             StreamCursor(engine)
         assert _collect(events, first, 2) == 2
+    assert engine.deliveries.snapshot().reader == "a stream(engine) iterator"
     first.close()
+    assert engine.deliveries.snapshot().reader is None
     assert _collect(events, stream(engine), 10_000) > 0
     engine.close()
     _check_events(partial_ckpt, reqs, events)

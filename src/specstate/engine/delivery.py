@@ -5,8 +5,8 @@ costs nothing) until the first ``stream(engine)``; from then on, after every ste
 the output table's lengths and row openings with the previous step's (two array comparisons)
 and queues the requests whose outputs changed, the requests that took a row since (a new holder
 may have emitted as many tokens as the row's previous holder ended with), and the requests that
-ended. A stream pops the queue one request
-at a time: the tokens it emitted since its last delivery, and on its last one its `FinishState`.
+ended. A stream pops the queue one request at a time: the tokens it emitted since its last
+delivery, and on its last one its `FinishState`.
 Because the record is the engine's and a request is marked delivered exactly when its event is
 handed out, every way of driving the engine sees each token once, in order:
 
@@ -51,11 +51,14 @@ class DeliverySnapshot:
         active: a stream started, so every step is recorded.
         queued: ids of the requests with something undelivered, in delivery order.
         ended_waiting: how many of them ended and wait for their last event.
+        reader: the live reader (``"a stream(engine) iterator"``, ``"a StreamCursor"``), or
+            None.
     """
 
     active: bool
     queued: tuple[str, ...]
     ended_waiting: int
+    reader: str | None = None
 
 
 class Deliveries:
@@ -166,6 +169,7 @@ class Deliveries:
             active=self._seen is not None,
             queued=tuple(r.request_id for r in self._queued),
             ended_waiting=len(self._ended),
+            reader=None if self._reader is None else self._reader[0],
         )
 
     def _event(self, req: Req) -> tuple[tuple[int, ...], FinishState | None] | None:
