@@ -29,6 +29,7 @@ from specstate.engine.worker import WorkerProtocol
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
 from specstate.serving.openai_server import ServedModel
+from specstate.tools.timed_worker import TimedWaitWorker
 
 MODEL = "embedded-test"
 LIMITS = RequestLimits(
@@ -393,6 +394,28 @@ BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
         _body(grammar={"regex": "a+"}, response_format={"type": "json_object"}),
         "grammar",
     ),
+    ("min_tokens past max_tokens", _body(max_tokens=4, min_tokens=5), "min_tokens"),
+    ("grammar and min_tokens", _body(grammar={"regex": "a+"}, min_tokens=2), "min_tokens"),
+    ("grammar and ignore_eos", _body(grammar={"regex": "a+"}, ignore_eos=True), "ignore_eos"),
+    ("temperature too small for float32", _body(temperature=1e-40), "temperature"),
+    ("stop token outside vocab", _body(stop_token_ids=[9999]), "stop_token_ids"),
+    (
+        "response_format schema that does not compile",
+        _body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
+        "response_format",
+    ),
+    ("lone surrogate in the prompt", _body(prompt="ab\ud800"), "prompt"),
+    ("lone surrogate in a prompt list", _body(prompt=["\udfff"]), "prompt"),
+    ("lone surrogate in a stop", _body(stop=["\ud800"]), "stop"),
+    ("lone surrogate in a grammar", _body(grammar={"regex": "\ud800+"}), "grammar"),
+    (
+        "lone surrogate in a schema",
+        _body(
+            response_format={"type": "json_schema", "json_schema": {"schema": {"const": "\udc00"}}}
+        ),
+        "response_format",
+    ),
+    ("lone surrogate as a field name", _body(**{"\ud800": 1}), "\ud800"),
 ]
 
 
@@ -422,13 +445,14 @@ def test_bad_inputs_get_400_while_good_streams_finish(
     thread = threading.Thread(target=good_streams)
     thread.start()
     try:
+        wrong = []  # every mismatch at once: (name, status, type, param, message)
         for name, body, param in BAD_REQUESTS:
             status, answer = served.request("POST", "/v1/completions", body)
-            assert status == 400, name
-            error = answer["error"]
-            assert error["type"] == "invalid_request_error", name
-            assert error["param"] == param, name
-            assert error["message"], name
+            error = answer.get("error") or {}
+            got = (status, error.get("type"), error.get("param"), bool(error.get("message")))
+            if got != (400, "invalid_request_error", param, True):
+                wrong.append((name, *got[:3], error.get("message")))
+        assert not wrong, "\n".join(map(repr, wrong))
         with pytest.raises(openai.BadRequestError) as info:
             served.client().completions.create(model=MODEL, prompt="x", max_tokens=-1)
         assert info.value.status_code == 400
@@ -439,6 +463,55 @@ def test_bad_inputs_get_400_while_good_streams_finish(
     assert errors == []
     assert good == {i: oracle[text] for i, text in enumerate(TEXTS)}
     assert served.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_the_context_boundary_is_exact(served: Served) -> None:
+    """Prompt plus ``max_tokens`` equal to the context is served to its last token, one more is
+    a 400 naming ``max_tokens``; a prompt one short of the context is served one token, a
+    prompt of the whole context is a 400 naming ``prompt``."""
+    context = LIMITS.max_context_len
+    cases = [  # (prompt length, max_tokens, the refused field or None)
+        (context - 24, 24, None),
+        (context - 24, 25, "max_tokens"),
+        (context - 1, 1, None),
+        (context, 1, "prompt"),
+    ]
+    for length, max_tokens, refused in cases:
+        body = _body(prompt=[65] * length, max_tokens=max_tokens, ignore_eos=True)
+        status, answer = served.request("POST", "/v1/completions", body)
+        if refused is not None:
+            assert status == 400, (length, max_tokens, answer)
+            assert answer["error"]["param"] == refused, (length, max_tokens, answer)
+            assert answer["error"]["code"] == "context_length_exceeded"
+            continue
+        assert status == 200, (length, max_tokens, answer)
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert len(answer["choices"][0]["token_ids"]) == max_tokens
+        assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == (
+            length + max_tokens
+        )
+
+
+def test_a_request_past_the_kv_pool_is_a_400_naming_max_tokens() -> None:
+    """A context larger than the KV pool: the prompt and ``max_tokens`` fit the context, but
+    the engine refuses the request at submit (it could never fit the pool); the 400 names the
+    field the client sent, ``max_tokens``, and the server serves a request that fits."""
+    limits = RequestLimits(vocab_size=32, max_context_len=1024)
+    engine = Engine(
+        TimedWaitWorker(device_seconds=0.0),
+        limits=limits,
+        config=EngineConfig(kv_tokens=256, check_invariants=True),
+    )
+    model = ServedModel(name="small-pool", limits=limits)
+    with serving(engine, model) as small:
+        body = json.dumps({"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 600})
+        status, answer = small.request("POST", "/v1/completions", body.encode())
+        assert status == 400, answer
+        assert answer["error"]["param"] == "max_tokens"
+        assert "pool" in answer["error"]["message"]
+        fits = json.dumps({"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 20})
+        status, answer = small.request("POST", "/v1/completions", fits.encode())
+        assert status == 200 and len(answer["choices"][0]["token_ids"]) == 20
 
 
 def test_models_health_and_metrics(served: Served) -> None:

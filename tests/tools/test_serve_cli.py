@@ -3,13 +3,16 @@
 The real run starts the command itself in a subprocess with no ``--model`` (the embedded
 model, as on a fresh install), sends the curl request docs/serving.md shows (with the port the
 test picked), checks the answer against the same request run through an `Engine` directly,
-and stops the server with Ctrl-C (exit 0). Every wait is bounded.
+and stops the server with Ctrl-C (exit 0). Another interrupts a server with long requests live:
+they end with ``abort`` and the command exits within the bound docs/serving.md states. Every
+wait is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -18,10 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +36,7 @@ from specstate import Engine, EngineConfig, Grammar, RequestLimits, SamplingPara
 from specstate.engine.planning import kv_layouts, kv_tokens_for_budget
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
+from specstate.serving.uvicorn_server import SHUTDOWN_BOUND_S
 from specstate.tools import serve
 from specstate.tools.serve import INSTALL_HINT
 
@@ -39,9 +46,9 @@ BOUND_S = 180
 
 
 def _env() -> dict[str, str]:
-    """This checkout's sources first, as the tests import them."""
-    src = str(ROOT / "src")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    """This checkout's sources first, as the tests import them (and the test-only modules)."""
+    paths = [str(ROOT / "src"), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def _free_port() -> int:
@@ -191,3 +198,89 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
     assert choice["token_ids"] == list(obj.emitted_ids)
     assert choice["finish_reason"] == "stop"
     assert isinstance(json.loads(choice["text"]), dict), choice["text"]
+
+
+def _events(response: http.client.HTTPResponse) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, until the server closes it."""
+    while line := response.readline():
+        if line.startswith(b"data: "):
+            yield line[len(b"data: ") :].decode().strip()
+
+
+def _running(url: str) -> float:
+    """The engine's running requests, from /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=BOUND_S) as response:
+        text = response.read().decode()
+    found = re.search(r'^specstate_requests\{state="running"\} (\S+)$', text, re.M)
+    return 0.0 if found is None else float(found.group(1))
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_live_requests_and_exits_within_the_bound() -> None:
+    """Ctrl-C while a stream and a whole completion each have tens of seconds of tokens to go:
+    both end at once with ``finish_reason: "abort"`` (the stream with that last chunk, then
+    ``[DONE]``), and the server exits 0 within the bound docs/serving.md states."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--worker",
+            "slow_serve_worker:make",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    whole: dict[str, Any] = {}
+    long = {"model": "slow_serve_worker:make", "prompt": [1, 2, 3], "max_tokens": 4000}
+
+    def ask_whole() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=BOUND_S)
+        conn.request("POST", "/v1/completions", json.dumps(long).encode())
+        response = conn.getresponse()
+        whole.update(status=response.status, body=json.loads(response.read()))
+        conn.close()
+
+    asker = threading.Thread(target=ask_whole)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=BOUND_S)
+    try:
+        _wait_healthy(url, server)
+        asker.start()
+        conn.request("POST", "/v1/completions", json.dumps({**long, "stream": True}).encode())
+        response = conn.getresponse()
+        assert response.status == 200
+        events = _events(response)
+        first = json.loads(next(events))
+        assert first["choices"][0]["finish_reason"] is None
+        deadline = time.monotonic() + BOUND_S
+        while _running(url) < 2:  # the whole completion runs too
+            assert time.monotonic() < deadline, "the second request never ran"
+            time.sleep(0.05)
+        interrupted = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        rest = list(events)
+        _, stderr = server.communicate(timeout=BOUND_S)
+        exited = time.monotonic() - interrupted
+        asker.join(BOUND_S)
+    finally:
+        conn.close()
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert rest[-1] == "[DONE]", rest[-3:]
+    last = json.loads(rest[-2])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert whole["status"] == 200, whole
+    choice = whole["body"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 4000
+    assert server.returncode == 0, stderr
+    assert exited < SHUTDOWN_BOUND_S, f"exited {exited:.1f} s after Ctrl-C"
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert f"exits within {SHUTDOWN_BOUND_S} s of the interrupt" in docs

@@ -38,6 +38,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "DoubleRelease",
     "EngineUnavailable",
@@ -68,7 +70,18 @@ class SpecStateError(Exception):
 
 
 class InvalidRequest(SpecStateError, ValueError):
-    """A request was rejected at submission; no state changed."""
+    """A request was rejected at submission; no state changed.
+
+    Attributes:
+        fields: the request fields the refusal is about, as `Engine.submit` takes them
+            (``"prompt_ids"``, or a `SamplingParams` field such as ``"max_new_tokens"``), in
+            the order the message names them; empty when none is (a duplicate request id). A
+            server maps them to the fields of its own protocol.
+    """
+
+    def __init__(self, message: str = "", *, fields: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
 
 
 class InvalidConfig(SpecStateError, ValueError):

@@ -131,19 +131,25 @@ class Req:
         Raises:
             InvalidRequest: naming the request and every problem found (empty prompt,
                 ``max_new_tokens < 1``, token ids outside the vocabulary, a prompt that leaves
-                no room in the context, bad sampling values).
+                no room in the context, bad sampling values); ``fields`` names their fields.
         """
-        prompt, problems = _read_prompt(prompt_ids)
-        if not problems:
-            problems = _prompt_problems(prompt, limits)
+        prompt, bad_prompt = _read_prompt(prompt_ids)
+        if not bad_prompt:
+            bad_prompt = _prompt_problems(prompt, limits)
+        problems = [("prompt_ids", problem) for problem in bad_prompt]
         if not isinstance(sampling, SamplingParams):
-            problems.append(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+            problems.append(
+                ("sampling", f"sampling must be SamplingParams, got {type(sampling).__name__}")
+            )
         else:
-            problems += sampling.problems(limits.vocab_size)
+            problems += sampling.field_problems(limits.vocab_size)
         if not isinstance(request_id, str) or not request_id:
-            problems.insert(0, "request id must be a non-empty string")
+            problems.insert(0, ("request_id", "request id must be a non-empty string"))
         if problems:
-            raise InvalidRequest(f"request {request_id!r}: " + "; ".join(problems))
+            raise InvalidRequest(
+                f"request {request_id!r}: " + "; ".join(problem for _, problem in problems),
+                fields=[field for field, _ in problems],
+            )
         return cls(request_id, prompt, sampling, checker)
 
     # ------------------------------------------------------------------ reads

@@ -10,6 +10,9 @@ it) and the outbox of deliveries. Callers never touch the engine: they put comma
            route each event to its stream's outbox, one list per event loop
            flush: one loop.call_soon_threadsafe per event loop (not per token)
 
+A function that `AsyncEngine.read` runs is the caller's: whatever it raises, a `BaseException`
+included, goes back to that caller and the driver goes on.
+
 Failure: an exception out of `Engine.step` (or anything the driver does), or a batch that
 ended with `ForwardTimeout`, means the engine can no longer be trusted to step (after a
 timeout the worker may still be running the abandoned forward): the driver stops calling the
@@ -163,6 +166,8 @@ class Driver:
                     value = fn(self._engine)
                 except Exception as exc:  # the caller's function failed: the caller's error
                     self._answer([reply], None, exc)
+                except BaseException as exc:  # still the caller's, not the driver's end
+                    self._answer([reply], None, _read_failed(exc))
                 else:
                     self._answer([reply], value)
             case WaitIdle(reply=reply):
@@ -279,6 +284,18 @@ class Driver:
             self._engine.close()
         except Exception:  # closing is best effort once the driver is done
             _log.exception("AsyncEngine: closing the engine failed")
+
+
+def _read_failed(error: BaseException) -> UsageError:
+    """The caller's error for a read whose function raised a `BaseException` that is no
+    `Exception`. NOTE: not handed over as is: a `KeyboardInterrupt` or `SystemExit` set on the
+    caller's future would stop the caller's event loop, not just its await."""
+    failure = UsageError(
+        f"AsyncEngine.read(): fn raised {type(error).__name__}: {error} (a read must only read; "
+        "the engine goes on)"
+    )
+    failure.__cause__ = error
+    return failure
 
 
 def _unavailable(error: BaseException) -> EngineUnavailable:

@@ -35,7 +35,7 @@ import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -44,7 +44,12 @@ from specstate.core.params import RequestLimits
 from specstate.engine.engine import Engine
 from specstate.serving.async_engine import AsyncEngine
 from specstate.serving.completions import CompletionIds, collect_completion, stream_completion
-from specstate.serving.openai_protocol import ApiError, CompletionRequest, parse_completion
+from specstate.serving.openai_protocol import (
+    ApiError,
+    CompletionRequest,
+    parse_completion,
+    refusal,
+)
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, load_codec
 
@@ -80,8 +85,11 @@ def _unavailable(exc: Exception) -> ApiError:
     return ApiError(str(exc), status=503, kind="server_error", code="engine_unavailable")
 
 
-def _json(body: dict[str, Any], status: int = 200) -> JSONResponse:
-    return JSONResponse(body, status_code=status)
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    # NOTE: ASCII JSON (``\u`` escapes), unlike JSONResponse: an error may quote what the
+    # client sent, a lone surrogate included, which has no UTF-8 form.
+    text = json.dumps(body, allow_nan=False)
+    return Response(text, status_code=status, media_type="application/json")
 
 
 def _sse(chunk: dict[str, Any]) -> bytes:
@@ -137,9 +145,8 @@ class _Routes:
     async def _submit(self, rid: str, parsed: CompletionRequest) -> RequestStream:
         try:
             return await self._front.submit(rid, parsed.prompt_ids, parsed.sampling)
-        except InvalidRequest as exc:  # a grammar that does not compile is found here
-            grammar = parsed.sampling.grammar is not None and "grammar" in str(exc)
-            raise ApiError(str(exc), param="grammar" if grammar else None) from None
+        except InvalidRequest as exc:  # the engine's own checks (a grammar that does not compile)
+            raise refusal(exc, parsed) from None
         except QueueFull as exc:
             raise ApiError(
                 str(exc), status=429, kind="rate_limit_error", code="queue_full"

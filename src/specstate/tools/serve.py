@@ -3,10 +3,12 @@
 Takes ``specstate generate``'s worker and engine flags (`specstate.tools.engine_options`) and
 builds the worker and the engine the way it does (`specstate.tools.generate.build_worker`, or
 ``--worker MODULE:FACTORY``), puts the engine behind an `AsyncEngine` and serves
-`specstate.serving.openai_server` with uvicorn on ``--host:--port`` until interrupted (then
-the live requests are aborted and the engine closes). Without ``--model`` (and ``--worker``)
-it serves the embedded byte-level model, its draft model and EAGLE head included, so it runs
-on a fresh install; text prompts work whenever the checkpoint has a codec
+`specstate.serving.openai_server` with uvicorn on ``--host:--port`` until interrupted: then
+the live requests are aborted first (their streams end with ``finish_reason: "abort"``), the
+engine closes and the command exits within
+`specstate.serving.uvicorn_server.SHUTDOWN_BOUND_S`. Without ``--model`` (and ``--worker``) it
+serves the embedded byte-level model, its draft model and EAGLE head included, so it runs on a
+fresh install; text prompts work whenever the checkpoint has a codec
 (`specstate.serving.text.load_codec`).
 
 Needs the ``serve`` extra: without it the command prints the install line and exits 2. Exit
@@ -107,9 +109,8 @@ def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 on bad options or without the ``serve`` extra."""
     try:
-        import uvicorn
-
         from specstate.serving.openai_server import create_app
+        from specstate.serving.uvicorn_server import serve_front_door
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
@@ -123,6 +124,6 @@ def run(args: argparse.Namespace) -> int:
         f"specstate serve: {model.name} ({codec}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    app = create_app(front, model, close_on_shutdown=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(front, model)  # the server closes the front door: live requests first
+    serve_front_door(app, front, host=args.host, port=args.port, log_level=args.log_level)
     return 0

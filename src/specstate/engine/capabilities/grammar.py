@@ -143,13 +143,15 @@ class GrammarTable(RoundHook):
         if self._compiler is None:
             raise InvalidRequest(
                 f"request {rid!r}: a grammar needs the tokenizer's vocabulary "
-                "(RequestLimits(grammar_vocabulary=...)); this engine has none"
+                "(RequestLimits(grammar_vocabulary=...)); this engine has none",
+                fields=("grammar",),
             )
         try:
             text, matcher = self._compiler.compile(grammar)
         except ValueError as exc:
             raise InvalidRequest(
-                f"request {rid!r}: grammar {grammar.describe()} does not compile: {exc}"
+                f"request {rid!r}: grammar {grammar.describe()} does not compile: {exc}",
+                fields=("grammar",),
             ) from None
         self._states[req] = GrammarState(
             request_id=rid, grammar=grammar, text=text, matcher=matcher, compiler=self._compiler

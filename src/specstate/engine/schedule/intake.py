@@ -1,9 +1,10 @@
 """Request intake: whether a request can be served by this engine, decided before it is queued.
 
-`check_request` refuses, with `InvalidRequest` naming the request and the numbers, a request
-that the worker cannot serve (a sampling control it does not declare), that cannot fit the
-model's context, or that could never fit the KV pool even alone (prompt, outputs and the
-speculative reserve). A refused request changes nothing.
+`check_request` refuses, with `InvalidRequest` naming the request, the numbers and (its
+``fields``) the request fields at fault, a request that the worker cannot serve (a sampling
+control it does not declare), that cannot fit the model's context, or that could never fit the
+KV pool even alone (prompt, outputs and the speculative reserve). A refused request changes
+nothing. (A grammar that does not compile is refused next, by the grammar capability.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def check_request(
         raise InvalidRequest(
             f"request {rid!r}: temperature {sampling.temperature} asks for sampling, "
             f"but worker {caps.algorithm!r} is greedy-only (its capabilities do not declare "
-            "supports_sampling)"
+            "supports_sampling)",
+            fields=("temperature",),
         )
     if sampling.min_new_tokens:
         eos = frozenset() if sampling.ignore_eos else limits.eos_token_ids
@@ -46,18 +48,23 @@ def check_request(
             raise InvalidRequest(
                 f"request {rid!r}: min_new_tokens {sampling.min_new_tokens} masks the stop "
                 f"tokens, but all {limits.vocab_size} tokens of the vocabulary are stop tokens "
-                "(stop_token_ids and EOS): nothing could be emitted"
+                "(stop_token_ids and EOS): nothing could be emitted",
+                fields=("min_new_tokens",),
             )
     unsupported = unsupported_controls(sampling, caps)
     if unsupported:
         raise InvalidRequest(
-            f"request {rid!r}: worker {caps.algorithm!r} does not support " + "; ".join(unsupported)
+            f"request {rid!r}: worker {caps.algorithm!r} does not support "
+            + "; ".join(text for _, text in unsupported),
+            fields=[field for field, _ in unsupported],
         )
     prompt = len(req.prompt_ids)
+    # The prompt alone fits the context (`Req.new`): what does not fit is max_new_tokens.
     if prompt + sampling.max_new_tokens > limits.max_context_len:
         raise InvalidRequest(
             f"request {rid!r}: prompt of {prompt} tokens plus max_new_tokens "
-            f"{sampling.max_new_tokens} exceeds the context of {limits.max_context_len}"
+            f"{sampling.max_new_tokens} exceeds the context of {limits.max_context_len}",
+            fields=("max_new_tokens",),
         )
     p = window.page_size
     need = -(-(prompt + sampling.max_new_tokens + window.reserve) // p) * p + p
@@ -65,28 +72,44 @@ def check_request(
     if need > capacity:
         raise InvalidRequest(
             f"request {rid!r}: needs up to {need} KV tokens (prompt {prompt}, max_new_tokens "
-            f"{sampling.max_new_tokens}, reserve {window.reserve}) but the pool holds {capacity}"
+            f"{sampling.max_new_tokens}, reserve {window.reserve}) but the pool holds {capacity}",
+            fields=("max_new_tokens",),
         )
 
 
-def unsupported_controls(sampling: SamplingParams, caps: WorkerCapabilities) -> list[str]:
-    """The sampling controls ``sampling`` uses that the worker does not declare, with values."""
+def unsupported_controls(
+    sampling: SamplingParams, caps: WorkerCapabilities
+) -> list[tuple[str, str]]:
+    """The sampling controls ``sampling`` uses that the worker does not declare: per control,
+    the field that asks for it and a description with its values."""
     found = []
     if not sampling.speculative and caps.speculative and not caps.supports_per_request_speculation:
-        found.append("speculative=False (per-request speculation)")
+        found.append(("speculative", "speculative=False (per-request speculation)"))
     if sampling.has_penalties and not caps.supports_penalties:
+        penalty = next(
+            name
+            for name, off in (
+                ("repetition_penalty", 1.0),
+                ("frequency_penalty", 0.0),
+                ("presence_penalty", 0.0),
+            )
+            if getattr(sampling, name) != off
+        )
         found.append(
-            f"penalties (repetition_penalty={sampling.repetition_penalty}, "
-            f"frequency_penalty={sampling.frequency_penalty}, "
-            f"presence_penalty={sampling.presence_penalty})"
+            (
+                penalty,
+                f"penalties (repetition_penalty={sampling.repetition_penalty}, "
+                f"frequency_penalty={sampling.frequency_penalty}, "
+                f"presence_penalty={sampling.presence_penalty})",
+            )
         )
     if sampling.min_new_tokens and not caps.supports_min_new_tokens:
-        found.append(f"min_new_tokens={sampling.min_new_tokens}")
+        found.append(("min_new_tokens", f"min_new_tokens={sampling.min_new_tokens}"))
     if sampling.seed is not None and sampling.temperature > 0 and not caps.supports_seeds:
-        found.append(f"seed={sampling.seed}")
+        found.append(("seed", f"seed={sampling.seed}"))
     if sampling.logprobs and not caps.supports_logprobs:
-        found.append("logprobs=True")
+        found.append(("logprobs", "logprobs=True"))
     if sampling.grammar is not None and not caps.supports_grammar:
         tree = f" (a draft tree, topk {caps.topk}: use a chain, topk 1)" if caps.topk > 1 else ""
-        found.append(f"grammar{tree}")
+        found.append(("grammar", f"grammar{tree}"))
     return found

@@ -117,6 +117,7 @@ class OutputTable:
         self._caps = np.zeros(size, dtype=np.int64)
         self._stops = np.full((size, max(1, len(self._eos))), NO_STOP, dtype=np.int64)
         self._epochs = np.zeros(size, dtype=np.int64)
+        self._openings = np.zeros(size, dtype=np.int64)  # times each row was opened
         self._output_logprobs = np.zeros((size, self._width), dtype=np.float32)
         self._output_logprobs_flat = self._output_logprobs.reshape(-1)
         self._min_new = np.zeros(size, dtype=np.int64)
@@ -184,6 +185,11 @@ class OutputTable:
     def all_lengths(self) -> IntArray:
         """Settled output counts of every slot, as a new array (slot 0 is padding)."""
         return self._output_lengths.copy()
+
+    def all_openings(self) -> IntArray:
+        """How many times each row was opened, indexed by slot (a copy): a row whose count
+        changed has a new holder, whatever its length says."""
+        return self._openings.copy()
 
     def lengths(self, slots: IntArray) -> IntArray:
         """Settled output counts of ``slots`` as a new array (a finished row keeps its last)."""
@@ -278,6 +284,7 @@ class OutputTable:
         self._sequences.open(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
+        self._openings[slot] += 1
         self._num_opened += 1
 
     def detach(self, slot: int) -> None:
