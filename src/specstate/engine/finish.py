@@ -1,8 +1,11 @@
-"""One finish resolver for multi-token runs: abort, then stop token / EOS, then the length cap.
+"""The finish rule for multi-token runs, stated for one request: abort, stop token / EOS, cap.
 
 A speculative round settles several tokens at once, so a stop token can sit in the middle of
-the run and the length cap can fall inside it. Every output path (streamed, final, metrics)
-asks this one function, so they agree on where a request ended:
+the run and the length cap can fall inside it. The engine applies this rule to a whole batch at
+once, in the output table's columns (`specstate.engine.outputs.OutputTable.append_runs`), and
+does not call `resolve_finish`: that is the same rule for one request, which the project's tests
+check the columns against row by row (a reference for a reader or an engine of one's own).
+`abort_finish` is the finish the engine gives an aborted request. The rule:
 
 1. an abort requested by the user wins;
 2. the first stop in the run ends the request *including* it: a stop token (a
