@@ -10,6 +10,9 @@ Input, one JSON object per line:
      "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool,
      "grammar"?: {"json_schema": {...}} | {"regex": str} | {"ebnf": str} | {"lark": str}}
 
+``--input -`` reads the lines from standard input; ``--output`` defaults to ``-``, standard
+output, where only the result rows go (the progress bar and the summary are on stderr).
+
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths", "cached_tokens"}`` (``cached_tokens``: prompt tokens the prefix cache
 supplied; ``--no-prefix-cache`` turns the cache off), plus ``"text"`` (the output decoded)
