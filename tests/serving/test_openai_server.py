@@ -188,6 +188,34 @@ def test_usage_reports_the_prefix_cache_hits_of_the_prompt(served: Served) -> No
     assert cached == [0, second.cached_tokens, second.cached_tokens]
 
 
+def test_usage_counts_only_the_accepted_tokens_it_delivered(served: Served) -> None:
+    """A length cap that falls inside an accepted run: the verify really accepted past the cap
+    (its accept length, run directly on `Engine`, is the uncapped run's), but the usage's
+    ``accepted_tokens`` counts only the delivered ones: ``completion_tokens`` less the one
+    token the prefill emitted, the last verify cut at the cap."""
+    prompt = prompt_ids("# usage.accepted_tokens: a cap inside an accepted run\ndef ")
+    with embedded_engine() as engine:
+        free = engine.submit("free", prompt, SamplingParams(max_new_tokens=48))
+        engine.run_until_idle()
+    runs = free.accept_lengths
+    assert len(free.emitted_ids) == 1 + sum(runs)  # one prefill token, then verified runs
+    j = next(i for i, a in enumerate(runs) if i >= 2 and a >= 3)  # a later run to cut inside
+    cap = 1 + sum(runs[:j]) + 1  # one token into run j
+    with embedded_engine() as engine:
+        capped = engine.submit("capped", prompt, SamplingParams(max_new_tokens=cap))
+        engine.run_until_idle()
+    assert capped.accept_lengths[-1] == runs[j]  # settled past the cap: a real accept length
+    assert sum(capped.accept_lengths) > cap - 1
+    completion = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=cap, temperature=0
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == cap
+    stats = speculative_usage(completion)
+    assert stats["accepted_tokens"] == cap - 1 == sum(capped.emitted_accept_lengths)
+    assert stats["verifies"] == j + 1
+    assert token_ids(completion.choices[0]) == list(free.emitted_ids[:cap])
+
+
 def test_token_id_prompts_and_stop_sequences(served: Served) -> None:
     """Token-id prompt and stops (and a stop string): the stop is cut, as OpenAI does."""
     prompt = prompt_ids(TEXTS[2])

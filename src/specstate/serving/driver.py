@@ -208,7 +208,10 @@ class Driver:
             self._ended += 1
             req = route.req
             update = Update(
-                event, logprobs, accept_lengths=req.accept_lengths, cached_tokens=req.cached_tokens
+                event,
+                logprobs,
+                accept_lengths=req.emitted_accept_lengths,
+                cached_tokens=req.cached_tokens,
             )
             self._send(route.stream, update)
             # NOTE: the engine names the error type first in an ERROR finish's detail.
