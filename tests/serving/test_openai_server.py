@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -483,6 +484,38 @@ def test_models_health_and_metrics(served: Served) -> None:
     verifies = snap.engine.metrics.num_verifies
     assert f"specstate_spec_verifies_total {float(verifies)}" in text
     assert "specstate_kv_free_pages" in text
+
+
+SERVED_ROUTES = ["POST /v1/completions", "GET /v1/models", "GET /health", "GET /metrics"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "hint"),
+    [
+        ("POST", "/v1/chat/completions", 404, "no chat endpoint"),
+        ("GET", "/v2/models", 404, "POST /v1/completions"),
+        ("GET", "/v1/completions", 405, "POST /v1/completions"),
+    ],
+)
+def test_an_unknown_route_answers_with_the_served_routes(
+    served: Served, method: str, path: str, status: int, hint: str
+) -> None:
+    """A route the server does not have (or a method it does not take there) answers OpenAI's
+    error object whose message names the routes served, and lists them in ``routes``; the
+    table of docs/serving.md lists the same routes."""
+    got, body = served.request(method, path, b"{}" if method == "POST" else None)
+    assert got == status
+    assert body["routes"] == SERVED_ROUTES
+    error = body["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unknown_route"
+    assert f"{method} {path}" in error["message"] and hint in error["message"]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = page.split("### Routes")[1].split("###")[0]
+    documented = re.findall(r"^\| `(\w+ /[\w/]+)` \|", table, re.M)
+    assert documented == SERVED_ROUTES
+    if path == "/v1/chat/completions":  # the page shows this answer whole
+        shown = re.search(r"```json\n(.*?)\n```", table, re.S)
+        assert shown is not None and json.loads(shown.group(1)) == body
 
 
 def test_grammar_and_response_format_constrain_the_output_as_the_engine_does(

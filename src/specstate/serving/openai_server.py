@@ -14,9 +14,11 @@ Routes:
 * ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`), scraped on
   the driver thread between two steps, from a registry of this app's own.
 
-Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 429 when
-the waiting queue is full, 503 when the engine is unavailable or closed, 500 when the request
-itself failed in the worker. No input crashes the server: anything unexpected is a 500.
+Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 404 (405
+for a method a route does not take) for a route the server does not have, with the routes it
+serves in the message and in a ``routes`` list beside the error, 429 when the waiting queue is
+full, 503 when the engine is unavailable or closed, 500 when the request itself failed in the
+worker. No input crashes the server: anything unexpected is a 500.
 """
 
 from __future__ import annotations
@@ -227,10 +229,29 @@ def _guarded(handler: _Handler) -> _Handler:
     return guarded
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
-    return _json(error.body(), status)
+def _http_errors(served: list[str]) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """Starlette's HTTP errors as OpenAI's error object; a route this app does not have (404,
+    or 405 for a method it does not take there) names the ``served`` routes and lists them."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status not in (404, 405):
+            error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
+            return _json(error.body(), status)
+        asked = f"{request.method} {request.url.path}"
+        hint = (
+            " (no chat endpoint: send the prompt as text to POST /v1/completions)"
+            if request.url.path.endswith("/chat/completions")
+            else ""
+        )
+        error = ApiError(
+            f"this server has no route {asked}{hint}; it serves {', '.join(served)}",
+            status=status,
+            code="unknown_route",
+        )
+        return _json({**error.body(), "routes": served}, status)
+
+    return http_error
 
 
 def create_app(
@@ -254,13 +275,15 @@ def create_app(
             if close_on_shutdown:
                 await front.close(drain=False)
 
+    table = [
+        Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
+        Route("/v1/models", _guarded(routes.models), methods=["GET"]),
+        Route("/health", _guarded(routes.health), methods=["GET"]),
+        Route("/metrics", _guarded(routes.metrics), methods=["GET"]),
+    ]
+    served = [f"{m} {r.path}" for r in table for m in sorted(r.methods or ()) if m != "HEAD"]
     return Starlette(
-        routes=[
-            Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
-            Route("/v1/models", _guarded(routes.models), methods=["GET"]),
-            Route("/health", _guarded(routes.health), methods=["GET"]),
-            Route("/metrics", _guarded(routes.metrics), methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: _http_error},
+        routes=table,
+        exception_handlers={HTTPException: _http_errors(served)},
         lifespan=lifespan,
     )
