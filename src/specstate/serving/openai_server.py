@@ -11,7 +11,8 @@ Routes:
 * ``GET /v1/models``: the one model served.
 * ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine can no
   longer step.
-* ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`), scraped on
+* ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`) and the front
+  door's request latencies and token counts (`specstate.serving.request_metrics`), scraped on
   the driver thread between two steps, from a registry of this app's own.
 
 Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 404 (405
@@ -207,10 +208,12 @@ class _Routes:
         from prometheus_client import CollectorRegistry, generate_latest
 
         from specstate.engine.metrics import register_metrics
+        from specstate.serving.request_metrics import register_request_metrics
 
         if self._registry is None:
             self._registry = CollectorRegistry()
             register_metrics(engine, self._registry)
+            register_request_metrics(self._front, self._registry)
         exposition: bytes = generate_latest(self._registry)
         return exposition
 
