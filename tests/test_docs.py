@@ -1,7 +1,8 @@
 """Docs are part of the product: every Python block in README.md and docs/*.md runs as written.
 
 Each block runs on its own, in a fresh namespace and an empty working directory (so no block
-leans on a file lying around), with nothing but the installed package. Links inside the docs
+leans on a file lying around), with nothing but the installed package. A block that a page
+follows with "It prints...:" and a ``text`` block must print exactly that. Links inside the docs
 point at files that exist. The API reference renders every helper the guides tell adapter
 authors to use, and no public signature shows a private default.
 """
@@ -9,7 +10,9 @@ authors to use, and no public signature shows a private default.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import io
 import os
 import re
 from pathlib import Path
@@ -18,27 +21,52 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+BLOCK = re.compile(r"```python\n(.*?)```(?:\n\nIt prints[^\n]*:\n\n```text\n(.*?)```)?", re.S)
+"""A Python block, and the output a page says it prints (its ``text`` block), if it says."""
+HEADLINES = ("README.md#0", "docs/index.md#0", "docs/serving.md#0")
+"""The first examples a reader runs: each shows its output, and the output has text in it."""
 LINK = re.compile(r"\]\(([^)#:]+)(?:#[^)]*)?\)")
 
 
-def _blocks() -> list[tuple[str, str]]:
+def _blocks() -> list[tuple[str, str, str]]:
+    """``(where, code, output)`` of every Python block; ``output`` is "" when none is shown."""
     found = []
     for page in PAGES:
-        for i, code in enumerate(BLOCK.findall(page.read_text(encoding="utf-8"))):
-            found.append((f"{page.relative_to(ROOT)}#{i}", code))
+        for i, (code, output) in enumerate(BLOCK.findall(page.read_text(encoding="utf-8"))):
+            found.append((f"{page.relative_to(ROOT).as_posix()}#{i}", code, output))
     return found
 
 
-@pytest.mark.parametrize(("where", "code"), _blocks(), ids=[w for w, _ in _blocks()])
-def test_every_python_block_runs(where: str, code: str, tmp_path: Path) -> None:
-    """The block runs without error in an empty directory."""
+@pytest.mark.parametrize(("where", "code", "output"), _blocks(), ids=[w for w, *_ in _blocks()])
+def test_every_python_block_runs(where: str, code: str, output: str, tmp_path: Path) -> None:
+    """The block runs without error in an empty directory, printing what the page shows."""
     cwd = os.getcwd()
     os.chdir(tmp_path)
+    printed = io.StringIO()
     try:
-        exec(compile(code, where, "exec"), {"__name__": "__docs__"})
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, where, "exec"), {"__name__": "__docs__"})
     finally:
         os.chdir(cwd)
+    if output:
+        assert printed.getvalue() == output
+
+
+def test_the_headline_examples_show_visible_output() -> None:
+    """README's first program, docs/index.md's and docs/serving.md's first examples each show
+    what they print, and it is not only whitespace and punctuation (the embedded model answers
+    some prompts with spaces alone: those would look broken)."""
+    shown = {where: output for where, _, output in _blocks()}
+    for where in HEADLINES:
+        assert shown[where], f"{where} shows no output"
+        output = shown[where]
+        quoted = [  # the texts it printed, as repr (a dict's keys left out)
+            m.group(0)
+            for m in re.finditer(r"'(?:[^'\\]|\\.)*'", output)
+            if output[m.end() : m.end() + 1] != ":"
+        ]
+        text = "".join(ast.literal_eval(q) for q in quoted)
+        assert re.search(r"[A-Za-z]", text), (where, text)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
