@@ -109,8 +109,12 @@ ADAPTER_HELPERS = {
     "assert_worker_conforms",
     "DeviceAudit",
     "kv_tokens_for_budget",
+    "TextStream",
+    "load_codec",
+    "register_request_metrics",
 }
-"""Helpers docs/workers.md, example-adapter.md, cli.md, observability.md and gpu.md name."""
+"""Helpers docs/workers.md, example-adapter.md, cli.md, observability.md, gpu.md and serving.md
+name."""
 DIRECTIVE = re.compile(r"^::: ([\w.]+)\n((?:    .*\n)*)", re.M)
 
 
