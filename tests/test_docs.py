@@ -162,3 +162,34 @@ def test_no_public_signature_shows_a_private_default() -> None:
                 if isinstance(sub, ast.Name) and sub.id.startswith("_")
             ]
     assert found == []
+
+
+def _console_lines(page: Path) -> list[str]:
+    """The lines of a page's plain and ``console`` code blocks."""
+    blocks = re.findall(r"```(?:console)?\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    return [line for block in blocks for line in block.splitlines()]
+
+
+def test_ci_runs_the_readme_test_command_and_the_torch_line_is_the_cpu_build() -> None:
+    """.ci/run's command is the README's test command, verbatim; the README installs torch's
+    CPU build from PyTorch's CPU index first, before the commands that pin it."""
+    readme = _console_lines(ROOT / "README.md")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci in readme
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert readme.index(cpu) < readme.index(ci)
+
+
+def test_no_install_line_points_at_an_address_the_project_does_not_have() -> None:
+    """The project has no public repository, docs site or package index entry: no page, and
+    no package metadata, sends a user to one (a clone URL, ``pip install git+...``)."""
+    places = [*PAGES, ROOT / "pyproject.toml", ROOT / "CHANGELOG.md"]
+    found = [
+        f"{place.relative_to(ROOT)}: {m.group(0)}"
+        for place in places
+        for m in re.finditer(
+            r"github\.com/specstate|specstate\.github\.io|git\+https?://\S+",
+            place.read_text(encoding="utf-8"),
+        )
+    ]
+    assert found == []
