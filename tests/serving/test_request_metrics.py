@@ -207,8 +207,8 @@ def test_an_observation_on_a_bound_falls_in_that_bucket() -> None:
     limits = RequestLimits(vocab_size=8, max_context_len=64)
     req = Req.new("r", [1, 2], SamplingParams(max_new_tokens=4), limits, checker=OwnershipChecker())
     metrics = RequestMetrics()
-    metrics.accepted(req, arrived_s=10.0)
-    metrics.delivered(req, 3, at_s=10.0 + TTFT_BUCKETS_S[2])
+    metrics.record_accepted(req, arrived_s=10.0)
+    metrics.record_delivery(req, 3, at_s=10.0 + TTFT_BUCKETS_S[2])
     snap = metrics.snapshot()
     assert snap.time_to_first_token.counts[2] == 1 and snap.time_to_first_token.count == 1
     assert snap.inter_token_latency.counts[0] == 2 and snap.inter_token_latency.total_s == 0

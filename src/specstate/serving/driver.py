@@ -187,7 +187,7 @@ class Driver:
             self._send(stream, Accepted(exc))
             return
         self._submitted += 1
-        self.request_metrics.accepted(req, arrived_s=arrived_s)
+        self.request_metrics.record_accepted(req, arrived_s=arrived_s)
         self._routes[stream.request_id] = _Route(stream=stream, req=req)
         self._send(stream, Accepted(None))
 
@@ -200,7 +200,7 @@ class Driver:
             route = self._routes.get(event.request_id)
             if route is None:  # submitted to the engine by someone else: not ours to route
                 continue
-            self.request_metrics.delivered(route.req, len(event.tokens), at_s=now)
+            self.request_metrics.record_delivery(route.req, len(event.tokens), at_s=now)
             start = route.num_sent
             route.num_sent += len(event.tokens)
             logprobs = None
@@ -214,12 +214,10 @@ class Driver:
             del self._routes[event.request_id]
             self._ended += 1
             req = route.req
-            self.request_metrics.ended(req, finish, at_s=now)
+            accepts = req.emitted_accept_lengths  # the usage counts only delivered tokens
+            self.request_metrics.record_end(req, finish, accepts, at_s=now)
             update = Update(
-                event,
-                logprobs,
-                accept_lengths=req.emitted_accept_lengths,
-                cached_tokens=req.cached_tokens,
+                event, logprobs, accept_lengths=accepts, cached_tokens=req.cached_tokens
             )
             self._send(route.stream, update)
             # NOTE: the engine names the error type first in an ERROR finish's detail.

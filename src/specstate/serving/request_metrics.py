@@ -28,7 +28,7 @@ read for tests and logs (`AsyncEngineSnapshot.requests`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -156,8 +156,8 @@ class _Timing:
 class RequestMetrics:
     """The request metrics of one front door (module docstring); only its driver writes them.
 
-    Invariant: a request is timed from its `accepted` to its `ended`, and each of its events
-    is counted once.
+    Invariant: a request is timed from `record_accepted` to `record_end`, and each of its
+    events is counted once.
     """
 
     _live: dict[str, _Timing] = attrs.field(factory=dict)
@@ -171,12 +171,12 @@ class RequestMetrics:
     _accepted_tokens: int = 0
     _finished: dict[str, int] = attrs.field(factory=dict)
 
-    def accepted(self, req: Req, *, arrived_s: float) -> None:
+    def record_accepted(self, req: Req, *, arrived_s: float) -> None:
         """The engine accepted ``req``, which arrived at ``arrived_s``."""
         self._live[req.request_id] = _Timing(arrived_s)
         self._prompt_tokens += len(req.prompt_ids)
 
-    def delivered(self, req: Req, num_tokens: int, *, at_s: float) -> None:
+    def record_delivery(self, req: Req, num_tokens: int, *, at_s: float) -> None:
         """``num_tokens`` of ``req`` were handed to its stream at ``at_s`` (0: none)."""
         timing = self._live[req.request_id]
         self._queue_time(req, timing)
@@ -192,15 +192,18 @@ class RequestMetrics:
             self._itl.observe((at_s - last) / num_tokens, num_tokens)
         timing.last_delivery_s = at_s
 
-    def ended(self, req: Req, finish: FinishState, *, at_s: float) -> None:
-        """``req`` ended with ``finish``, its final event handed over at ``at_s``."""
+    def record_end(
+        self, req: Req, finish: FinishState, accept_lengths: Sequence[int], *, at_s: float
+    ) -> None:
+        """``req`` ended with ``finish``, its final event handed over at ``at_s``;
+        ``accept_lengths`` are its verifies' as far as delivered (`Req.emitted_accept_lengths`)."""
         timing = self._live.pop(req.request_id)
         self._queue_time(req, timing)
         self._e2e.observe(at_s - timing.arrived_s)
         reason = finish.reason.value
         self._finished[reason] = self._finished.get(reason, 0) + 1
         self._cached_tokens += min(req.cached_tokens, len(req.prompt_ids))
-        self._accepted_tokens += sum(req.emitted_accept_lengths)
+        self._accepted_tokens += sum(accept_lengths)
 
     def _queue_time(self, req: Req, timing: _Timing) -> None:
         admitted = req.first_admitted_s

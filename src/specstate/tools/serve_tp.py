@@ -85,6 +85,9 @@ def run_serve_tp(args: argparse.Namespace, run_leader: _Leader) -> int:
         group = RankGroup.init(rank=0, world_size=args.tp, init_method=f"tcp://127.0.0.1:{port}")
         with group:
             code = rank_main(group, args, run_leader, "serve")
+    except (SpecStateError, RuntimeError) as exc:  # the group could not form
+        print(f"specstate serve: rank 0: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = 2
     finally:
         failed = _reap(followers)
     for rank, exitcode in failed:
@@ -160,7 +163,8 @@ def _follower_main(rank: int, world_size: int, port: int, args: argparse.Namespa
             code = follow_leader(group, args)
     except BaseException as exc:  # its last word, on the terminal rank 0 serves from
         print(f"specstate serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        traceback.print_exc()
+        if not isinstance(exc, SpecStateError):  # a bug, not a rank failure: where it was
+            traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NOTE: no interpreter teardown: a broken group may block it
