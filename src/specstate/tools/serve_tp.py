@@ -82,6 +82,9 @@ def run_serve_tp(args: argparse.Namespace, run_leader: _Leader) -> int:
     port = free_port()
     followers = _start_followers(args, port)
     try:
+        # NOTE: after SIGTERM, uvicorn re-raises the signal once the server shut down, so this
+        # process may end inside run_leader, reaping nothing: the engine's close released the
+        # followers already, and they exit by themselves.
         group = RankGroup.init(rank=0, world_size=args.tp, init_method=f"tcp://127.0.0.1:{port}")
         with group:
             code = rank_main(group, args, run_leader, "serve")
