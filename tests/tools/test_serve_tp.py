@@ -147,6 +147,7 @@ def test_serve_tp2_answers_the_openai_client_with_the_tp1_tokens(
         )
         with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
             metrics = response.read().decode()
+        client.close()
     finally:
         if stop == "ctrl-c":
             os.killpg(server.pid, signal.SIGINT)  # a terminal sends it to the whole group
@@ -193,3 +194,52 @@ def test_a_busy_port_fails_before_any_rank_starts() -> None:
     assert done.returncode == 2
     assert done.stderr.startswith(f"specstate serve: cannot listen on 127.0.0.1:{port}")
     assert len(done.stderr.splitlines()) == 1
+
+
+def _rank_one_pid(server: subprocess.Popen[str]) -> int:
+    """The spawned follower's process: the server's child that runs ``spawn_main`` (not
+    multiprocessing's resource tracker)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == server.pid and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            return int(proc.name)
+    raise AssertionError("no follower process")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the follower through /proc")
+def test_a_dead_rank_makes_the_server_unhealthy_not_hung(partial_ckpt: SpecCheckpoints) -> None:
+    """Rank 1 killed while the server idles: the next request answers 503 (the engine can no
+    longer step), /health says so, and the command, stopped, exits 2 naming rank 1. (A server
+    whose rank 0 did not drive rank 1 would answer as if nothing happened.)"""
+    port = free_port()
+    server = _launch("spawned", partial_ckpt, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server)
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=BOUND_S
+        )
+        first = client.completions.create(model="tp", prompt=[5, 6, 7], max_tokens=4)
+        assert first.choices[0].finish_reason == "length"
+        os.kill(_rank_one_pid(server), signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model="tp", prompt=[5, 6, 7], max_tokens=4)
+        assert failed.value.status_code == 503
+        assert "RankFailure" in failed.value.message
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{url}/health", timeout=60)
+        health.value.close()
+        assert health.value.code == 503
+        client.close()
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        _, stderr = server.communicate(timeout=BOUND_S)
+    assert server.returncode == 2, stderr[-3000:]
+    assert "specstate serve: rank 1 exited with code -9" in stderr

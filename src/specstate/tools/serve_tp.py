@@ -35,9 +35,12 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from specstate.core.errors import SpecStateError
+
+if TYPE_CHECKING:
+    from specstate.distributed.groups import RankGroup
 
 __all__ = ["IDLE_TIMEOUT_S", "run_serve_tp"]
 
@@ -52,24 +55,34 @@ _Leader = Callable[[argparse.Namespace], int]
 
 def run_serve_tp(args: argparse.Namespace, run_leader: _Leader) -> int:
     """Serve as a tensor-parallel group (module docstring); rank 0 runs ``run_leader``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this rank
+        return _run_under_torchrun(args, run_leader)
+    return _run_spawned(args, run_leader)
+
+
+def _run_under_torchrun(args: argparse.Namespace, run_leader: _Leader) -> int:
+    """This process is one rank of torchrun's group."""
     from specstate.distributed.groups import RankGroup
     from specstate.tools.generate_tp import rank_main
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun started this rank
-        try:
-            group = RankGroup.from_env(idle_timeout_s=IDLE_TIMEOUT_S)
-        except SpecStateError as exc:
-            print(f"specstate serve: {exc}", file=sys.stderr)
-            return 2
-        if not group.is_leader:
-            _ignore_stop_signals()
-        with group:
-            code = rank_main(group, args, run_leader, "serve")
-        if group.failure is not None:  # a broken group cannot be torn down: leave at once
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        return code
+    try:
+        group = RankGroup.from_env(idle_timeout_s=IDLE_TIMEOUT_S)
+    except SpecStateError as exc:
+        print(f"specstate serve: {exc}", file=sys.stderr)
+        return 2
+    if not group.is_leader:
+        _ignore_stop_signals()
+    with group:
+        code = rank_main(group, args, run_leader, "serve")
+    return _leave(group, code)
+
+
+def _run_spawned(args: argparse.Namespace, run_leader: _Leader) -> int:
+    """This process is rank 0 and starts the others; the exit code once every rank ended."""
+    from specstate.distributed.groups import RankGroup
+    from specstate.distributed.spawn import free_port
+    from specstate.tools.generate_tp import rank_main
+
     busy = _port_in_use(args.host, args.port)
     if busy is not None:  # before any rank starts: uvicorn would fail with every rank up
         print(
@@ -77,10 +90,9 @@ def run_serve_tp(args: argparse.Namespace, run_leader: _Leader) -> int:
         )
         return 2
     args.threads = args.threads or 1  # as `generate --tp`: one torch thread a rank by default
-    from specstate.distributed.spawn import free_port
-
     port = free_port()
     followers = _start_followers(args, port)
+    group: RankGroup | None = None
     try:
         # NOTE: after SIGTERM, uvicorn re-raises the signal once the server shut down, so this
         # process may end inside run_leader, reaping nothing: the engine's close released the
@@ -95,7 +107,17 @@ def run_serve_tp(args: argparse.Namespace, run_leader: _Leader) -> int:
         failed = _reap(followers)
     for rank, exitcode in failed:
         print(f"specstate serve: rank {rank} exited with code {exitcode}", file=sys.stderr)
-    return 2 if failed else code
+    code = 2 if failed else code
+    return code if group is None else _leave(group, code)
+
+
+def _leave(group: RankGroup, code: int) -> int:
+    """``code``; but a broken group cannot be torn down: then leave the process at once."""
+    if group.failure is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _port_in_use(host: str, port: int) -> str | None:
