@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -187,6 +188,34 @@ def test_usage_reports_the_prefix_cache_hits_of_the_prompt(served: Served) -> No
         assert usage is not None and usage.prompt_tokens_details is not None
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached == [0, second.cached_tokens, second.cached_tokens]
+
+
+def test_usage_counts_only_the_accepted_tokens_it_delivered(served: Served) -> None:
+    """A length cap that falls inside an accepted run: the verify really accepted past the cap
+    (its accept length, run directly on `Engine`, is the uncapped run's), but the usage's
+    ``accepted_tokens`` counts only the delivered ones: ``completion_tokens`` less the one
+    token the prefill emitted, the last verify cut at the cap."""
+    prompt = prompt_ids("# usage.accepted_tokens: a cap inside an accepted run\ndef ")
+    with embedded_engine() as engine:
+        free = engine.submit("free", prompt, SamplingParams(max_new_tokens=48))
+        engine.run_until_idle()
+    runs = free.accept_lengths
+    assert len(free.emitted_ids) == 1 + sum(runs)  # one prefill token, then verified runs
+    j = next(i for i, a in enumerate(runs) if i >= 2 and a >= 3)  # a later run to cut inside
+    cap = 1 + sum(runs[:j]) + 1  # one token into run j
+    with embedded_engine() as engine:
+        capped = engine.submit("capped", prompt, SamplingParams(max_new_tokens=cap))
+        engine.run_until_idle()
+    assert capped.accept_lengths[-1] == runs[j]  # settled past the cap: a real accept length
+    assert sum(capped.accept_lengths) > cap - 1
+    completion = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=cap, temperature=0
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == cap
+    stats = speculative_usage(completion)
+    assert stats["accepted_tokens"] == cap - 1 == sum(capped.emitted_accept_lengths)
+    assert stats["verifies"] == j + 1
+    assert token_ids(completion.choices[0]) == list(free.emitted_ids[:cap])
 
 
 def test_token_id_prompts_and_stop_sequences(served: Served) -> None:
@@ -528,6 +557,38 @@ def test_models_health_and_metrics(served: Served) -> None:
     verifies = snap.engine.metrics.num_verifies
     assert f"specstate_spec_verifies_total {float(verifies)}" in text
     assert "specstate_kv_free_pages" in text
+
+
+SERVED_ROUTES = ["POST /v1/completions", "GET /v1/models", "GET /health", "GET /metrics"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "hint"),
+    [
+        ("POST", "/v1/chat/completions", 404, "no chat endpoint"),
+        ("GET", "/v2/models", 404, "POST /v1/completions"),
+        ("GET", "/v1/completions", 405, "POST /v1/completions"),
+    ],
+)
+def test_an_unknown_route_answers_with_the_served_routes(
+    served: Served, method: str, path: str, status: int, hint: str
+) -> None:
+    """A route the server does not have (or a method it does not take there) answers OpenAI's
+    error object whose message names the routes served, and lists them in ``routes``; the
+    table of docs/serving.md lists the same routes."""
+    got, body = served.request(method, path, b"{}" if method == "POST" else None)
+    assert got == status
+    assert body["routes"] == SERVED_ROUTES
+    error = body["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unknown_route"
+    assert f"{method} {path}" in error["message"] and hint in error["message"]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = page.split("### Routes")[1].split("###")[0]
+    documented = re.findall(r"^\| `(\w+ /[\w/]+)` \|", table, re.M)
+    assert documented == SERVED_ROUTES
+    if path == "/v1/chat/completions":  # the page shows this answer whole
+        shown = re.search(r"```json\n(.*?)\n```", table, re.S)
+        assert shown is not None and json.loads(shown.group(1)) == body
 
 
 def test_grammar_and_response_format_constrain_the_output_as_the_engine_does(

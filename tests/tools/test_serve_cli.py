@@ -124,9 +124,13 @@ def test_serve_builds_the_engine_generate_flags_describe(
     assert capsys.readouterr().err.startswith(bought)
 
 
+def _docs_page() -> str:
+    return (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+
+
 def _docs_curls(port: int) -> list[list[str]]:
     """The curl commands of docs/serving.md (plain, structured), pointed at ``port``."""
-    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    text = _docs_page()
     lines = re.findall(r"^\$ (curl .*)$", text, re.M)
     assert len(lines) == 2, lines
     return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
@@ -184,7 +188,7 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
         grammar_vocabulary=embedded.grammar_vocabulary(),
     )
     with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=4096)) as engine:
-        prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    ")]
+        prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    return ")]
         req = engine.submit("d", prompt, SamplingParams(max_new_tokens=16))
         as_object = SamplingParams(
             max_new_tokens=32, grammar=Grammar.json_schema({"type": "object"})
@@ -194,6 +198,8 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
     assert answer["model"] == "specstate-embedded"
     assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
     assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)
+    shown = re.search(r"Its choice's `text` is `(.*?)`", _docs_page())  # what the page says
+    assert shown is not None and answer["choices"][0]["text"] == json.loads(shown.group(1))
     choice = constrained["choices"][0]
     assert choice["token_ids"] == list(obj.emitted_ids)
     assert choice["finish_reason"] == "stop"

@@ -13,6 +13,7 @@ be applied to a new owner.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
 
@@ -84,6 +85,7 @@ class Req:
         "_cached_tokens",
         "_checker",
         "_finish",
+        "_first_admitted_s",
         "_incarnation",
         "_logprobs",
         "_output_ids",
@@ -115,6 +117,7 @@ class Req:
         self._incarnation = 0
         self._finish: FinishState | None = None
         self._cached_tokens = 0
+        self._first_admitted_s: float | None = None
 
     @classmethod
     def new(
@@ -185,6 +188,21 @@ class Req:
         return tuple(self._accept_lengths)
 
     @property
+    def emitted_accept_lengths(self) -> tuple[int, ...]:
+        """`accept_lengths` as far as the user saw them: once the request ended, the last
+        verify is cut where ``finished_len`` falls (a stop or the cap inside an accepted run),
+        so the sum counts only tokens of `emitted_ids` (what a usage report may charge)."""
+        accepts = list(self.accept_lengths)
+        surplus = 0 if self._finish is None else self.num_outputs - self._finish.finished_len
+        while surplus > 0 and accepts:  # the settled tokens past the end, from the last run
+            cut = min(surplus, accepts[-1])
+            accepts[-1] -= cut
+            surplus -= cut
+            if accepts[-1] == 0:
+                accepts.pop()
+        return tuple(accepts)
+
+    @property
     def logprobs(self) -> tuple[float, ...] | None:
         """With ``sampling.logprobs``: the log-probability of every emitted token, aligned
         with `emitted_ids` (under the target's final distribution); else None."""
@@ -205,6 +223,12 @@ class Req:
         """Tokens whose KV the prefix cache supplied at the request's latest admission (a
         retracted request is matched again when re-admitted); 0 before admission."""
         return self._cached_tokens
+
+    @property
+    def first_admitted_s(self) -> float | None:
+        """`time.monotonic` when the scheduler first admitted the request (a retracted one is
+        admitted again later: the first time stays); None while it never was."""
+        return self._first_admitted_s
 
     @property
     def finish(self) -> FinishState | None:
@@ -349,13 +373,16 @@ class Req:
         return source, [r._slot for r in reqs]
 
     def record_admission(self, *, cached_tokens: int) -> None:
-        """Record how many of its tokens the prefix cache supplied (scheduler, at admission).
+        """Record how many of its tokens the prefix cache supplied, and, the first time, when
+        (scheduler, at admission).
 
         Raises:
             OwnershipError: the calling thread does not act as the scheduler.
         """
         self._checker.require((Role.SCHEDULER,), counter="cached_tokens", request=self.request_id)
         self._cached_tokens = cached_tokens
+        if self._first_admitted_s is None:  # a front door's queue time ends here
+            self._first_admitted_s = time.monotonic()
 
     def attach_outputs(self, source: OutputSource, slot: int) -> None:
         """Keep the settled outputs in ``source``'s ``slot`` from now on (admission).

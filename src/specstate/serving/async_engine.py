@@ -50,6 +50,7 @@ from specstate.serving.inbox import (
     Submit,
     WaitIdle,
 )
+from specstate.serving.request_metrics import RequestMetrics, RequestMetricsSnapshot
 from specstate.serving.request_stream import RequestStream
 
 __all__ = ["AsyncEngine", "AsyncEngineSnapshot"]
@@ -71,6 +72,8 @@ class AsyncEngineSnapshot:
         num_ended: accepted requests that ended (any finish reason).
         num_cancelled: requests aborted because their consumer left before the end.
         engine: the engine's own snapshot (`Engine.snapshot`); after a failure, the last one.
+        requests: latencies and token counts of the requests served
+            (`specstate.serving.request_metrics`).
     """
 
     healthy: bool
@@ -82,6 +85,7 @@ class AsyncEngineSnapshot:
     num_ended: int
     num_cancelled: int
     engine: EngineSnapshot | None
+    requests: RequestMetricsSnapshot
 
 
 class AsyncEngine:
@@ -192,6 +196,12 @@ class AsyncEngine:
         return self._driver.failure
 
     @property
+    def request_metrics(self) -> RequestMetrics:
+        """The latencies and token counts of the requests served (written by the driver thread;
+        `snapshot` reads them consistently, `register_request_metrics` exports them)."""
+        return self._driver.request_metrics
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting for admission, as of the driver's last turn (no driver round trip)."""
         return self._inbox.num_waiting
@@ -241,6 +251,7 @@ class AsyncEngine:
             num_ended=counts.num_ended,
             num_cancelled=counts.num_cancelled,
             engine=engine,
+            requests=self._driver.request_metrics.snapshot(),
         )
 
     async def wait_idle(self) -> None:

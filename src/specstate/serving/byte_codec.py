@@ -48,7 +48,10 @@ def byte_codec(model: Path | None) -> ByteCodec:
     a tokenizer's vocabulary (GPT-2's 50257 ids, say) is refused with the reason.
     """
     if model is None:
-        raise InvalidRequest('"text" needs --model DIR, a byte-level checkpoint to encode it')
+        raise InvalidRequest(
+            '"text" needs --model DIR, a byte-level checkpoint or one with a tokenizer, to '
+            "encode it"
+        )
     config = read_vocabulary(model)  # any architecture: a --worker may run a non-Llama model
     specials = [*config.eos_token_ids]
     if config.bos_token_id is not None:

@@ -9,8 +9,9 @@ the start of a stop) and, when the request ends on a stop, cuts the matched sequ
     streamed:        t1 | t2 | t3          (s1 held back until the end shows it is a stop)
     returned:        t1 t2 t3              finish_reason "stop"
 
-Usage carries the speculative statistics of the request (``accepted_tokens``: tokens its
-verifies accepted, bonus included; ``verifies``; ``mean_accept_length``).
+Usage carries the speculative statistics of the request (``accepted_tokens``: delivered tokens
+its verifies accepted, bonus included, so a verify that accepted past a stop or the length cap
+counts only up to it; ``verifies``; ``mean_accept_length``).
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ class RequestStream:
         finish: how the request ended, once the final event was yielded; None before.
         logprobs: with ``sampling.logprobs``, the log-probability of every token yielded so
             far (aligned with them); else None.
-        accept_lengths: once ended, the accept length of every verify of the request.
+        accept_lengths: once ended, the accept length of every verify of the request, the
+            last cut where the request ended (`Req.emitted_accept_lengths`): their sum counts
+            only tokens this stream delivered.
         cached_tokens: once ended, the tokens whose KV the prefix cache supplied
             (`Req.cached_tokens`).
         num_tokens: tokens yielded so far.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Final
 
 from specstate.tools.engine_options import (
     THREADS_NOTE,
@@ -18,7 +19,11 @@ from specstate.tools.engine_options import (
     positive,
 )
 
-__all__ = ["add_arguments"]
+__all__ = ["STDIO", "add_arguments"]
+
+STDIO: Final = "-"
+"""``--input -`` reads the requests from standard input, ``--output -`` (the default) writes the
+results to standard output."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _io_options(parser: argparse.ArgumentParser) -> None:
     """The requests in and the results out."""
-    parser.add_argument("--input", type=Path, required=True, help="requests, JSONL")
-    parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
+    parser.add_argument(
+        "--input", type=Path, required=True, help="requests, JSONL ('-': standard input)"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(STDIO),
+        help="results, JSONL ('-': standard output; progress and summary stay on stderr)",
+    )
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
