@@ -9,7 +9,9 @@ Two layers:
 
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
-  streaming (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
+  draft and verify-budget policies (`DraftPolicy`, `AcceptanceEma`, `VerifyBudgetPolicy`,
+  `BatchSizeSchedule`, `GoodputBudget`, `ConfidenceBudget`, `CostProfile`, ...), streaming
+  (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
   `RequestStream`), structured output (`Grammar`, `GrammarVocabulary`), the worker interface
   (`WorkerProtocol`, `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`), the
   types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
@@ -65,6 +67,16 @@ if TYPE_CHECKING:
     from specstate.core.params import RequestLimits, SamplingParams
     from specstate.core.request import Req
     from specstate.core.status import FinishReason, FinishState, ReqSnapshot, ReqStatus
+    from specstate.engine.budgets import (
+        BatchSizeSchedule,
+        BudgetRows,
+        ConfidenceBudget,
+        CostProfile,
+        FixedBudget,
+        GoodputBudget,
+        SettledBudgets,
+        VerifyBudgetPolicy,
+    )
     from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
     from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
     from specstate.engine.engine import Engine
@@ -137,6 +149,14 @@ _EXPORTS: dict[str, str] = {
     "ReqStatus": "specstate.core.status",
     "RequestLimits": "specstate.core.params",
     "SamplingParams": "specstate.core.params",
+    "BatchSizeSchedule": "specstate.engine.budgets",
+    "BudgetRows": "specstate.engine.budgets",
+    "ConfidenceBudget": "specstate.engine.budgets",
+    "CostProfile": "specstate.engine.budgets",
+    "FixedBudget": "specstate.engine.budgets",
+    "GoodputBudget": "specstate.engine.budgets",
+    "SettledBudgets": "specstate.engine.budgets",
+    "VerifyBudgetPolicy": "specstate.engine.budgets",
     "AcceptanceEma": "specstate.engine.draft_policy",
     "DraftPolicy": "specstate.engine.draft_policy",
     "Engine": "specstate.engine.engine",
@@ -185,6 +205,10 @@ __all__ = [
     "AlgorithmRegistry",
     "AsyncEngine",
     "AsyncEngineSnapshot",
+    "BatchSizeSchedule",
+    "BudgetRows",
+    "ConfidenceBudget",
+    "CostProfile",
     "DoubleRelease",
     "DraftPolicy",
     "Engine",
@@ -194,10 +218,12 @@ __all__ = [
     "Event",
     "FinishReason",
     "FinishState",
+    "FixedBudget",
     "ForwardBatch",
     "ForwardMode",
     "ForwardTimeout",
     "GenerationBatchResult",
+    "GoodputBudget",
     "Grammar",
     "GrammarError",
     "GrammarRows",
@@ -234,6 +260,7 @@ __all__ = [
     "RowMasks",
     "SamplingInfo",
     "SamplingParams",
+    "SettledBudgets",
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
@@ -241,6 +268,7 @@ __all__ = [
     "StepReport",
     "TokenEvent",
     "UsageError",
+    "VerifyBudgetPolicy",
     "WorkerCapabilities",
     "WorkerLedgerView",
     "WorkerMemory",

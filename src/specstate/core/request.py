@@ -50,6 +50,10 @@ class OutputSource(Protocol):
         """Accept lengths of the verifies settled since the request took ``slot``."""
         ...
 
+    def read_verified_lengths(self, slot: int) -> list[int]:
+        """Drafts each of those verifies verified (its budget, or the round's width)."""
+        ...
+
     def read_logprobs(self, slot: int) -> list[float]:
         """Log-probability of every settled output token of the request in ``slot``."""
         ...
@@ -60,10 +64,10 @@ class OutputSource(Protocol):
 
     def leave_rows(
         self, slots: list[int], logprobs: list[bool]
-    ) -> tuple[list[list[int]], list[list[int]], list[list[float] | None]]:
-        """The requests in ``slots`` leave them: per slot, its settled outputs, its accept
-        lengths and (where ``logprobs`` is set) its log-probabilities; a result launched
-        before this for one of them is stale."""
+    ) -> tuple[list[list[int]], list[list[list[int]]], list[list[float] | None]]:
+        """The requests in ``slots`` leave them: per slot, its settled outputs, its verifies
+        (``[accept lengths, verified lengths]``) and (where ``logprobs`` is set) its
+        log-probabilities; a result launched before this for one of them is stale."""
         ...
 
 
@@ -92,6 +96,7 @@ class Req:
         "_slot",
         "_source",
         "_status",
+        "_verified_lengths",
         "prompt_ids",
         "request_id",
         "sampling",
@@ -110,6 +115,7 @@ class Req:
         self._checker = checker
         self._output_ids: list[int] = []
         self._accept_lengths: list[int] = []
+        self._verified_lengths: list[int] = []
         self._logprobs: list[float] = []
         self._source: OutputSource | None = None
         self._slot = 0
@@ -186,6 +192,30 @@ class Req:
         if self._source is not None:
             return (*self._accept_lengths, *self._source.read_accept_lengths(self._slot))
         return tuple(self._accept_lengths)
+
+    @property
+    def verified_lengths(self) -> tuple[int, ...]:
+        """Drafts each settled verify of this request verified, aligned with `accept_lengths`
+        (the round's width, or the row's verify budget under a budget policy, or fewer when
+        the worker verified fewer)."""
+        if self._source is not None:
+            return (*self._verified_lengths, *self._source.read_verified_lengths(self._slot))
+        return tuple(self._verified_lengths)
+
+    def draft_acceptance(self) -> tuple[tuple[int, int], ...]:
+        """Per draft position ``j``, ``(accepted, verified)``: in how many of the request's
+        emitted verifies draft ``j`` was verified, and in how many it was accepted (its
+        accept length passed ``j + 1``). Positions past the widest verify are left out."""
+        accepts = self.emitted_accept_lengths
+        verified = self.verified_lengths[: len(accepts)]
+        width = max(verified, default=0)
+        return tuple(
+            (
+                sum(1 for a, v in zip(accepts, verified, strict=True) if j < v and a > j + 1),
+                sum(1 for v in verified if j < v),
+            )
+            for j in range(width)
+        )
 
     @property
     def emitted_accept_lengths(self) -> tuple[int, ...]:
@@ -412,10 +442,13 @@ class Req:
     def _leave_rows(reqs: Sequence[Req], source: OutputSource, slots: list[int]) -> None:
         # Copy the outputs and accept lengths back before the slots can be reused; the source
         # marks the slots so that a result still in flight for these requests is skipped.
-        outputs, accepts, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
-        for req, out, accepted, probs in zip(reqs, outputs, accepts, logprobs, strict=True):
+        outputs, verifies, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
+        for req, out, (accepted, checked), probs in zip(
+            reqs, outputs, verifies, logprobs, strict=True
+        ):
             req._output_ids = out
             req._accept_lengths += accepted
+            req._verified_lengths += checked
             if probs is not None:
                 req._logprobs = probs
             req._source = None

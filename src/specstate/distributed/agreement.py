@@ -7,7 +7,8 @@ batch each rank contributes one status row to an all-gather on the control group
 
 * the ranks settle different batches: `RankDivergence` (they are out of step);
 * no rank failed: the batch is settled; in checking mode the digests of the results (accept
-  lengths, tokens, frontier, invalid rows, logprobs) must be equal, else `RankDivergence`;
+  lengths, tokens, frontier, invalid rows, logprobs, verified lengths, draft confidences) must
+  be equal, else `RankDivergence`;
 * some rank failed: every rank fails the batch with one `RankFailure` naming the failed ranks
   and the first one's error (its text broadcast from that rank), so the requests end with the
   same detail everywhere. If only some ranks failed, or a worker-group collective failed, the
@@ -60,6 +61,8 @@ def plan_digest(plan: LaunchPlan, batch_id: int) -> npt.NDArray[np.int64]:
     hasher.update(np.ascontiguousarray(plan.slots_host).tobytes())
     hasher.update(np.ascontiguousarray(plan.epochs).tobytes())
     hasher.update(np.asarray(batch.incarnations, dtype=np.int64).tobytes())
+    budgets = batch.verify_budgets
+    hasher.update(b"-" if budgets is None else np.ascontiguousarray(budgets.host).tobytes())
     return _words(hasher)
 
 
@@ -73,7 +76,15 @@ def _idle_digest(batch_id: int) -> npt.NDArray[np.int64]:
 def result_digest(host: HostResult) -> npt.NDArray[np.int64]:
     """A digest of a batch's result as the host will settle it."""
     hasher = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
-    parts = (host.accept, host.tokens, host.frontier, host.invalid, host.logprobs)
+    parts = (
+        host.accept,
+        host.tokens,
+        host.frontier,
+        host.invalid,
+        host.logprobs,
+        host.verified,
+        host.confidences,
+    )
     for part in parts:
         hasher.update(b"-" if part is None else np.ascontiguousarray(part).tobytes())
     return _words(hasher)

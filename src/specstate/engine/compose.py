@@ -22,13 +22,15 @@ from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import KvLedger, LedgerViews
 from specstate.core.ownership import OwnershipChecker
 from specstate.core.params import RequestLimits
+from specstate.engine.budgets import ConfidenceBudget, VerifyBudgetPolicy
 from specstate.engine.capabilities.agreement import AgreementHook, RoundAgreement
+from specstate.engine.capabilities.budgets import BudgetGuard, round_planner
 from specstate.engine.capabilities.delivery import Deliveries
 from specstate.engine.capabilities.draft_guard import DraftGuard
 from specstate.engine.capabilities.grammar import GrammarTable
 from specstate.engine.capabilities.tracing import ContainedRecorder, TraceHook
 from specstate.engine.config import EngineConfig
-from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy, full_width
+from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy, PlanRound
 from specstate.engine.hooks import RoundHooks
 from specstate.engine.launch.launcher import Launcher
 from specstate.engine.rounds import RoundParts, RoundPipeline
@@ -58,6 +60,7 @@ class EngineParts:
     grammar: GrammarTable
     deliveries: Deliveries
     draft_guard: DraftGuard | None
+    budget_guard: BudgetGuard | None
     rounds: RoundPipeline
 
 
@@ -69,21 +72,24 @@ def compose(
     trace: TraceRecorder | None = None,
     draft_policy: DraftPolicy | None = None,
     agreement: RoundAgreement | None = None,
+    verify_budget: VerifyBudgetPolicy | None = None,
 ) -> EngineParts:
     """Build and wire every owner of an engine for ``worker`` (the `specstate.Engine` args).
 
     Raises:
         InvalidConfig: the worker cannot serve ``config`` (overlap, mixed chunks, an adaptive
-            draft length it does not support).
+            draft length or verify budgets it does not support).
     """
     caps = worker.capabilities
     guard = _draft_guard(caps, config, draft_policy)
+    budgets = _budget_guard(caps, verify_budget)
     if config.overlap and not caps.supports_overlap:
         raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")
     if config.mixed_chunk and not caps.supports_mixed_chunk:
         raise InvalidConfig(f"worker {caps.algorithm!r} does not support mixed chunks")
     memory = EngineMemory.build(caps, limits, config)
-    scheduler = _scheduler(limits, config, memory, guard)
+    planner = round_planner(guard, budgets, num_steps=caps.num_steps)
+    scheduler = _scheduler(limits, config, memory, planner)
     worker.attach(
         WorkerMemory(
             req_to_token=memory.allocator.req_to_token,
@@ -107,7 +113,7 @@ def compose(
     # first; grammar refuses a request before the trace records its submit; the trace records
     # a round before the draft policy observes it (the policy is user code, so it goes last).
     agreed = None if agreement is None else AgreementHook(agreement)
-    ordered = (agreed, grammar, tracing, guard, deliveries)
+    ordered = (agreed, grammar, tracing, guard, budgets, deliveries)
     hooks = RoundHooks([hook for hook in ordered if hook is not None])
     parts = _round_parts(worker, limits, config, memory, scheduler, trace is not None)
     return EngineParts(
@@ -116,6 +122,7 @@ def compose(
         grammar=grammar,
         deliveries=deliveries,
         draft_guard=guard,
+        budget_guard=budgets,
         rounds=RoundPipeline(parts=parts, hooks=hooks, config=config),
     )
 
@@ -188,7 +195,7 @@ class EngineMemory:
 
 
 def _scheduler(
-    limits: RequestLimits, config: EngineConfig, memory: EngineMemory, guard: DraftGuard | None
+    limits: RequestLimits, config: EngineConfig, memory: EngineMemory, planner: PlanRound
 ) -> Scheduler:
     """The scheduler, with its admission limits and the draft width of each decode round."""
     return Scheduler(
@@ -206,7 +213,7 @@ def _scheduler(
         checker=memory.checker,
         device=torch.device(config.device),
         releases_pending=lambda: memory.deferred.has_pending,
-        draft_width=full_width if guard is None else guard.choose,
+        plan_round=planner,
     )
 
 
@@ -243,7 +250,6 @@ def _round_parts(
             ledger=memory.views.result_processor,
             outputs=memory.outputs,
             checker=memory.checker,
-            num_draft_tokens=caps.num_draft_tokens,
             recurrent=memory.recurrent,
         ),
         lifecycle=RequestLifecycle(
@@ -275,6 +281,25 @@ def _draft_guard(
         )
     # The policy is user code inside the round: contained (capabilities/draft_guard.py).
     return DraftGuard(policy, algorithm=caps.algorithm, num_steps=caps.num_steps)
+
+
+def _budget_guard(
+    caps: WorkerCapabilities, policy: VerifyBudgetPolicy | None
+) -> BudgetGuard | None:
+    """The contained verify-budget policy, or None; refused for a worker that cannot honour it."""
+    if policy is None:
+        return None
+    if not (caps.speculative and caps.supports_verify_budgets and caps.topk == 1):
+        raise InvalidConfig(
+            f"worker {caps.algorithm!r} does not support per-row verify budgets "
+            "(WorkerCapabilities.supports_verify_budgets, a speculating chain)"
+        )
+    if isinstance(policy, ConfidenceBudget) and not caps.reports_draft_confidences:
+        raise InvalidConfig(
+            f"worker {caps.algorithm!r} reports no draft confidences "
+            "(WorkerCapabilities.reports_draft_confidences), which ConfidenceBudget plans from"
+        )
+    return BudgetGuard(policy)
 
 
 def _prefix_rows(

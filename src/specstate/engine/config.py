@@ -14,6 +14,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
+from specstate.engine.budgets import BudgetGuardSnapshot
 from specstate.engine.device_check import device_problems
 from specstate.engine.settle.results import AcceptMetrics
 from specstate.memory.prefix_cache import PrefixCacheSnapshot
@@ -197,6 +198,8 @@ class EngineSnapshot:
             declare ``prefix_sharing``).
         draft_policy_failure: what disabled the engine's draft policy (it raised, or chose a
             width outside ``[0, max_steps]``: `specstate.engine.capabilities.draft_guard`), or None.
+        verify_budget: the verify-budget policy's state (`BudgetGuardSnapshot`: the rows it
+            planned at each budget, what disabled it), or None when the engine has none.
     """
 
     num_waiting: int
@@ -211,3 +214,4 @@ class EngineSnapshot:
     metrics: AcceptMetrics
     prefix_cache: PrefixCacheSnapshot | None = None
     draft_policy_failure: str | None = None
+    verify_budget: BudgetGuardSnapshot | None = None

@@ -31,17 +31,24 @@ import numpy as np
 import numpy.typing as npt
 
 from specstate.core.errors import InvalidConfig
+from specstate.memory.host_arrays import IntArray
 
-__all__ = ["AcceptanceEma", "DraftPolicy", "DraftWidth", "full_width"]
+__all__ = ["AcceptanceEma", "DraftPolicy", "PlanRound", "RoundPlan", "full_width"]
 
-DraftWidth = Callable[[int], "int | None"]
-"""What the scheduler asks when it plans a decode round of ``n`` rows: its draft steps, or None
-for the worker's full ``num_steps`` (`full_width`, the engine's choice without a policy)."""
+RoundPlan = tuple["int | None", "IntArray | None"]
+"""A decode round's draft steps (None: the worker's ``num_steps``) and its rows' verify budgets
+(None: every row verifies the round's width)."""
+
+PlanRound = Callable[[tuple[str, ...]], RoundPlan]
+"""What the scheduler asks when it plans a decode round of these rows (request ids, in batch
+order): the round's `RoundPlan`, from settled history only (`full_width` without policies)."""
+
+_FULL: RoundPlan = (None, None)
 
 
-def full_width(batch_size: int) -> None:
-    """Every decode round drafts the worker's full width: the engine without a draft policy."""
-    return None
+def full_width(request_ids: tuple[str, ...]) -> RoundPlan:
+    """Every decode round drafts and verifies the worker's full width: no policy."""
+    return _FULL
 
 
 @runtime_checkable

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from specstate.core.errors import InvalidConfig, InvalidRequest, UsageError
 from specstate.core.params import RequestLimits, SamplingParams
 from specstate.core.request import Req
+from specstate.engine.budgets import VerifyBudgetPolicy
 from specstate.engine.capabilities.agreement import RoundAgreement
 from specstate.engine.compose import compose
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
@@ -76,6 +77,11 @@ class Engine:
             (`specstate.engine.draft_policy`); it sees every settled decode round once, with
             the width that round was launched with. Default: `AcceptanceEma` when
             ``config.adaptive_draft``, else none (the worker's ``num_steps`` every round).
+        verify_budget: plans each decode round's per-row verify budgets from settled
+            history (`specstate.engine.budgets`: `BatchSizeSchedule`, `GoodputBudget`,
+            `ConfidenceBudget`, ...); the reservation then follows each row's budget. For a
+            worker that declares ``supports_verify_budgets``. None: every row verifies the
+            round's width.
         agreement: one rank's engine of a tensor-parallel group
             (`specstate.distributed.DistributedEngine` builds it): the worker gets its group
             and every batch is agreed on with the other ranks. None: a single-rank engine.
@@ -90,6 +96,7 @@ class Engine:
         trace: TraceRecorder | None = None,
         draft_policy: DraftPolicy | None = None,
         agreement: RoundAgreement | None = None,
+        verify_budget: VerifyBudgetPolicy | None = None,
     ):
         parts = compose(
             worker,
@@ -98,6 +105,7 @@ class Engine:
             trace=trace,
             draft_policy=draft_policy,
             agreement=agreement,
+            verify_budget=verify_budget,
         )
         self.config = config
         self.limits = limits
@@ -116,6 +124,7 @@ class Engine:
         self.grammar = parts.grammar
         self.deliveries = parts.deliveries
         self._draft_guard = parts.draft_guard
+        self._budget_guard = parts.budget_guard
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
@@ -241,6 +250,7 @@ class Engine:
             metrics=self.results.metrics(),
             prefix_cache=None if prefix is None else prefix.snapshot(),
             draft_policy_failure=None if guard is None else guard.snapshot().failure,
+            verify_budget=None if self._budget_guard is None else self._budget_guard.snapshot(),
         )
 
     # ---------------------------------------------------------- the view

@@ -230,21 +230,24 @@ def _check_page_owners(engine: EngineView) -> None:
 
 
 def _check_reserve(engine: EngineView) -> None:
-    """``reserve``: the decode batch in flight may write L positions past committed."""
+    """``reserve``: the decode batch in flight may write L positions past committed (with
+    verify budgets, a row's budget + 1)."""
     flight = engine.in_flight
     if flight is None or not flight.plan.is_decode:
         return
     window = engine.allocator.window.alloc_len_per_decode
     batch = flight.plan.batch
-    for req, inc in zip(batch.reqs, batch.incarnations, strict=True):
+    budgets = None if batch.verify_budgets is None else batch.verify_budgets.host
+    for i, (req, inc) in enumerate(zip(batch.reqs, batch.incarnations, strict=True)):
         if req.incarnation != inc or req.status is not ReqStatus.RUNNING:
             continue
+        need = window if budgets is None else int(budgets[i]) + 1
         entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        if entry.kv_allocated_len < entry.kv_committed_len + window:
+        if entry.kv_allocated_len < entry.kv_committed_len + need:
             _fail(
                 "reserve",
                 f"request {req.request_id}, batch {flight.batch_id} in flight: allocated "
-                f"{entry.kv_allocated_len} < committed {entry.kv_committed_len} + L {window}",
+                f"{entry.kv_allocated_len} < committed {entry.kv_committed_len} + L {need}",
             )
 
 
@@ -297,8 +300,10 @@ def check_settlement(
     committed, _ = engine.ledger.host_lengths(slots)
     outputs = engine.outputs.lengths(slots)
     n_prefill = len(plan.last_chunk)
-    width = host.stride
     batch = plan.batch
+    widths = np.full(len(batch.reqs), host.stride, dtype=np.int64)
+    if batch.verify_budgets is not None:  # a row writes at most its budget + 1 positions
+        widths = batch.verify_budgets.host + 1
     for i, req in enumerate(batch.reqs):
         grew, emitted = committed[i] - before.committed[i], outputs[i] - before.outputs[i]
         where = f"request {req.request_id}, batch {flight.batch_id}"
@@ -321,13 +326,14 @@ def check_settlement(
                 f"({before.committed[i]} -> {committed[i]}) and outputs by {emitted}",
             )
         steps = batch.num_draft_steps
-        if plan.is_decode and steps is not None and (accept > steps + 1 or width > steps + 1):
+        if plan.is_decode and steps is not None and (accept > steps + 1 or host.stride > steps + 1):
             _fail(
                 "draft-width",
                 f"{where}: a round launched with {steps} draft steps settled a run of "
-                f"{accept} (stride {width}); at most {steps + 1}",
+                f"{accept} (stride {host.stride}); at most {steps + 1}",
             )
         _check_state_settled(engine, flight, i, accept, before)
+        width = int(widths[i])
         if plan.is_decode and int(host.seq_lens[i]) + width > before.allocated[i]:
             _fail(
                 "reserve",

@@ -226,6 +226,7 @@ class RoundPipeline:
             result=result,
             abort_reasons=self._parts.lifecycle.abort_reasons,
             detached=plan.detached,
+            budgets=None if plan.batch.verify_budgets is None else plan.batch.verify_budgets.host,
         )
 
     # ------------------------------------------------------------- failure

@@ -253,16 +253,24 @@ class KvAllocator:
         needed = 0 if nxt is cur else int((nxt - cur).sum())
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
-    def reserve_decode_rows(self, slots: IntArray) -> None:
+    def reserve_decode_rows(self, slots: IntArray, reserve: IntArray | None = None) -> None:
         """`reserve_for_spec_decode` without its report (the scheduler's call every round:
-        nothing reads the lengths, so none are built)."""
-        self._reserve_rows(slots)
+        nothing reads the lengths, so none are built).
 
-    def _reserve_rows(self, s: IntArray) -> tuple[IntArray, IntArray]:
+        ``reserve``: per row, the tokens to hold past ``committed`` instead of the window's R
+        (a round planned with verify budgets: the round in flight's width plus this one's,
+        each a row's budget + 1); it never shrinks a reservation.
+        """
+        self._reserve_rows(slots, reserve)
+
+    def _reserve_rows(
+        self, s: IntArray, reserve: IntArray | None = None
+    ) -> tuple[IntArray, IntArray]:
         """Grow the rows ``s`` for a decode round; their allocated lengths before and after
         (the same array when nothing grew)."""
         committed, cur = self._ledger.host_lengths(s)
-        p, target = self._page_size, committed + self._reserve
+        p = self._page_size
+        target = committed + (self._reserve if reserve is None else reserve)
         # ceil_P(target) > cur exactly when target > floor_P(cur): most rounds nothing grows.
         if not np.count_nonzero(target > (cur if p == 1 else cur // p * p)):
             return cur, cur

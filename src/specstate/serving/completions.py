@@ -11,7 +11,8 @@ the start of a stop) and, when the request ends on a stop, cuts the matched sequ
 
 Usage carries the speculative statistics of the request (``accepted_tokens``: delivered tokens
 its verifies accepted, bonus included, so a verify that accepted past a stop or the length cap
-counts only up to it; ``verifies``; ``mean_accept_length``).
+counts only up to it; ``verifies``; ``mean_accept_length``; ``verified_drafts`` and
+``accepted_drafts``; ``by_position``: per draft position, ``accepted`` of ``verified``).
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[st
             "accepted_tokens": accepted,
             "verifies": verifies,
             "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
+            "verified_drafts": sum(v for _, v in stream.draft_acceptance),
+            "accepted_drafts": sum(a for a, _ in stream.draft_acceptance),
+            "by_position": [
+                {"accepted": a, "verified": v} for a, v in stream.draft_acceptance
+            ],
         },
     }
 

@@ -224,7 +224,11 @@ class Driver:
             accepts = req.emitted_accept_lengths  # the usage counts only delivered tokens
             self.request_metrics.record_end(req, finish, accepts, at_s=now)
             update = Update(
-                event, logprobs, accept_lengths=accepts, cached_tokens=req.cached_tokens
+                event,
+                logprobs,
+                accept_lengths=accepts,
+                cached_tokens=req.cached_tokens,
+                draft_acceptance=req.draft_acceptance(),
             )
             self._send(route.stream, update)
             # NOTE: the engine names the error type first in an ERROR finish's detail.

@@ -487,6 +487,7 @@ class Launcher:
             request_ids=batch.request_ids,
             decode=flight.plan.is_decode,
             num_draft_steps=batch.num_draft_steps,
+            budgets=None if batch.verify_budgets is None else batch.verify_budgets.host,
         )
         return host
 

@@ -26,6 +26,7 @@ import attrs
 import numpy as np
 import torch
 
+from specstate.batch.budgets import VerifyBudgets
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.plan import LaunchPlan, PrefillPart
 from specstate.batch.schedule_batch import ScheduleBatch
@@ -34,12 +35,13 @@ from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
 from specstate.core.status import ReqStatus
-from specstate.engine.draft_policy import DraftWidth, full_width
+from specstate.engine.draft_policy import PlanRound, full_width
 from specstate.engine.schedule.column_builder import RowColumns
 from specstate.engine.schedule.decode_columns import DecodeColumns
 from specstate.engine.schedule.decode_rows import DecodeRows, DecodeRowsSnapshot
 from specstate.engine.settle.outputs import OutputTable
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.host_arrays import IntArray
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
@@ -76,9 +78,10 @@ class Scheduler:
         releases_pending: True while some request's KV waits for a launched batch to retire
             (`DeferredReleases.has_pending`). A decode round that does not fit then waits one
             step for those pages instead of retracting or aborting anyone.
-        draft_width: the draft steps of each decode round of ``n`` rows (adaptive draft
-            length: `DraftGuard.choose`); the default, `full_width`, drafts the worker's
-            ``num_steps`` every round.
+        plan_round: each decode round's draft steps and its rows' verify budgets (adaptive
+            draft length, verify-budget policies: `round_planner`), asked before the round's
+            reservation, which then covers each row's budget; the default, `full_width`,
+            drafts and verifies the worker's ``num_steps`` every round.
     """
 
     def __init__(
@@ -91,11 +94,11 @@ class Scheduler:
         checker: OwnershipChecker,
         device: torch.device,
         releases_pending: Callable[[], bool] | None = None,
-        draft_width: DraftWidth = full_width,
+        plan_round: PlanRound = full_width,
     ) -> None:
         self._config = config
         self._releases_pending = releases_pending
-        self._draft_width = draft_width
+        self._plan_round = plan_round
         self._allocator = allocator
         self._ledger = ledger
         self._outputs = outputs
@@ -118,6 +121,10 @@ class Scheduler:
             device,
             reference=self._columns.general if config.validate else None,
         )
+        # Per request slot: the verify budget its last decode round was planned with (the
+        # round that may be in flight when the next is reserved); the full width at first.
+        width = allocator.window.alloc_len_per_decode - 1
+        self._last_budget = np.full(allocator.req_to_token.shape[0], width, dtype=np.int64)
 
     @property
     def running(self) -> list[Req]:
@@ -396,9 +403,10 @@ class Scheduler:
         if not self._running:
             return None, None
         rows = self._decode_rows()
+        width, budgets = self._plan_round(rows.request_ids)
         outcome = None
         try:
-            self._allocator.reserve_decode_rows(rows.slots_host)
+            self._reserve(rows, budgets)
         except KvPoolExhausted:  # nothing was taken
             if self._releases_pending is not None and self._releases_pending():
                 # Pages of requests that ended under the batch in flight come back when it
@@ -415,7 +423,8 @@ class Scheduler:
             if not outcome.kept:
                 return None, outcome
             rows = self._decode_rows()
-            self._allocator.reserve_decode_rows(rows.slots_host)
+            width, budgets = self._plan_round(rows.request_ids)  # planned again: fewer rows
+            self._reserve(rows, budgets)
         patch = self._rows.relay_patch(rows)
         batch = ScheduleBatch(
             reqs=rows.reqs,
@@ -427,7 +436,8 @@ class Scheduler:
             input_ids=Unresolved(rows.device_slots, patch),
             future_indices=rows.device_slots,
             ids=rows.request_ids,
-            num_draft_steps=self._draft_width(len(rows.reqs)),
+            num_draft_steps=width,
+            verify_budgets=None if budgets is None else VerifyBudgets.of(budgets, self._device),
         )
         if self._config.validate and not np.array_equal(
             self._outputs.epochs(rows.slots_host), rows.epochs
@@ -444,6 +454,16 @@ class Scheduler:
         )
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
+
+    def _reserve(self, rows: DecodeColumns, budgets: IntArray | None) -> None:
+        """Reserve a decode round: the window's R for every row, or, with verify budgets, the
+        width of the round that may be in flight plus this round's (each a budget + 1)."""
+        if budgets is None:
+            self._allocator.reserve_decode_rows(rows.slots_host)
+            return
+        slots = rows.slots_host
+        self._allocator.reserve_decode_rows(slots, self._last_budget[slots] + budgets + 2)
+        self._last_budget[slots] = budgets
 
     def _decode_rows(self) -> DecodeColumns:
         """The persistent running batch (`specstate.engine.schedule.decode_rows`)."""

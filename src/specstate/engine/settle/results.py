@@ -89,14 +89,19 @@ class AcceptMetrics:
     Attributes:
         num_verifies: settled verify rows (one per request per speculative round).
         num_accepted_tokens: tokens those verifies accepted, bonus included.
-        num_proposed_drafts: draft tokens proposed to those verifies.
+        num_proposed_drafts: draft tokens those verifies verified (each row's verify budget
+            or the round's width; fewer where the worker reported it verified fewer).
         histogram: ``(accept_length, count)`` pairs, ascending, nonzero counts only.
+        verified_by_position: per draft position ``j`` (0-based), the verifies that verified
+            draft ``j``; of those, ``sum(n for length, n in histogram if length > j + 1)``
+            accepted it.
     """
 
     num_verifies: int
     num_accepted_tokens: int
     num_proposed_drafts: int
     histogram: tuple[tuple[int, int], ...]
+    verified_by_position: tuple[int, ...] = ()
 
     @property
     def mean_accept_length(self) -> float:
@@ -108,6 +113,11 @@ class AcceptMetrics:
         """Accepted draft tokens: accepted tokens minus one bonus per verify."""
         return self.num_accepted_tokens - self.num_verifies
 
+    @property
+    def num_rejected_drafts(self) -> int:
+        """Drafts verified and rejected: the verify work that bought no token."""
+        return self.num_proposed_drafts - self.num_correct_drafts
+
 
 class ResultProcessor:
     """Settles results; the only committer of ``kv_committed_len`` after prefill.
@@ -116,7 +126,6 @@ class ResultProcessor:
         ledger: the result processor's view of the ledger.
         outputs: the output table (the result processor is its only appender).
         checker: the engine's ownership checker (the processor acts as RESULT_PROCESSOR).
-        num_draft_tokens: verify width D, for the proposed-drafts metric.
         recurrent: a hybrid worker's state records, committed with the KV (None: no state).
     """
 
@@ -126,14 +135,12 @@ class ResultProcessor:
         ledger: ResultProcessorLedgerView,
         outputs: OutputTable,
         checker: OwnershipChecker,
-        num_draft_tokens: int,
         recurrent: RecurrentStatePool | None = None,
     ) -> None:
         self._ledger = ledger
         self._recurrent = recurrent
         self._outputs = outputs
         self._checker = checker
-        self._drafts_per_verify = max(num_draft_tokens - 1, 0)
 
     def accept_lengths(self, req: Req) -> tuple[int, ...]:
         """Accept length of every settled decode round of ``req``, in order."""
@@ -147,8 +154,11 @@ class ResultProcessor:
         return AcceptMetrics(
             num_verifies=verifies,
             num_accepted_tokens=accepted,
-            num_proposed_drafts=verifies * self._drafts_per_verify,
+            num_proposed_drafts=self._outputs.num_verified_drafts,
             histogram=tuple((k, int(v)) for k, v in enumerate(hist.tolist()) if v),
+            verified_by_position=tuple(
+                v for v in self._outputs.verified_by_position().tolist() if v
+            ),
         )
 
     def settle(
@@ -162,6 +172,7 @@ class ResultProcessor:
         result: HostResult,
         abort_reasons: Mapping[Req, str],
         detached: int = -1,
+        budgets: IntArray | None = None,
     ) -> Settlement:
         """Settle one result for the batch rows ``reqs`` (see the module docstring).
 
@@ -175,6 +186,8 @@ class ResultProcessor:
             abort_reasons: pending user aborts, by request.
             detached: `OutputTable.num_detached` when ``epochs`` were current, or -1; while
                 it is unchanged every row is live (no epoch to compare).
+            budgets: ``[B]`` a decode round's verify budgets (what each row verified when the
+                result does not say), or None.
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
@@ -197,8 +210,9 @@ class ResultProcessor:
             if self._recurrent is not None:
                 self._commit_states(self._recurrent, slots_np, accept, decode, firsts)
             rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
+            verified = budgets if result.verified is None else result.verified
             ended = self._append(
-                slots_np, tokens, accept, result.logprobs, rows, verifies, n_prefill
+                slots_np, tokens, accept, result.logprobs, verified, rows, verifies, n_prefill
             )
             for i in firsts:
                 if reqs[i].status is ReqStatus.PREFILL:
@@ -241,6 +255,7 @@ class ResultProcessor:
         tokens: IntArray,
         accept: IntArray,
         logprobs: npt.NDArray[np.floating[Any]] | None,
+        verified: npt.NDArray[np.integer[Any]] | None,
         rows: IntArray | None,
         verifies: bool,
         n_prefill: int,
@@ -251,9 +266,16 @@ class ResultProcessor:
             slots, tokens, accept = slots[rows], tokens[rows], accept[rows]
             if logprobs is not None:
                 logprobs = logprobs[rows]
+            if verified is not None:
+                verified = verified[rows]
         # Prefill rows append one token and are never verifies; a decode round has none.
         return self._outputs.append_runs(
-            slots, tokens, accept, verifies=verifies and n_prefill == 0, logprobs=logprobs
+            slots,
+            tokens,
+            accept,
+            verifies=verifies and n_prefill == 0,
+            logprobs=logprobs,
+            verified=None if verified is None else verified.astype(np.int64, copy=False),
         )
 
     def _finished(

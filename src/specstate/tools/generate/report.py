@@ -46,6 +46,8 @@ class ResultWriter:
                 "output_ids": list(r.emitted_ids),
                 "finish_reason": None if r.finish is None else r.finish.reason.value,
                 "accept_lengths": list(r.accept_lengths),
+                "verified_lengths": list(r.verified_lengths),
+                "draft_acceptance": [list(pair) for pair in r.draft_acceptance()],
                 "cached_tokens": r.cached_tokens,
             }
             if codec is not None:
