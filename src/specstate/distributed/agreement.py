@@ -27,6 +27,7 @@ control collective that failed) happens on every rank that can still be reached.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
@@ -35,6 +36,7 @@ import numpy.typing as npt
 from specstate.batch.plan import LaunchPlan
 from specstate.core.errors import RankDivergence, RankFailure
 from specstate.distributed.groups import ControlGroup, RankGroup, WorkerGroup
+from specstate.engine.budgets import BudgetRows, SettledBudgets, VerifyBudgetPolicy
 from specstate.engine.capabilities.agreement import AgreementSnapshot
 from specstate.engine.draft_policy import DraftPolicy
 from specstate.engine.launch.result_copy import HostResult
@@ -249,3 +251,43 @@ class LeaderDraftPolicy:
     def observe(self, num_steps: int, accept_lens: npt.NDArray[np.int64]) -> None:
         """Hand the settled round to the inner policy."""
         self._inner.observe(num_steps, accept_lens)
+
+
+class LeaderBudgetPolicy:
+    """A `VerifyBudgetPolicy` whose every plan is rank 0's, broadcast on the control group.
+
+    As `LeaderDraftPolicy`: every rank's inner policy observes the same settled rounds and is
+    asked for the same rows, so it stays in the same state; only rank 0's budgets are used
+    (a policy need not be deterministic), and the checking mode's plan digest covers them.
+    """
+
+    def __init__(self, inner: VerifyBudgetPolicy, control: ControlGroup) -> None:
+        self._inner = inner
+        self._control = control
+
+    def plan(self, rows: BudgetRows) -> npt.NDArray[np.int64]:
+        """Rank 0's budgets for these rows.
+
+        Every rank takes part in the broadcast whatever its own policy does: a plan that
+        raises or is malformed is sent as budgets of -1, which every rank's guard refuses, so
+        the policy is disabled on every rank alike (the exception is then re-raised here).
+        """
+        failure: BaseException | None = None
+        try:
+            mine = np.asarray(self._inner.plan(rows))
+        except BaseException as exc:  # the guard above decides; the ranks must stay in step
+            failure, mine = exc, np.zeros(0, dtype=np.int64)
+        if failure is not None or mine.shape != (rows.batch_size,) or mine.dtype.kind not in "iu":
+            mine = np.full(rows.batch_size, -1, dtype=np.int64)  # refused by every guard
+        got = self._control.broadcast_ints(mine.astype(np.int64).tolist())
+        if failure is not None:
+            raise failure
+        return np.asarray(got, dtype=np.int64)
+
+    def observe(self, settled: SettledBudgets) -> None:
+        """Hand the settled round to the inner policy."""
+        self._inner.observe(settled)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """The ended requests leave the inner policy."""
+        self._inner.forget(request_ids)

@@ -132,9 +132,7 @@ def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[st
             "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
             "verified_drafts": sum(v for _, v in stream.draft_acceptance),
             "accepted_drafts": sum(a for a, _ in stream.draft_acceptance),
-            "by_position": [
-                {"accepted": a, "verified": v} for a, v in stream.draft_acceptance
-            ],
+            "by_position": [{"accepted": a, "verified": v} for a, v in stream.draft_acceptance],
         },
     }
 

@@ -190,6 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_grammar.add_arguments(benches)
     _add_prefix_arguments(benches)
     bench_tp.add_parser(benches)
+    from specstate.tools import bench_budget
+
+    bench_budget.add_parser(benches)
     for sub in benches.choices.values():  # the benches of other modules show defaults too
         sub.formatter_class = shown
 
@@ -219,8 +222,15 @@ def run(args: argparse.Namespace) -> int:
         "grammar": bench_grammar.run,
         "prefix": _run_prefix,
         "tp": bench_tp.run,
+        "budget": _run_budget,
     }
     return benches[args.bench](args)
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from specstate.tools import bench_budget
+
+    return bench_budget.run(args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
