@@ -29,6 +29,7 @@ tensors are rebound, never written in place, so a copy taken earlier never chang
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -337,45 +338,8 @@ class SamplingInfo:
         """
         if self.accumulator is not None or values.accumulator is not None:
             raise ValueError("with_rows: a sampling state with a penalty accumulator")
-        a = self.batch_size
-
-        def put(
-            old: torch.Tensor | None, new: torch.Tensor | None, neutral: float
-        ) -> torch.Tensor | None:
-            if old is None and new is None:
-                return None
-            like = old if old is not None else new
-            assert like is not None
-            if old is None:
-                old = torch.full(
-                    (a, *like.shape[1:]), neutral, dtype=like.dtype, device=like.device
-                )
-            if new is None:
-                new = torch.full(
-                    (len(host_rows), *like.shape[1:]), neutral, dtype=like.dtype, device=like.device
-                )
-            if old.dim() == 2 and old.shape[1] != new.shape[1]:  # stop ids: pad with -1
-                width = max(old.shape[1], new.shape[1])
-                old = torch.nn.functional.pad(old, (0, width - old.shape[1]), value=-1)
-                new = torch.nn.functional.pad(new, (0, width - new.shape[1]), value=-1)
-            if size <= a:
-                out = old[:size].clone()
-            else:
-                out = old.new_empty((size, *old.shape[1:]))
-                out[:a] = old
-            return out.index_copy_(0, rows.to(out.device), new.to(out.dtype))
-
-        spec_host = None
-        if self.speculative_host is not None or values.speculative_host is not None:
-            spec_host = np.ones(size, np.bool_)
-            keep = min(a, size)
-            if self.speculative_host is not None:
-                spec_host[:keep] = self.speculative_host[:keep]
-            spec_host[host_rows] = (
-                True if values.speculative_host is None else values.speculative_host
-            )
-            if spec_host.all():
-                spec_host = None
+        put = functools.partial(_put_rows, size=size, rows=rows, num_new=len(host_rows))
+        spec_host = _merge_flags(self.speculative_host, values.speculative_host, size, host_rows)
         temperatures = put(self.temperatures, values.temperatures, 0.0)
         top_ks = put(self.top_ks, values.top_ks, 0)
         top_ps = put(self.top_ps, values.top_ps, 1.0)
@@ -536,3 +500,52 @@ def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor, draw: int = 0)
     second = _hash32(first ^ 0x68E31DA4)
     bits = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
     return bits.double() / float(1 << 53)
+
+
+def _put_rows(
+    old: torch.Tensor | None,
+    new: torch.Tensor | None,
+    neutral: float,
+    *,
+    size: int,
+    rows: torch.Tensor,
+    num_new: int,
+) -> torch.Tensor | None:
+    """`SamplingInfo.with_rows` for one column: the first ``size`` rows of ``old`` (a missing
+    column is ``neutral``) with ``rows`` set to ``new``'s rows, in a copy."""
+    if old is None and new is None:
+        return None
+    like = old if old is not None else new
+    assert like is not None
+    if old is None:
+        old = torch.full((size, *like.shape[1:]), neutral, dtype=like.dtype, device=like.device)
+    if new is None:
+        new = torch.full((num_new, *like.shape[1:]), neutral, dtype=like.dtype, device=like.device)
+    if old.dim() == 2 and old.shape[1] != new.shape[1]:  # stop ids: pad with -1
+        width = max(old.shape[1], new.shape[1])
+        old = torch.nn.functional.pad(old, (0, width - old.shape[1]), value=-1)
+        new = torch.nn.functional.pad(new, (0, width - new.shape[1]), value=-1)
+    a = old.shape[0]
+    if size <= a:
+        out = old[:size].clone()
+    else:
+        out = old.new_empty((size, *old.shape[1:]))
+        out[:a] = old
+    return out.index_copy_(0, rows.to(out.device), new.to(out.dtype))
+
+
+def _merge_flags(
+    old: npt.NDArray[np.bool_] | None,
+    new: npt.NDArray[np.bool_] | None,
+    size: int,
+    host_rows: npt.NDArray[np.int64],
+) -> npt.NDArray[np.bool_] | None:
+    """The per-row speculative flags of `SamplingInfo.with_rows` (None: every row speculates)."""
+    if old is None and new is None:
+        return None
+    flags = np.ones(size, np.bool_)
+    if old is not None:
+        keep = min(old.size, size)
+        flags[:keep] = old[:keep]
+    flags[host_rows] = True if new is None else new
+    return None if flags.all() else flags
