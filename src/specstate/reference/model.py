@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
+from specstate.reference.moe import MoeBlock, MoeConfig
 
 if TYPE_CHECKING:
     from specstate.engine.worker import ParallelGroup
@@ -65,6 +66,10 @@ __all__ = [
 class ModelConfig:
     """The shape and numerics of a Llama-architecture model (HF ``LlamaConfig``, default RoPE).
 
+    Two variations serve Ernie 4.5 MoE (HF ``Ernie4_5_MoeConfig``): ``moe`` makes some layers'
+    MLP a `MoeBlock`, and ``rope_interleaved`` rotates adjacent pairs ``(2i, 2i + 1)`` instead of
+    the halves ``(i, i + head_dim / 2)``.
+
     Invariant: every size is >= 1, ``num_attention_heads % num_key_value_heads == 0``,
     ``head_dim`` is even (RoPE rotates halves), ``rms_norm_eps > 0`` and ``rope_theta > 0``.
     ``head_dim`` may differ from ``hidden_size // num_attention_heads``.
@@ -84,6 +89,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    moe: MoeConfig | None = None
+    rope_interleaved: bool = False
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
@@ -121,6 +128,8 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.moe is not None:
+        sizes["moe.intermediate_size"] = config.moe.intermediate_size
     for name, size in sizes.items():
         if world_size < 1 or size % world_size:
             raise InvalidConfig(
@@ -132,6 +141,9 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // world_size,
         num_key_value_heads=config.num_key_value_heads // world_size,
         intermediate_size=config.intermediate_size // world_size,
+        moe=None
+        if config.moe is None
+        else attrs.evolve(config.moe, intermediate_size=config.moe.intermediate_size // world_size),
     )
 
 
@@ -325,6 +337,7 @@ class ForwardPlan:
     token_offset: torch.Tensor  # [T] i: the token's index within its request's extend
     kv_slots: torch.Tensor  # [B, max_kv] token slots each request reads, 0 past its kv_len
     mask: torch.Tensor  # [B, 1, max_ext, max_kv] True where query i may attend column j
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i+1), not halves (ModelConfig)
 
 
 def _check_lengths(batch: AttentionBatch) -> int:
@@ -379,7 +392,9 @@ def plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: in
         mask = _tree_mask(batch.tree, token_req, token_offset, ext, cols, max_ext)[:, None]
     cos, sin = _rope(batch.positions, config)
     out_cache_loc = batch.out_cache_loc.long()
-    return ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
+    return ForwardPlan(
+        cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask, config.rope_interleaved
+    )
 
 
 def _tree_mask(
@@ -410,16 +425,31 @@ def _tree_mask(
 
 
 def _rope(positions: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default-RoPE cos/sin ``[T, 1, head_dim]`` in float32 (HF's computation)."""
+    """Default-RoPE cos/sin ``[T, 1, head_dim]`` in float32 (HF's computation).
+
+    Rotate-half layout: angle ``i`` at columns ``i`` and ``i + head_dim / 2``; interleaved
+    (``config.rope_interleaved``): at columns ``2i`` and ``2i + 1``.
+    """
     exponents = torch.arange(0, config.head_dim, 2, device=positions.device).float()
     inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if config.rope_interleaved:
+        emb = freqs.repeat_interleave(2, dim=-1)[:, None, :]
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos(), emb.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, head_dim]`` by the positions' angles (rotate-half layout)."""
+def _apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotates ``x`` ``[T, heads, head_dim]`` by the positions' angles (see `_rope`).
+
+    Interleaved, HF Ernie's computation: in float32, cast back to ``x``'s dtype.
+    """
+    if interleaved:
+        pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        return (x.float() * cos + pairs.float() * sin).to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -456,8 +486,11 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens = x.shape[0]
-        q = _apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan.cos, plan.sin)
-        k = _apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan.cos, plan.sin)
+        interleaved = plan.rope_interleaved
+        q = self.q_proj(x).view(num_tokens, heads, dim)
+        k = self.k_proj(x).view(num_tokens, kv_heads, dim)
+        q = _apply_rope(q, plan.cos, plan.sin, interleaved=interleaved)
+        k = _apply_rope(k, plan.cos, plan.sin, interleaved=interleaved)
         v = self.v_proj(x).view(num_tokens, kv_heads, dim)
         projected: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
         return projected
@@ -507,7 +540,7 @@ class _Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP.
+    """Pre-norm residual block: attention then MLP (a `MoeBlock` where ``config.moe`` says so).
 
     With ``reduce`` (tensor parallelism: this rank holds some heads and some of the MLP), the
     outputs of ``o_proj`` and ``down_proj`` are partial sums that ``reduce`` sums over the ranks
@@ -523,7 +556,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = _Attention(config, layer)
-        self.mlp = _Mlp(config)
+        moe = config.moe
+        self.mlp: nn.Module
+        if moe is not None and moe.is_sparse(layer):
+            self.mlp = MoeBlock(moe, config.hidden_size, width=moe.intermediate_size, reduce=reduce)
+            self._mlp_reduces = False  # the block reduces its own partial sums
+        else:
+            self.mlp = _Mlp(config)
+            self._mlp_reduces = reduce is not None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._reduce = reduce
@@ -534,7 +574,7 @@ class DecoderLayer(nn.Module):
             attended = self._reduce(attended)
         x = x + attended
         mixed = self.mlp(self.post_attention_layernorm(x))
-        if self._reduce is not None:
+        if self._reduce is not None and self._mlp_reduces:
             mixed = self._reduce(mixed)
         out: torch.Tensor = x + mixed
         return out

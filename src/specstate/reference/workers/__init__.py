@@ -7,15 +7,6 @@
     worker.attach(memory)            # builds the models with memory.num_token_slots KV slots
     result = worker.forward_batch_generation(batch, on_publish=publish)
 
-``none``       `PlainWorker`: ``target``, ``device``, ``dtype``, ``seed``
-``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``topk``,
-               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
-``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``topk``,
-               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
-``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
-               ``seed``, ``draft_without_match``
-=============  ==========================================================================
-=======
 Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 
 | name | class | options |
@@ -24,6 +15,7 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``draft_model`` | `DraftModelWorker` | ``draft``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``eagle`` | `EagleWorker` | ``eagle``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
+| ``mtp`` | `MtpWorker` | ``mtp``, ``num_steps`` (default: the checkpoint's MTP layers) |
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
 verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
@@ -52,6 +44,7 @@ from __future__ import annotations
 from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
+from specstate.reference.workers.mtp import MtpWorker
 from specstate.reference.workers.ngram import NgramWorker, TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
@@ -79,6 +72,7 @@ __all__ = [
     "DraftTree",
     "EagleWorker",
     "ModelSource",
+    "MtpWorker",
     "NgramWorker",
     "PlainWorker",
     "TokenChoice",
@@ -98,10 +92,11 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle`` and ``ngram``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram`` and ``mtp``."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
     registry.register("eagle", EagleWorker)
     registry.register("ngram", NgramWorker)
+    registry.register("mtp", MtpWorker)
     return registry
