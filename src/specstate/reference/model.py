@@ -56,6 +56,7 @@ __all__ = [
     "RMSNorm",
     "TreeAttentionBatch",
     "TreeMask",
+    "apply_rope",
     "paged_attention",
     "plan_forward",
     "shard_config",
@@ -319,7 +320,8 @@ class ModelOutput:
         logits: ``[T, vocab]`` float32, or ``[R, vocab]`` for the ``R`` rows selected by
             ``logit_rows`` at forward.
         hidden_states: ``[T, hidden]`` — the last decoder layer's output *before* the final
-            RMSNorm (the residual stream EAGLE-style draft heads consume), always all rows.
+            RMSNorm (the residual stream EAGLE-style draft heads consume), always all rows; or,
+            when a forward names ``feature_layers``, those layers' outputs side by side.
     """
 
     logits: torch.Tensor
@@ -455,6 +457,12 @@ def _apply_rope(
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def apply_rope(x: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    """``x`` ``[T, heads, head_dim]`` (queries or keys of the plan's tokens) rotated to their
+    positions, in the plan's RoPE layout: what every attention layer of the model does."""
+    return _apply_rope(x, plan.cos, plan.sin, interleaved=plan.rope_interleaved)
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm, computed in float32 and cast back like HF."""
 
@@ -486,11 +494,8 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens = x.shape[0]
-        interleaved = plan.rope_interleaved
-        q = self.q_proj(x).view(num_tokens, heads, dim)
-        k = self.k_proj(x).view(num_tokens, kv_heads, dim)
-        q = _apply_rope(q, plan.cos, plan.sin, interleaved=interleaved)
-        k = _apply_rope(k, plan.cos, plan.sin, interleaved=interleaved)
+        q = apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan)
+        k = apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan)
         v = self.v_proj(x).view(num_tokens, kv_heads, dim)
         projected: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
         return projected
@@ -634,7 +639,11 @@ class PagedLlama(nn.Module):
         return self._kv_cache
 
     def forward(
-        self, batch: AttentionBatch, *, logit_rows: torch.Tensor | None = None
+        self,
+        batch: AttentionBatch,
+        *,
+        logit_rows: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> ModelOutput:
         """Runs one extend forward: writes the new tokens' K/V, returns logits and hidden states.
 
@@ -642,16 +651,29 @@ class PagedLlama(nn.Module):
             batch: Tokens and slot tables; see `AttentionBatch` for the invariants.
             logit_rows: Optional ``[R]`` indices into the ``T`` new tokens; only those rows get
                 logits (e.g. the last token of each prefill chunk).
+            feature_layers: return as ``hidden_states`` the outputs (residual stream) of these
+                decoder layers, concatenated ``[T, len(feature_layers) * hidden]`` (the
+                auxiliary hidden states an EAGLE-3 head reads), instead of the last layer's.
 
         Raises:
-            InvalidConfig: The batch is inconsistent with itself or with the KV cache size.
+            InvalidConfig: The batch is inconsistent with itself or with the KV cache size, or a
+                feature layer is outside ``[0, num_hidden_layers)``.
         """
+        wanted = () if feature_layers is None else feature_layers
+        if any(not 0 <= i < self.config.num_hidden_layers for i in wanted):
+            raise InvalidConfig(
+                f"PagedLlama: feature layers {list(wanted)} outside [0, "
+                f"{self.config.num_hidden_layers})"
+            )
         with torch.no_grad():
             plan = plan_forward(batch, self.config, self._kv_cache.num_token_slots)
             x: torch.Tensor = self.embed_tokens(batch.input_ids)
+            outputs: list[torch.Tensor] = []
             for layer in self.layers:
                 x = layer(x, plan, self._kv_cache)
+                outputs.append(x)
             normed = self.norm(x if logit_rows is None else x[logit_rows])
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(normed, head).float()
-        return ModelOutput(logits=logits, hidden_states=x)
+        hidden = x if feature_layers is None else torch.cat([outputs[i] for i in wanted], -1)
+        return ModelOutput(logits=logits, hidden_states=hidden)

@@ -16,13 +16,14 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``eagle`` | `EagleWorker` | ``eagle``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
 | ``mtp`` | `MtpWorker` | ``mtp``, ``num_steps`` (default: the checkpoint's MTP layers) |
+| ``eagle3`` | `Eagle3Worker` | ``eagle3``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 
-``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
-verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
-matching path, sampled rows recursive rejection sampling over each node's children; each node
-sees the penalties and ``min_new_tokens`` state of its own path, seeded rows verify against
-their seeded draws, and logprobs and ``speculative=False`` work as on a chain. Trees do not
-take an adaptive draft length.
+``topk > 1`` makes ``draft_model``, ``eagle`` and ``eagle3`` draft a tree of
+``num_draft_tokens`` nodes and verify it in one forward (`specstate.reference.workers.tree`):
+greedy rows take the longest matching path, sampled rows recursive rejection sampling over each
+node's children; each node sees the penalties and ``min_new_tokens`` state of its own path,
+seeded rows verify against their seeded draws, and logprobs and ``speculative=False`` work as
+on a chain. Trees do not take an adaptive draft length.
 
 ``target`` / ``draft`` are Hugging Face Llama or NemotronH checkpoint directories, or in-memory
 `PagedLlama` / `PagedHybrid` models; ``eagle`` is a directory in the
@@ -44,6 +45,7 @@ from __future__ import annotations
 from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
+from specstate.reference.workers.eagle3 import Eagle3Worker
 from specstate.reference.workers.mtp import MtpWorker
 from specstate.reference.workers.ngram import NgramWorker, TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
@@ -70,6 +72,7 @@ __all__ = [
     "DraftChain",
     "DraftModelWorker",
     "DraftTree",
+    "Eagle3Worker",
     "EagleWorker",
     "ModelSource",
     "MtpWorker",
@@ -92,11 +95,13 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram`` and ``mtp``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, ``mtp`` and
+    ``eagle3``."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
     registry.register("eagle", EagleWorker)
     registry.register("ngram", NgramWorker)
     registry.register("mtp", MtpWorker)
+    registry.register("eagle3", Eagle3Worker)
     return registry
