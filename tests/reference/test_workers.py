@@ -437,6 +437,7 @@ def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints
         "draft_model",
         "eagle",
         "eagle3",
+        "frozen_kv_mtp",
         "mtp",
         "ngram",
         "none",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "DecoderLayer",
     "ForwardPlan",
     "KvCache",
+    "KvObserver",
     "ModelConfig",
     "ModelOutput",
     "PagedLlama",
@@ -148,17 +149,36 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
     )
 
 
+class KvObserver(Protocol):
+    """Told of every access to a `KvCache` it observes (a test's watch, `KvCache.observe`)."""
+
+    def kv_written(self, cache: KvCache, slots: torch.Tensor) -> None:
+        """``slots`` (any shape) were just written."""
+        ...
+
+    def kv_read(self, cache: KvCache, slots: torch.Tensor) -> None:
+        """``slots`` (any shape) are being read."""
+        ...
+
+
 @attrs.define
 class KvCache:
     """Owner of the per-layer K and V buffers, indexed by token slot.
 
     Invariant: every buffer is ``[num_token_slots, num_kv_heads, head_dim]``; slot 0 is the
     padding slot, so padding rows may write there and no real token is ever stored there.
-    Buffers change only through `write`; `gather` returns copies.
+    Buffers change only through `write`; `gather` returns copies. Observers (`observe`) are told
+    of every write and read, in order, on the thread that makes it.
     """
 
     _keys: list[torch.Tensor]
     _values: list[torch.Tensor]
+    _observers: list[KvObserver] = attrs.field(factory=list)
+
+    def observe(self, observer: KvObserver) -> Callable[[], None]:
+        """Tell ``observer`` of every access from now on; returns the call that stops it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     @classmethod
     def allocate(
@@ -202,9 +222,13 @@ class KvCache:
         """
         self._keys[layer].index_copy_(0, loc, k)
         self._values[layer].index_copy_(0, loc, v)
+        for observer in self._observers:
+            observer.kv_written(self, loc)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns copies of the K and V of ``layer`` at ``slots`` (any shape; adds 2 dims)."""
+        for observer in self._observers:
+            observer.kv_read(self, slots)
         return self._keys[layer][slots], self._values[layer][slots]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -215,9 +239,13 @@ class KvCache:
         for padding slot 0, as in `write`.
         """
         src, dst = src.long(), dst.long()
+        for observer in self._observers:
+            observer.kv_read(self, src)
         for keys, values in zip(self._keys, self._values, strict=True):
             keys.index_copy_(0, dst, keys.index_select(0, src))
             values.index_copy_(0, dst, values.index_select(0, src))
+        for observer in self._observers:
+            observer.kv_written(self, dst)
 
 
 @attrs.frozen(kw_only=True)

@@ -282,7 +282,7 @@ def _read_mtp_tensors(root: Path, spec: MtpSpec) -> dict[str, torch.Tensor]:
         raise InvalidConfig(f"{path}: missing {WEIGHTS_FILE} holding the MTP layers")
     expected = spec.expected_shapes()
     with safe_open(str(path), framework="pt") as handle:
-        present = {name for name in handle if name.startswith("mtp.")}
+        present = {name for name in handle.keys() if name.startswith("mtp.")}  # noqa: SIM118
         extras = sorted(present - set(expected))
         if extras:
             raise InvalidConfig(
@@ -383,7 +383,8 @@ def save_mtp_layers(layers: MtpLayers, directory: StrPath) -> None:
     if not weights.is_file():
         raise InvalidConfig(f"{root}: save_mtp_layers needs a single {WEIGHTS_FILE}")
     with safe_open(str(weights), framework="pt") as handle:
-        tensors = {n: handle.get_tensor(n) for n in handle if not n.startswith("mtp.")}
+        names = [n for n in handle.keys() if not n.startswith("mtp.")]  # noqa: SIM118
+        tensors = {n: handle.get_tensor(n) for n in names}
     for name, tensor in layers.state_dict().items():
         tensors["mtp." + name] = tensor.detach().to("cpu").contiguous()
     write_safetensors(tensors, weights)

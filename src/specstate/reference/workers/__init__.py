@@ -17,6 +17,7 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
 | ``mtp`` | `MtpWorker` | ``mtp``, ``num_steps`` (default: the checkpoint's MTP layers) |
 | ``eagle3`` | `Eagle3Worker` | ``eagle3``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
+| ``frozen_kv_mtp`` | `FrozenKvMtpWorker` | ``assistant``, ``num_steps`` |
 
 ``topk > 1`` makes ``draft_model``, ``eagle`` and ``eagle3`` draft a tree of
 ``num_draft_tokens`` nodes and verify it in one forward (`specstate.reference.workers.tree`):
@@ -46,6 +47,7 @@ from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.eagle3 import Eagle3Worker
+from specstate.reference.workers.frozen_kv_mtp import FrozenKvMtpWorker
 from specstate.reference.workers.mtp import MtpWorker
 from specstate.reference.workers.ngram import NgramWorker, TokenHistory
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
@@ -74,6 +76,7 @@ __all__ = [
     "DraftTree",
     "Eagle3Worker",
     "EagleWorker",
+    "FrozenKvMtpWorker",
     "ModelSource",
     "MtpWorker",
     "NgramWorker",
@@ -95,8 +98,8 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, ``mtp`` and
-    ``eagle3``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, ``mtp``, ``eagle3`` and
+    ``frozen_kv_mtp``."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
@@ -104,4 +107,5 @@ def default_registry() -> AlgorithmRegistry:
     registry.register("ngram", NgramWorker)
     registry.register("mtp", MtpWorker)
     registry.register("eagle3", Eagle3Worker)
+    registry.register("frozen_kv_mtp", FrozenKvMtpWorker)
     return registry

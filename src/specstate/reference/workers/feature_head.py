@@ -41,15 +41,14 @@ position, so the worker shares prefixes by token (`PrefixSharing.TOKEN`).
 from __future__ import annotations
 
 import abc
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
-from torch import nn
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.reference.model import AttentionBatch, ModelOutput
+from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -57,9 +56,29 @@ from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree, tree
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["FeatureHeadWorker"]
+__all__ = ["FeatureHead", "FeatureHeadWorker"]
 
-HeadT = TypeVar("HeadT", bound=nn.Module)
+
+class FeatureHead(Protocol):
+    """What the round needs of a head: one extend over features, and its KV cache."""
+
+    @property
+    def kv_cache(self) -> KvCache:
+        """The head's own KV cache (the target's slot indexing)."""
+        ...
+
+    def __call__(
+        self,
+        batch: AttentionBatch,
+        features: torch.Tensor,
+        *,
+        logit_rows: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """Extend ``batch`` with ``features`` ``[T, H]``; logits of ``logit_rows`` (all: None)."""
+        ...
+
+
+HeadT = TypeVar("HeadT", bound=FeatureHead)
 
 
 class FeatureHeadWorker(TreeRoundWorker, Generic[HeadT]):
@@ -116,6 +135,9 @@ class FeatureHeadWorker(TreeRoundWorker, Generic[HeadT]):
         if self._head is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
         return self._head
+
+    def _draft_kv_caches(self) -> dict[str, KvCache]:
+        return {"head": self.head.kv_cache}
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         self._head = self._load_head(memory)

@@ -40,7 +40,7 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory
-from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput
+from specstate.reference.model import AttentionBatch, KvCache, ModelConfig, ModelOutput
 from specstate.reference.mtp import MtpLayers, MtpSpec, load_mtp_layers, read_mtp_spec
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
@@ -125,6 +125,9 @@ class MtpWorker(ChainRoundWorker):
         if self._features is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
         return self._features
+
+    def _draft_kv_caches(self) -> dict[str, KvCache]:
+        return {"mtp": self.layers.kv_cache}
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         self._layers = load_mtp_layers(
