@@ -106,7 +106,9 @@ def family_options(target: Path, algorithm: str) -> dict[str, object]:
             head = derived_eagle3_head(
                 paged, (0, 0, 0), draft_vocab_size=paged.config.vocab_size - 9, seed=41
             )
-            save_eagle3_head(distill(head, hf, MIXED_PROMPTS), directory)
+            vocab = paged.config.vocab_size
+            prompts = [[t % vocab for t in p] for p in MIXED_PROMPTS]
+            save_eagle3_head(distill(head, hf, prompts), directory)
         return {"eagle3": directory}
     directory = root / "assistant"
     if not directory.exists():
