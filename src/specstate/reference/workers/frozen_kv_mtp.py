@@ -61,7 +61,7 @@ class FrozenKvMtpWorker(ChainRoundWorker):
     Raises:
         InvalidConfig: ``num_steps < 1``; a hybrid target; an assistant that does not fit the
             target (its KV geometry, width or vocabulary; naming both files); a bad assistant
-            config (the loader's error).
+            config (the loader's error); at attach, a tensor-parallel group of two or more.
     """
 
     def __init__(
@@ -104,7 +104,14 @@ class FrozenKvMtpWorker(ChainRoundWorker):
         return self._assistant
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
-        del memory  # the assistant owns no KV: nothing is sized by the engine's slots
+        # The assistant owns no KV (nothing is sized by the engine's slots); its queries span
+        # every head of the target's KV, which a tensor-parallel rank holds only a share of.
+        if memory.parallel is not None and memory.parallel.world_size > 1:
+            raise InvalidConfig(
+                "frozen_kv_mtp does not shard: its assistant reads every KV head of the target, "
+                f"a rank of {memory.parallel.world_size} holds "
+                f"1/{memory.parallel.world_size} of them"
+            )
         self._assistant = load_frozen_kv_assistant(self._assistant_dir, self._target.model)
 
     def _state(self, pre_norm: torch.Tensor) -> torch.Tensor:
