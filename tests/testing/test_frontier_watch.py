@@ -8,16 +8,13 @@ import itertools
 from typing import Any
 
 import pytest
-import torch
 from engine_driver import checked_config, run_checked
 from hf_oracle import greedy
-from spec_checkpoints import ALGORITHMS, FAMILIES, MIXED_PROMPTS, SpecCheckpoints, family_options
+from planted_workers import ReadsOnePastTheFrontier, WritesUndeclaredKv, planted
+from spec_checkpoints import ALGORITHMS, FAMILIES, MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import RequestLimits, SamplingParams
-from specstate.batch.forward_batch import ForwardBatch
 from specstate.engine.engine import Engine
-from specstate.reference.workers.frozen_kv_mtp import FrozenKvMtpWorker
-from specstate.reference.workers.verify import DraftChain
 from specstate.testing.frontier_watch import FrontierWatch, WatchableWorker
 
 NEW_TOKENS = 10
@@ -65,40 +62,6 @@ def test_every_reference_worker_keeps_to_its_frontier_and_window(
     assert outs == [greedy(ckpt.hf, p, NEW_TOKENS) for p in MIXED_PROMPTS]
 
 
-class ReadsOnePastTheFrontier(FrozenKvMtpWorker):
-    """A planted bug: the assistant attends to the target's KV at its frontier ``S`` too."""
-
-    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
-        table = self._target.req_to_token
-        committed = self.assistant.read_committed(batch.req_pool_indices, table, start + 1)
-        tokens, state, choices = roots, self._relayed_state(batch), []
-        for _ in range(self.capabilities.num_steps):
-            out = self.assistant.step(tokens, state, start, committed)
-            choice = self._sampler.choose(out.logits, batch.sampling_info)
-            tokens, state = choice.tokens, out.state
-            choices.append(choice)
-        return DraftChain.from_steps(choices)
-
-
-class WritesUndeclaredKv(FrozenKvMtpWorker):
-    """A planted bug: a drafter that declares no KV writes some past the target's window."""
-
-    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
-        width = self.capabilities.num_draft_tokens
-        table = self._target.req_to_token
-        slots = table[batch.req_pool_indices.long(), start + width]
-        config = self._target.model.config
-        zeros = torch.zeros(slots.shape[0], config.num_key_value_heads, config.head_dim)
-        self._target.model.kv_cache.write(0, slots, zeros, zeros)
-        return super()._propose(batch, start, roots)
-
-
-def planted(ckpt: SpecCheckpoints, kind: type[FrozenKvMtpWorker]) -> FrozenKvMtpWorker:
-    """A worker of ``kind`` with the shared checkpoints' assistant."""
-    options = family_options(ckpt.target, "frozen_kv_mtp")
-    return kind(target=ckpt.target, assistant=options["assistant"], num_steps=3)  # type: ignore[arg-type]
-
-
 def test_a_frozen_kv_read_past_the_frontier_is_caught(ckpt: SpecCheckpoints) -> None:
     """The planted read is found (outputs stay lossless: only the watch can see it)."""
     outs, found = serve(ckpt, planted(ckpt, ReadsOnePastTheFrontier), overlap=True, page_size=1)
@@ -111,4 +74,4 @@ def test_kv_writes_the_capabilities_do_not_declare_are_caught(ckpt: SpecCheckpoi
     """A drafter declaring no KV that writes past the target's window: a window finding."""
     _, found = serve(ckpt, planted(ckpt, WritesUndeclaredKv), overlap=False, page_size=1)
     assert [rule for rule, _ in found] == ["window"]
-    assert "the target KV cache was written at position" in found[0][1]
+    assert "the target KV cache was written at slot" in found[0][1]

@@ -20,8 +20,10 @@ batch, ``prefix_lens`` of an EXTEND or MIXED one)::
   (`WorkerCapabilities.spec_window`). A drafter that writes KV its capabilities do not declare
   (``keeps_draft_kv`` False, a paged tree's scratch pages) writes past what the engine reserved.
 
-Slots of requests outside the batch and the padding slot 0 are not checked. Findings are kept
-as ``(rule, detail)`` pairs, each rule once.
+The watch maps only positions ``[0, F + W)`` of each row (under overlap the host plans the
+next round past them while this forward runs): a write to any other slot breaks ``window``; a
+read of one is not judged. The padding slot 0 is not checked.
+Findings are kept as ``(rule, detail)`` pairs, each rule once.
 
 Invariant: the watch changes no argument, result or cache; its observers are installed for the
 duration of one forward and removed after it, also when the forward raises.
@@ -82,7 +84,12 @@ class _ForwardObserver:
                 continue
             written.add(slot)
             where = self._geometry.slot_position.get(slot)
-            if where is None:
+            if where is None:  # past every row's window, or no row's slot at all
+                self._watch.note(
+                    "window",
+                    f"forward {self._forward}: the {self._names[id(cache)]} KV cache was "
+                    f"written at slot {slot}, which lies in no batch row's window",
+                )
                 continue
             row, position = where
             lo = self._geometry.frontier[row]
@@ -180,10 +187,13 @@ class FrontierWatch:
                 for p in (prefix.tolist() if isinstance(prefix, torch.Tensor) else prefix or ())
             ]
             window = list(batch.extend_lens or ())
-        allocated = memory.ledger.allocated(batch.req_pool_indices).long().cpu().tolist()
-        table = memory.req_to_token.cpu()
+        # NOTE: only positions [0, F + W) of a row: the engine reserved them before the launch
+        # and nobody changes them during the forward. Under overlap the host already plans the
+        # next round (its table writes, its ledger) beyond them, so they are not read here.
+        table = memory.req_to_token
         slot_position: dict[int, tuple[int, int]] = {}
-        for row, (slot, end) in enumerate(zip(slots.tolist(), allocated, strict=True)):
+        for row, slot in enumerate(slots.tolist()):
+            end = frontier[row] + window[row]
             for position, token_slot in enumerate(table[slot, :end].tolist()):
                 slot_position[token_slot] = (row, position)
         return _Geometry(slot_position=slot_position, frontier=frontier, window=window)
