@@ -32,7 +32,8 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.engine import Engine
 from specstate.reference.checkpoint import load_paged_llama
-from specstate.reference.eagle3_head import load_eagle3_head, read_eagle3_config
+from specstate.reference.eagle3_config import read_eagle3_config
+from specstate.reference.eagle3_head import load_eagle3_head
 from specstate.reference.workers import default_registry
 from specstate.reference.workers.eagle3 import Eagle3Worker
 from specstate.reference.workers.verify import DraftChain

@@ -27,7 +27,8 @@ from transformers import LlamaForCausalLM
 
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
-from specstate.reference.eagle3_head import Eagle3Config, Eagle3Head, save_eagle3_head
+from specstate.reference.eagle3_config import Eagle3Config
+from specstate.reference.eagle3_head import Eagle3Head, save_eagle3_head
 from specstate.reference.model import DecoderLayer, PagedLlama
 from specstate.reference.workers import default_registry
 

@@ -24,11 +24,8 @@ from safetensors.torch import load_file
 from spec_checkpoints import perturb
 from transformers import LlamaForCausalLM
 
-from specstate.reference.frozen_kv_head import (
-    FrozenKvAssistant,
-    FrozenKvConfig,
-    read_frozen_kv_config,
-)
+from specstate.reference.frozen_kv_config import FrozenKvConfig, read_frozen_kv_config
+from specstate.reference.frozen_kv_head import FrozenKvAssistant
 from specstate.reference.model import DecoderLayer, PagedLlama
 
 

@@ -23,7 +23,8 @@ import torch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.checkpoint import CONFIG_FILE
-from specstate.reference.eagle3_head import Eagle3Head, load_eagle3_head, read_eagle3_config
+from specstate.reference.eagle3_config import read_eagle3_config
+from specstate.reference.eagle3_head import Eagle3Head, load_eagle3_head
 from specstate.reference.model import ModelConfig
 from specstate.reference.workers.feature_head import FeatureHeadWorker
 from specstate.reference.workers.sources import ModelSource, read_source_config, source_label
@@ -38,7 +39,7 @@ class Eagle3Worker(FeatureHeadWorker[Eagle3Head]):
     Args:
         target: the target checkpoint directory or in-memory `PagedLlama`.
         eagle3: the head directory (SGLang / SpecForge format,
-            `specstate.reference.eagle3_head`).
+            `specstate.reference.eagle3_config`).
         num_steps: K, draft steps per round (a chain verifies D = K + 1 tokens).
         topk: branches per tree node; 1 (the default) drafts a chain.
         num_draft_tokens: D, tree nodes verified per round, root included.

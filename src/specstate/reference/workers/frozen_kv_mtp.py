@@ -32,11 +32,8 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory
 from specstate.reference.checkpoint import CONFIG_FILE
-from specstate.reference.frozen_kv_head import (
-    FrozenKvAssistant,
-    load_frozen_kv_assistant,
-    read_frozen_kv_config,
-)
+from specstate.reference.frozen_kv_config import read_frozen_kv_config
+from specstate.reference.frozen_kv_head import FrozenKvAssistant, load_frozen_kv_assistant
 from specstate.reference.model import ModelConfig
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
