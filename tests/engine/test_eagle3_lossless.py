@@ -49,6 +49,7 @@ TREES: list[tuple[int, bool, int, Chunking]] = list(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("topk", "overlap", "page_size", "chunking"), CHAINS + TREES)
 def test_eagle3_lossless_matrix(
     ckpt: Eagle3Checkpoints,

@@ -52,6 +52,7 @@ def expected(ckpt: MtpCheckpoints) -> dict[int, list[list[int]]]:
 MATRIX = list(itertools.product([1, 2], [False, True], [1, 16], [(None, False), (4, True)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layers", "overlap", "page_size", "chunking"), MATRIX)
 def test_mtp_lossless_matrix(
     ckpt: MtpCheckpoints,

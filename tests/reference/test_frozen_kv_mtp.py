@@ -139,6 +139,7 @@ def test_it_owns_no_kv_and_reserves_the_targets_window_only(
 MATRIX = list(itertools.product([False, True], [1, 16], [(None, False), (4, True)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overlap", "page_size", "chunking"), MATRIX)
 def test_frozen_kv_mtp_is_lossless(
     ckpt: SpecCheckpoints,

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
-from hf_oracle import greedy, make_checkpoint
+from hf_oracle import make_checkpoint, one_thread
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -109,11 +109,12 @@ def make_eagle3_checkpoints(
     root: Path, *, seed: int = 0, vocab_size: int = 97, draft_vocab_size: int = 80
 ) -> Eagle3Checkpoints:
     """Build and save a three-layer target and its derived head under ``root``."""
-    hf = make_checkpoint(root / "target", seed=seed, vocab_size=vocab_size, layers=3)
-    paged = load_paged_llama(root / "target", num_token_slots=2)
-    aux = (0, 1, 2)
-    head = derived_eagle3_head(paged, aux, draft_vocab_size=draft_vocab_size, seed=seed + 7)
-    save_eagle3_head(distill(head, hf, TRAINING_PROMPTS), root / "eagle3")
+    with one_thread():
+        hf = make_checkpoint(root / "target", seed=seed, vocab_size=vocab_size, layers=3)
+        paged = load_paged_llama(root / "target", num_token_slots=2)
+        aux = (0, 1, 2)
+        head = derived_eagle3_head(paged, aux, draft_vocab_size=draft_vocab_size, seed=seed + 7)
+        save_eagle3_head(distill(head, hf, TRAINING_PROMPTS), root / "eagle3")
     return Eagle3Checkpoints(
         target=root / "target",
         eagle3=root / "eagle3",
@@ -148,11 +149,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE of ``x`` ``[T, heads, dim]`` at positions 0..T-1."""
+    """Rotate-half RoPE of ``x`` ``[B, T, heads, dim]`` at positions 0..T-1."""
     dim = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
-    angles = torch.arange(x.shape[0]).float()[:, None] * inv[None, :]
-    emb = torch.cat([angles, angles], -1)[:, None, :]
+    angles = torch.arange(x.shape[1]).float()[:, None] * inv[None, :]
+    emb = torch.cat([angles, angles], -1)[None, :, None, :]
     rotated = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
     return x * emb.cos() + rotated * emb.sin()
 
@@ -161,32 +162,35 @@ def dense_head(
     w: dict[str, torch.Tensor],
     config: Eagle3Config,
     embed: torch.Tensor,
-    tokens: Sequence[int],
+    tokens: torch.Tensor,
     feats: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head over a whole sequence: ``(draft-vocab logits [n, Vd], x2 [n, H])``."""
+    """The head over whole sequences ``tokens`` ``[B, n]`` with features ``[B, n, H]``:
+    ``(draft-vocab logits [B, n, Vd], x2 [B, n, H])`` (causal: right padding changes nothing
+    before it)."""
     eps, heads, kv, dim = (
         config.rms_norm_eps,
         config.num_attention_heads,
         config.num_key_value_heads,
         config.head_dim,
     )
-    n = len(tokens)
+    rows, n = tokens.shape
     m = {k.removeprefix("midlayer."): v for k, v in w.items()}
     x = torch.cat(
         [
-            _rms(embed[list(tokens)], m["input_layernorm.weight"], eps),
+            _rms(embed[tokens], m["input_layernorm.weight"], eps),
             _rms(feats, m["hidden_norm.weight"], eps),
         ],
         -1,
     )
-    q = _rope((x @ m["self_attn.q_proj.weight"].T).view(n, heads, dim), config.rope_theta)
-    k = _rope((x @ m["self_attn.k_proj.weight"].T).view(n, kv, dim), config.rope_theta)
-    v = (x @ m["self_attn.v_proj.weight"].T).view(n, kv, dim)
-    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / dim**0.5
+    q = (x @ m["self_attn.q_proj.weight"].T).view(rows, n, heads, dim)
+    k = (x @ m["self_attn.k_proj.weight"].T).view(rows, n, kv, dim)
+    v = (x @ m["self_attn.v_proj.weight"].T).view(rows, n, kv, dim)
+    q, k = _rope(q, config.rope_theta), _rope(k, config.rope_theta)
+    k, v = k.repeat_interleave(heads // kv, 2), v.repeat_interleave(heads // kv, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / dim**0.5
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * dim)
+    attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(rows, n, heads * dim)
     x1 = feats + attn @ m["self_attn.o_proj.weight"].T
     h = _rms(x1, m["post_attention_layernorm.weight"], eps)
     mlp = (F.silu(h @ m["mlp.gate_proj.weight"].T) * (h @ m["mlp.up_proj.weight"].T)) @ m[
@@ -217,11 +221,21 @@ def dense_eagle3_drafts(
         feats = torch.cat([torch.zeros(1, config.hidden_size), aux @ w["fc.weight"].T])
         seq, drafts = list(tokens), []
         for _ in range(num_steps):
-            logits, x2 = dense_head(w, config, embed, seq, feats)
-            drafts.append(int(hot[int(logits[-1].argmax())]))
+            logits, x2 = dense_head(w, config, embed, torch.tensor([seq]), feats[None])
+            drafts.append(int(hot[int(logits[0, -1].argmax())]))
             seq.append(drafts[-1])
-            feats = torch.cat([feats, x2[-1:]])
+            feats = torch.cat([feats, x2[0, -1:]])
     return drafts
+
+
+def _continued(hf: LlamaForCausalLM, prompt: Sequence[int], new_tokens: int) -> list[int]:
+    """``prompt`` and the target's greedy continuation (training data: plain forwards, cheaper
+    than ``generate()`` at this size)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
 
 
 def distill(
@@ -239,12 +253,18 @@ def distill(
     config = head.config
     assert config.aux_layer_ids is not None
     embed = hf.model.embed_tokens.weight.detach()
-    data = []
-    for prompt in prompts:
-        seq = list(prompt) + greedy(hf, prompt, new_tokens)
-        data.append((seq, len(prompt), target_aux(hf, seq, config.aux_layer_ids)))
+    sequences = [_continued(hf, p, new_tokens) for p in prompts]
+    width = max(len(seq) for seq in sequences)
+    tokens = torch.zeros(len(sequences), width, dtype=torch.int64)  # right padding
+    labels = torch.full((len(sequences), width - 1), -100, dtype=torch.int64)
+    aux = torch.zeros(len(sequences), width, 3 * config.target_hidden_size)
     draft_of = torch.full((config.vocab_size,), -100, dtype=torch.int64)
     draft_of[head.target_ids()] = torch.arange(config.draft_vocab_size)
+    for i, (prompt, seq) in enumerate(zip(prompts, sequences, strict=True)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        aux[i, : len(seq)] = target_aux(hf, seq, config.aux_layer_ids)
+        # a prompt token is nobody's prediction: labels from the first generated one on
+        labels[i, len(prompt) - 1 : len(seq) - 1] = draft_of[torch.tensor(seq[len(prompt) :])]
     weights = {
         name: t.detach().clone().float().requires_grad_(t.is_floating_point())
         for name, t in head.state_dict().items()
@@ -253,16 +273,16 @@ def distill(
     optimizer = torch.optim.Adam(trainable, lr=1e-2)
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = torch.zeros(())
-        for seq, prompt_len, aux in data:
-            feats = torch.cat(
-                [torch.zeros(1, config.hidden_size), aux[:-1] @ weights["fc.weight"].T]
-            )
-            logits, _ = dense_head(weights, config, embed, seq[:-1], feats[:-1])
-            labels = draft_of[torch.tensor(seq[1:])]
-            labels[: prompt_len - 1] = -100  # a prompt token is nobody's prediction
-            loss = loss + F.cross_entropy(logits, labels, ignore_index=-100)
-        (loss / len(data)).backward()  # type: ignore[no-untyped-call]
+        feats = torch.cat(
+            [
+                torch.zeros(len(sequences), 1, config.hidden_size),
+                aux[:, :-2] @ weights["fc.weight"].T,
+            ],
+            dim=1,
+        )
+        logits, _ = dense_head(weights, config, embed, tokens[:, :-1], feats)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     head.load_state_dict({k: v.detach() for k, v in weights.items()})
     return head

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import torch
+from hf_oracle import one_thread
 from spec_checkpoints import perturb
 from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
 
@@ -170,6 +171,11 @@ class MtpCheckpoints:
 
 def make_mtp_checkpoints(root: Path, *, vocab_size: int = 97) -> MtpCheckpoints:
     """Build and save both targets under ``root``."""
+    with one_thread():
+        return _make_mtp_checkpoints(root, vocab_size=vocab_size)
+
+
+def _make_mtp_checkpoints(root: Path, *, vocab_size: int) -> MtpCheckpoints:
     hf_single = make_mtp_target(root / "single", num_mtp_layers=1, vocab_size=vocab_size)
     # NOTE: transformers reads checkpoint layers numbered >= num_hidden_layers as MTP layers
     # too (DeepSeek's layout), so a target needs at least as many layers as MTP layers.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 import torch
-from hf_oracle import make_checkpoint
+from hf_oracle import make_checkpoint, one_thread
 from transformers import LlamaForCausalLM
 
 from specstate.engine.worker import WorkerProtocol
@@ -87,6 +87,11 @@ class SpecCheckpoints:
 def family_options(target: Path, algorithm: str) -> dict[str, object]:
     """The options of a hidden-state family's worker on ``target``, its drafter built on first
     use next to it (a directory that already exists is reused)."""
+    with one_thread():
+        return _family_options(target, algorithm)
+
+
+def _family_options(target: Path, algorithm: str) -> dict[str, object]:
     from eagle3_oracle import derived_eagle3_head, distill
     from frozen_oracle import derived_assistant
     from mtp_oracle import derived_mtp_layers
