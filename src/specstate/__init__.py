@@ -9,7 +9,9 @@ Two layers:
 
 * ``specstate`` (this module) is what users and worker authors need: `Engine`,
   `EngineConfig`, requests (`SamplingParams`, `RequestLimits`, `Req`, `FinishReason`),
-  streaming (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
+  draft and verify-budget policies (`DraftPolicy`, `AcceptanceEma`, `VerifyBudgetPolicy`,
+  `BatchSizeSchedule`, `GoodputBudget`, `ConfidenceBudget`, `CostProfile`, ...), streaming
+  (`stream`, `TokenEvent`), the asyncio front door (`AsyncEngine`,
   `RequestStream`), structured output (`Grammar`, `GrammarVocabulary`), the worker interface
   (`WorkerProtocol`, `WorkerCapabilities`, `PrefixSharing`, `WorkerMemory`, `OnPublish`), the
   types a worker sees (`ForwardBatch`, `GenerationBatchResult`, `RelayPayload`,
@@ -35,6 +37,7 @@ __version__ = "0.1.0.dev0"
 if TYPE_CHECKING:
     from specstate.batch.forward_batch import ForwardBatch
     from specstate.batch.forward_mode import ForwardMode
+    from specstate.batch.isolation import IsolationError
     from specstate.batch.result import GenerationBatchResult
     from specstate.batch.sampling import PenaltyAccumulator, SamplingInfo
     from specstate.core.errors import (
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
         InvalidConfig,
         InvalidRequest,
         InvalidTransition,
+        InvariantViolation,
         KvPoolExhausted,
         LedgerViolation,
         OwnershipError,
@@ -60,19 +64,32 @@ if TYPE_CHECKING:
         WorkerResultError,
     )
     from specstate.core.ledger import WorkerLedgerView
-    from specstate.core.request import (
-        FinishReason,
-        FinishState,
-        Req,
-        ReqSnapshot,
-        ReqStatus,
-        RequestLimits,
-        SamplingParams,
+    from specstate.core.params import RequestLimits, SamplingParams
+    from specstate.core.request import Req
+    from specstate.core.status import FinishReason, FinishState, ReqSnapshot, ReqStatus
+    from specstate.engine.budgets import (
+        BatchSizeSchedule,
+        BudgetRows,
+        ConfidenceBudget,
+        CostProfile,
+        FixedBudget,
+        GoodputBudget,
+        SettledBudgets,
+        VerifyBudgetPolicy,
     )
+    from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
     from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
-    from specstate.engine.engine import Engine, EngineConfig, EngineSnapshot, StepReport
-    from specstate.engine.invariants import InvariantViolation, check_engine
-    from specstate.engine.results import AcceptMetrics
+    from specstate.engine.engine import Engine
+    from specstate.engine.invariants import check_engine
+    from specstate.engine.planning import (
+        KvLayout,
+        kv_bytes_for_tokens,
+        kv_layouts,
+        kv_tokens_for_budget,
+        recurrent_state_bytes,
+        requests_that_fit,
+    )
+    from specstate.engine.settle.results import AcceptMetrics
     from specstate.engine.stream import TokenEvent, stream
     from specstate.engine.worker import (
         AlgorithmRegistry,
@@ -84,14 +101,6 @@ if TYPE_CHECKING:
     )
     from specstate.grammar.rows import GrammarRows, RowMasks
     from specstate.grammar.spec import Grammar, GrammarVocabulary
-    from specstate.memory.planning import (
-        KvLayout,
-        kv_bytes_for_tokens,
-        kv_layouts,
-        kv_tokens_for_budget,
-        recurrent_state_bytes,
-        requests_that_fit,
-    )
     from specstate.memory.prefix_cache import PrefixCacheSnapshot, PrefixSharing
     from specstate.memory.recurrent_layout import (
         RecurrentGroupSpec,
@@ -101,7 +110,6 @@ if TYPE_CHECKING:
     )
     from specstate.memory.sizing import SpecWindow
     from specstate.relay.future_map import RelayPayload
-    from specstate.relay.isolation import IsolationError
     from specstate.relay.streams import Event
     from specstate.serving.async_engine import AsyncEngine, AsyncEngineSnapshot
     from specstate.serving.request_stream import RequestStream
@@ -134,22 +142,30 @@ _EXPORTS: dict[str, str] = {
     "UsageError": "specstate.core.errors",
     "WorkerResultError": "specstate.core.errors",
     "WorkerLedgerView": "specstate.core.ledger",
-    "FinishReason": "specstate.core.request",
-    "FinishState": "specstate.core.request",
+    "FinishReason": "specstate.core.status",
+    "FinishState": "specstate.core.status",
     "Req": "specstate.core.request",
-    "ReqSnapshot": "specstate.core.request",
-    "ReqStatus": "specstate.core.request",
-    "RequestLimits": "specstate.core.request",
-    "SamplingParams": "specstate.core.request",
+    "ReqSnapshot": "specstate.core.status",
+    "ReqStatus": "specstate.core.status",
+    "RequestLimits": "specstate.core.params",
+    "SamplingParams": "specstate.core.params",
+    "BatchSizeSchedule": "specstate.engine.budgets",
+    "BudgetRows": "specstate.engine.budgets",
+    "ConfidenceBudget": "specstate.engine.budgets",
+    "CostProfile": "specstate.engine.budgets",
+    "FixedBudget": "specstate.engine.budgets",
+    "GoodputBudget": "specstate.engine.budgets",
+    "SettledBudgets": "specstate.engine.budgets",
+    "VerifyBudgetPolicy": "specstate.engine.budgets",
     "AcceptanceEma": "specstate.engine.draft_policy",
     "DraftPolicy": "specstate.engine.draft_policy",
     "Engine": "specstate.engine.engine",
-    "EngineConfig": "specstate.engine.engine",
-    "EngineSnapshot": "specstate.engine.engine",
-    "StepReport": "specstate.engine.engine",
-    "InvariantViolation": "specstate.engine.invariants",
+    "EngineConfig": "specstate.engine.config",
+    "EngineSnapshot": "specstate.engine.config",
+    "StepReport": "specstate.engine.config",
+    "InvariantViolation": "specstate.core.errors",
     "check_engine": "specstate.engine.invariants",
-    "AcceptMetrics": "specstate.engine.results",
+    "AcceptMetrics": "specstate.engine.settle.results",
     "TokenEvent": "specstate.engine.stream",
     "stream": "specstate.engine.stream",
     "AlgorithmRegistry": "specstate.engine.worker",
@@ -168,15 +184,15 @@ _EXPORTS: dict[str, str] = {
     "GrammarVocabulary": "specstate.grammar.spec",
     "PrefixCacheSnapshot": "specstate.memory.prefix_cache",
     "PrefixSharing": "specstate.memory.prefix_cache",
-    "KvLayout": "specstate.memory.planning",
-    "kv_bytes_for_tokens": "specstate.memory.planning",
-    "kv_layouts": "specstate.memory.planning",
-    "kv_tokens_for_budget": "specstate.memory.planning",
-    "recurrent_state_bytes": "specstate.memory.planning",
-    "requests_that_fit": "specstate.memory.planning",
+    "KvLayout": "specstate.engine.planning",
+    "kv_bytes_for_tokens": "specstate.engine.planning",
+    "kv_layouts": "specstate.engine.planning",
+    "kv_tokens_for_budget": "specstate.engine.planning",
+    "recurrent_state_bytes": "specstate.engine.planning",
+    "requests_that_fit": "specstate.engine.planning",
     "SpecWindow": "specstate.memory.sizing",
     "RelayPayload": "specstate.relay.future_map",
-    "IsolationError": "specstate.relay.isolation",
+    "IsolationError": "specstate.batch.isolation",
     "Event": "specstate.relay.streams",
     "AsyncEngine": "specstate.serving.async_engine",
     "AsyncEngineSnapshot": "specstate.serving.async_engine",
@@ -189,6 +205,10 @@ __all__ = [
     "AlgorithmRegistry",
     "AsyncEngine",
     "AsyncEngineSnapshot",
+    "BatchSizeSchedule",
+    "BudgetRows",
+    "ConfidenceBudget",
+    "CostProfile",
     "DoubleRelease",
     "DraftPolicy",
     "Engine",
@@ -198,10 +218,12 @@ __all__ = [
     "Event",
     "FinishReason",
     "FinishState",
+    "FixedBudget",
     "ForwardBatch",
     "ForwardMode",
     "ForwardTimeout",
     "GenerationBatchResult",
+    "GoodputBudget",
     "Grammar",
     "GrammarError",
     "GrammarRows",
@@ -238,6 +260,7 @@ __all__ = [
     "RowMasks",
     "SamplingInfo",
     "SamplingParams",
+    "SettledBudgets",
     "SpecStateError",
     "SpecWindow",
     "StaleResult",
@@ -245,6 +268,7 @@ __all__ = [
     "StepReport",
     "TokenEvent",
     "UsageError",
+    "VerifyBudgetPolicy",
     "WorkerCapabilities",
     "WorkerLedgerView",
     "WorkerMemory",

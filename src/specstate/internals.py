@@ -5,8 +5,8 @@ level: the KV ledger and its typed role views (`KvLedger.views`: one writer per 
 slot pools and the KV allocator with its 2x speculative reservation, the prefix cache (a radix
 tree of committed KV pages) and the rows' holds on it, the recurrent-state pool of hybrid
 models (`RecurrentStatePool`), retraction, the FutureMap relay and its batch helpers, forward
-isolation, the CPU/CUDA forward streams, the scheduler's `ScheduleBatch`, finish resolution,
-and the grammar owner (`GrammarTable`, with each request's `GrammarState`).
+isolation, the CPU/CUDA forward streams, the scheduler's `ScheduleBatch`, and the grammar owner
+(`GrammarTable`, with each request's `GrammarState`).
 `OwnershipChecker` and `Role` are the run-time half of ownership checking.
 
 The ledger is built only by a composing factory (`specstate.Engine` is one); everyone else
@@ -16,6 +16,8 @@ elsewhere.
 
 from __future__ import annotations
 
+from specstate.batch.isolation import ForwardIsolation, ForwardIsolator
+from specstate.batch.relay_inputs import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.core.ledger import (
     AllocatorLedgerView,
@@ -28,17 +30,18 @@ from specstate.core.ledger import (
     SchedulerLedgerView,
 )
 from specstate.core.ownership import OwnershipChecker, Role, RoleScope
-from specstate.engine.finish import resolve_finish
+from specstate.engine.capabilities.grammar import GrammarSnapshot, GrammarTable
 from specstate.grammar.state import GrammarCompiler, GrammarState
-from specstate.grammar.table import GrammarSnapshot, GrammarTable
-from specstate.memory.allocation import DeferredReleases, KvAllocator, ReleasedKv
-from specstate.memory.pools import ReqToTokenPool, SlotHandle, TokenSlotAllocator
+from specstate.memory.allocation import KvAllocator
+from specstate.memory.deferred import DeferredReleases
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch
 from specstate.memory.prefix_rows import PrefixRows
 from specstate.memory.recurrent import RecurrentPoolSnapshot, RecurrentStatePool
+from specstate.memory.releases import ReleasedKv
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode, retraction_order
 from specstate.memory.sizing import DecodeAllocLens, page_aligned_decode_alloc_lens
-from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
+from specstate.memory.slots import ReqToTokenPool, SlotHandle
 from specstate.relay.future_map import (
     ForwardInputs,
     FutureMap,
@@ -47,7 +50,6 @@ from specstate.relay.future_map import (
     Unresolved,
     is_unresolved,
 )
-from specstate.relay.isolation import ForwardIsolation, ForwardIsolator
 from specstate.relay.streams import CpuStream, Stream, make_stream
 
 __all__ = [
@@ -94,7 +96,6 @@ __all__ = [
     "page_aligned_decode_alloc_lens",
     "resolve_batch_forward_inputs",
     "resolve_batch_seq_lens",
-    "resolve_finish",
     "retract_for_decode",
     "retraction_order",
 ]

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from spec_checkpoints import SpecCheckpoints
 from tp_programs import reference_worker
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams, UsageError
+from specstate.core.errors import InvariantViolation
 from specstate.distributed import DistributedEngine, RankGroup, result_digest
-from specstate.engine.invariants import InvariantViolation, check_engine
-from specstate.engine.result_copy import HostResult
+from specstate.engine.invariants import check_engine
+from specstate.engine.launch.result_copy import HostResult
 
 CONFIG = EngineConfig(kv_tokens=1024, check_invariants=True, check_ownership=True)
 LIMITS = RequestLimits(vocab_size=97, max_context_len=256)
@@ -70,7 +72,8 @@ def test_a_missed_launch_point_breaks_the_rank_agreement_invariant(paths: dict[s
 
 
 def test_result_digest_sees_every_settled_field() -> None:
-    """Equal results digest equally; one accept length or one token more does not."""
+    """Equal results digest equally; one accept length, token, log-probability (one ulp) or
+    invalid row different does not."""
 
     def host(accept: list[int], tokens: list[list[int]]) -> HostResult:
         return HostResult(
@@ -86,3 +89,17 @@ def test_result_digest_sees_every_settled_field() -> None:
     assert np.array_equal(base, result_digest(host([2, 1], [[4, 5], [6, 0]])))
     assert not np.array_equal(base, result_digest(host([1, 1], [[4, 5], [6, 0]])))
     assert not np.array_equal(base, result_digest(host([2, 1], [[4, 5], [7, 0]])))
+    logprobs = np.array([[-0.5, -1.25], [-2.0, 0.0]], dtype=np.float32)
+    with_logprobs = attrs.evolve(host([2, 1], [[4, 5], [6, 0]]), logprobs=logprobs)
+    assert not np.array_equal(base, result_digest(with_logprobs))
+    assert np.array_equal(
+        result_digest(with_logprobs),
+        result_digest(attrs.evolve(with_logprobs, logprobs=logprobs.copy())),
+    )
+    nudged = logprobs.copy()
+    nudged[1, 0] = np.nextafter(nudged[1, 0], np.float32(0))  # one ulp: other bits
+    assert not np.array_equal(
+        result_digest(with_logprobs), result_digest(attrs.evolve(with_logprobs, logprobs=nudged))
+    )
+    invalid = attrs.evolve(host([2, 1], [[4, 5], [6, 0]]), invalid=np.array([False, True]))
+    assert not np.array_equal(base, result_digest(invalid))

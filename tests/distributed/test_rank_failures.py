@@ -14,8 +14,8 @@ GROUP_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def faults(tp_healthy: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Both ranks' faults (from the healthy spawn): a perturbed accept length, diverged plans,
-    a fault on every rank, then a workload."""
+    """Both ranks' faults (from the healthy spawn): a perturbed accept length, other
+    log-probabilities, diverged plans, a fault on every rank, then a workload."""
     return [rank["faults"] for rank in tp_healthy]
 
 
@@ -28,6 +28,16 @@ def test_a_perturbed_accept_length_is_named_at_its_round(faults: list[dict[str, 
             "batch 2 (decode, 3 requests): rank(s) [1] settled a different result"
             in run["error"][1]
         )
+        assert all(accepts == () for _, _, _, accepts in run["outputs"].values())  # nothing settled
+
+
+def test_a_logprob_disagreement_is_named_at_its_round(faults: list[dict[str, Any]]) -> None:
+    """Rank 1 reports other log-probabilities at the first decode (tokens, accept lengths and
+    frontier equal): the result digest of checking mode names it there, on every rank."""
+    for rank in faults:
+        run = rank["logprobs"]
+        assert run["error"] is not None and run["error"][0] == "RankDivergence"
+        assert "(decode, 3 requests): rank(s) [1] settled a different result" in run["error"][1]
         assert all(accepts == () for _, _, _, accepts in run["outputs"].values())  # nothing settled
 
 
@@ -59,12 +69,21 @@ def test_a_fault_on_every_rank_fails_its_batch_alike(faults: list[dict[str, Any]
 
 @pytest.mark.parametrize(
     ("fault", "overlap"),
-    [("raise", False), ("sleep", True), ("die", True)],
+    [
+        ("raise", False),
+        ("raise_after", False),
+        ("raise_after", True),
+        ("sleep", True),
+        ("die", True),
+    ],
 )
 def test_a_failing_rank_stops_every_rank_in_bounded_time(
     tp_paths: dict[str, str], fault: str, overlap: bool
 ) -> None:
-    """Rank 1 raises, wedges or dies at the first decode round: the others stop with RankFailure."""
+    """Rank 1 raises (before or after the forward's collectives), wedges or dies at the first
+    decode round: the others stop with RankFailure. A failure of rank 1 alone after the
+    collectives leaves rank 0's forward whole, so only the agreement can tell that the ranks
+    are out of step: it is fatal all the same."""
     outcomes = spawn_ranks(
         fatal_fault,
         (tp_paths, fault, overlap),
@@ -82,7 +101,9 @@ def test_a_failing_rank_stops_every_rank_in_bounded_time(
     follower = outcomes[1]
     assert follower.ok, follower.traceback
     assert follower.result["error"][0] == "RankFailure"
-    if fault == "raise":  # the batch failed the same way on both ranks, naming the cause
+    if fault == "raise_after":
+        assert "not on every rank" in run["error"][1]
+    if fault in ("raise", "raise_after"):  # the batch failed alike on both ranks, with its cause
         assert run["error"][1] == follower.result["error"][1]
         assert "injected worker fault" in run["error"][1]
         failed = [d for _, reason, d, _ in run["outputs"].values() if reason == "error"]

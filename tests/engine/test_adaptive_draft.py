@@ -239,9 +239,9 @@ def test_the_invariant_checker_names_a_round_settled_past_its_width(
     ckpt: SpecCheckpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the always-on result check bypassed, ``draft-width`` still catches the round."""
-    import specstate.engine.rounds as rounds_module
+    import specstate.engine.launch.launcher as launcher_module
 
-    monkeypatch.setattr(rounds_module, "check_sampling_rows", lambda *a, **k: None)
+    monkeypatch.setattr(launcher_module, "check_sampling_rows", lambda *a, **k: None)
     worker = _IgnoresWidth(ckpt.worker("draft_model", agreeing=True))
     config = EngineConfig(overlap=False, check_invariants=True, check_ownership=True)
     limits = RequestLimits(vocab_size=97, max_context_len=256)

@@ -18,7 +18,8 @@ from hf_oracle import greedy
 from spec_checkpoints import SpecCheckpoints
 
 from specstate import FinishReason, ReqStatus, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 
 RESERVE = 8  # draft_model, 3 steps: L = 4, R = 2 * L

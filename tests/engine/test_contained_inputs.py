@@ -20,7 +20,8 @@ from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import FinishReason, InvalidConfig, RequestLimits, SamplingParams, stream
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.trace import TraceRecorder
 
 

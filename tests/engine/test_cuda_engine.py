@@ -23,7 +23,8 @@ from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_sp
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import OnPublish
 from specstate.tools.timed_worker import TimedWaitWorker
 

@@ -12,8 +12,9 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.ownership import OwnershipChecker
 from specstate.core.request import Req
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows
 from specstate.engine.invariants import check_engine
+from specstate.engine.schedule.decode_columns import DecodeColumns
+from specstate.engine.schedule.decode_rows import DecodeRows
 from specstate.tools.timed_worker import TimedWaitWorker
 
 

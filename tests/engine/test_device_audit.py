@@ -30,7 +30,8 @@ from spec_checkpoints import (
 )
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.testing.device_audit import DeviceAudit
 

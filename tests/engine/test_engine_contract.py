@@ -17,7 +17,7 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import UsageError
-from specstate.core.request import FinishReason
+from specstate.core.status import FinishReason
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish
 from specstate.tools.timed_worker import TimedWaitWorker

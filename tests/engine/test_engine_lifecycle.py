@@ -14,7 +14,8 @@ from transformers import LlamaForCausalLM
 from specstate import FinishReason, InvalidRequest, ReqStatus, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import OnPublish, WorkerMemory
 from specstate.internals import KvLedger
 from specstate.reference.workers import PlainWorker

@@ -9,7 +9,8 @@ from hf_oracle import greedy, make_checkpoint
 from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28], [7]]
 

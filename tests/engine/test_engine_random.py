@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from spec_checkpoints import ALGORITHMS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import FinishReason, InvalidRequest, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 MAX_NEW = 16
 PROMPT_POOL = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specstate import FinishReason, SamplingParams
-from specstate.engine.finish import resolve_finish
+from specstate.testing.finish_oracle import resolve_finish
 
 EOS = frozenset({2})
 
@@ -64,3 +64,20 @@ def test_abort_wins_over_a_stop() -> None:
         2,
         "user",
     )
+
+
+def test_the_module_docstring_says_who_calls_resolve_finish() -> None:
+    """``engine/finish.py`` says the engine finds finishes in its output columns and never
+    calls `resolve_finish`: no engine module but its own names it (if one starts calling it,
+    that docstring must change with it)."""
+    from pathlib import Path
+
+    import specstate.engine
+
+    folder = Path(specstate.engine.__file__).parent
+    callers = [
+        path.name
+        for path in sorted(folder.glob("*.py"))
+        if path.name != "finish.py" and "resolve_finish" in path.read_text(encoding="utf-8")
+    ]
+    assert callers == []

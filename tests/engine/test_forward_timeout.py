@@ -25,8 +25,10 @@ from spy_worker import SpyWorker
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import FinishReason, Req
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerProtocol
 

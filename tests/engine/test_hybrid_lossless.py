@@ -2,8 +2,9 @@
 
 Every drafting algorithm that serves a hybrid target (``none``, ``ngram``, ``draft_model`` with a
 hybrid or a Llama drafter), both loops, page sizes 1 and 16, whole and chunked prefill with
-mixed chunks, stops inside accepted runs, aborts, and n-gram rounds that draft nothing right
-after rounds that accepted drafts (retraction under KV pressure, for both hybrids, is in
+mixed chunks, stops inside accepted runs, aborts, a worker that declares prefix sharing (it
+gets no prefix cache), and n-gram rounds that draft nothing right after rounds that accepted
+drafts (retraction under KV pressure, for both hybrids, is in
 test_hybrid_retraction.py). Every step runs the invariant checker (the recurrent-state
 invariants included), ownership checks and the consume-once relay. The recurrent layers steer
 the output, so a state selected for the wrong accept length, a state not carried over a round or
@@ -16,6 +17,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 from engine_driver import (
     checked_config,
@@ -31,8 +33,10 @@ from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.worker import OnPublish, WorkerProtocol
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerProtocol
+from specstate.memory.prefix_cache import PrefixSharing
 
 PROMPTS = HYBRID_PROMPTS
 NEW_TOKENS = 14
@@ -170,6 +174,40 @@ def test_production_mode_is_lossless(
     stops, wants = with_stops(expected)
     config = checked_config(checks=False, overlap=overlap, page_size=16, chunked_prefill=4)
     assert _serve(ckpt, ckpt.worker(algorithm), PROMPTS, stops, config) == wants
+
+
+class DeclaresSharing(SpyWorker):
+    """A hybrid worker that declares token-level prefix sharing, which its recurrent state
+    (checkpointed where rounds end, not at cache boundaries) cannot honour."""
+
+    @property
+    def capabilities(self) -> WorkerCapabilities:
+        """The inner worker's, declaring `PrefixSharing.TOKEN`."""
+        return attrs.evolve(super().capabilities, prefix_sharing=PrefixSharing.TOKEN)
+
+
+@pytest.mark.parametrize("checks", [True, False], ids=["checked", "production"])
+def test_a_stateful_worker_declaring_prefix_sharing_shares_nothing(
+    ckpt: HybridCheckpoints, checks: bool
+) -> None:
+    """The engine gives a worker with recurrent state no prefix cache, whatever it declares: a
+    request repeating an earlier one's prompt and part of its output is prefilled whole and
+    emits HF's tokens (in production mode too, where no invariant checker would notice)."""
+    worker = DeclaresSharing(ckpt.worker("draft_model"))
+    assert worker.capabilities.recurrent is not None
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    config = checked_config(checks=checks, page_size=1)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    with Engine(worker, limits=limits, config=config) as engine:
+        first = engine.submit("first", PROMPTS[2], params)
+        run_checked(engine) if checks else engine.run_until_idle()
+        again = [*PROMPTS[2], *first.emitted_ids[:5], 7]  # diverges inside the first's output
+        later = engine.submit("later", again, params)
+        run_checked(engine) if checks else engine.run_until_idle()
+        assert engine.snapshot().prefix_cache is None
+    assert list(first.emitted_ids) == greedy(ckpt.hf, PROMPTS[2], NEW_TOKENS)
+    assert later.cached_tokens == 0
+    assert list(later.emitted_ids) == greedy(ckpt.hf, again, NEW_TOKENS)
 
 
 def test_trees_and_eagle_are_refused(ckpt: HybridCheckpoints, tmp_path: Path) -> None:

@@ -26,8 +26,9 @@ from spy_worker import SpyWorker
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import FinishReason
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerProtocol
 from specstate.relay.streams import Stream

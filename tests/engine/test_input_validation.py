@@ -51,10 +51,51 @@ def test_bad_sampling_values_are_refused(case: str) -> None:
     fields, message = BAD_PARAMS[case]
     with _engine() as engine:
         before = engine.snapshot()
-        with pytest.raises(InvalidRequest, match=f"request 'r': .*{message}"):
+        with pytest.raises(InvalidRequest, match=f"request 'r': .*{message}") as info:
             engine.submit("r", [1, 2, 3], SamplingParams(**fields))
+        assert info.value.fields == tuple(fields)
         assert engine.snapshot() == before and engine.is_idle
         check_engine(engine)
+
+
+def test_a_refusal_names_the_request_fields_at_fault() -> None:
+    """`InvalidRequest.fields` names the fields of `Engine.submit` that a refusal is about, in
+    the order of the message: the prompt, each bad sampling value, what the worker does not
+    support, what does not fit the context or the pool."""
+
+    class _Plain(TimedWaitWorker):  # no penalties, no logprobs, greedy only
+        @property
+        def capabilities(self) -> WorkerCapabilities:
+            return attrs.evolve(super().capabilities, supports_sampling=False)
+
+    engine = Engine(
+        _Plain(device_seconds=0.0),
+        limits=RequestLimits(vocab_size=32, max_context_len=1024),
+        config=EngineConfig(overlap=False, kv_tokens=256),
+    )
+    cases: list[tuple[list[int], SamplingParams, tuple[str, ...]]] = [
+        ([], SamplingParams(), ("prompt_ids",)),
+        (
+            [1, 99],
+            SamplingParams(top_p=0.0, min_new_tokens=-1),
+            ("prompt_ids", "top_p", "min_new_tokens"),
+        ),
+        ([1], SamplingParams(max_new_tokens=4, min_new_tokens=5), ("min_new_tokens",)),
+        ([1], SamplingParams(temperature=0.5), ("temperature",)),
+        (
+            [1],
+            SamplingParams(presence_penalty=0.5, logprobs=True),
+            ("presence_penalty", "logprobs"),
+        ),
+        ([1] * 1000, SamplingParams(max_new_tokens=25), ("max_new_tokens",)),  # the context
+        ([1], SamplingParams(max_new_tokens=600), ("max_new_tokens",)),  # the pool
+    ]
+    with engine:
+        for prompt, sampling, fields in cases:
+            with pytest.raises(InvalidRequest) as info:
+                engine.submit("r", prompt, sampling)
+            assert info.value.fields == fields, info.value
+        assert engine.is_idle
 
 
 def test_a_string_of_stop_ids_is_not_a_collection() -> None:

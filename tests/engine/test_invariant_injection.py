@@ -32,12 +32,15 @@ from spy_worker import SpyWorker
 from specstate import RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
+from specstate.core.errors import InvariantViolation
 from specstate.core.ownership import Role
-from specstate.core.request import FinishReason, Req
-from specstate.engine import launch, results
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation
-from specstate.engine.outputs import OutputTable
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.launch import launcher as launch
+from specstate.engine.settle import results
+from specstate.engine.settle.outputs import OutputTable
 from specstate.engine.worker import OnPublish, WorkerProtocol
 from specstate.memory.sizing import SpecWindow
 

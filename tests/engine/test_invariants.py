@@ -10,8 +10,10 @@ from hf_oracle import make_checkpoint
 from spy_worker import SpyWorker
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.core.errors import InvariantViolation
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_engine
 from specstate.internals import Role
 
 LIMITS = RequestLimits(vocab_size=97, max_context_len=64)

@@ -24,7 +24,8 @@ from specstate import RequestLimits
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import OnPublish, WorkerProtocol
 
 PROMPTS = HYBRID_PROMPTS

@@ -18,7 +18,7 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import FinishReason
+from specstate.core.status import FinishReason
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.tools.timed_worker import TimedWaitWorker
 

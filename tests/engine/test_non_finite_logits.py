@@ -24,7 +24,8 @@ from hf_oracle import greedy
 from spec_checkpoints import SpecCheckpoints, make_spec_checkpoints
 
 from specstate import FinishReason, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.reference.workers.round import ChainRoundWorker
 
 CLEAN = [3, 14, 15, 92]

@@ -1,4 +1,5 @@
-"""The output table: batch-wide settlement agrees with the one finish resolver, row by row."""
+"""The output table: batch-wide settlement agrees with the one finish resolver, row by row;
+`Req.end_many` copies each request's row back from its own table, however many are involved."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from hypothesis import strategies as st
 
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import InvalidTransition, LedgerViolation
-from specstate.core.request import FinishReason, FinishState, ReqStatus
-from specstate.engine.finish import resolve_finish
-from specstate.engine.outputs import OutputTable
+from specstate.core.status import FinishReason, FinishState, ReqStatus
+from specstate.engine.settle.outputs import OutputTable
 from specstate.internals import OwnershipChecker, Role
+from specstate.testing.finish_oracle import resolve_finish
 
 VOCAB = 12
 EOS = frozenset({11})
@@ -223,6 +224,50 @@ def test_ending_many_requests_copies_every_row_back_or_changes_nothing() -> None
     Req.end_many([waiting, d], [aborted, FinishState(reason=FinishReason.LENGTH, finished_len=3)])
     assert [waiting.status, d.status] == [ReqStatus.ABORTED, ReqStatus.FINISHED]
     assert tuple(d.output_ids) == expect[3] and not table.is_open(6)
+
+
+def test_ending_requests_of_different_output_sources_at_once() -> None:
+    """`Req.end_many` over requests attached to two tables (the same slot number in each) and
+    one attached to none: each gets its own outputs back, and each table closes only its row."""
+    checker = OwnershipChecker(enabled=True)
+    tables = [
+        OutputTable(max_slots=4, max_outputs=16, max_run=RUN, eos_token_ids=EOS, checker=checker)
+        for _ in range(2)
+    ]
+    a, b, loose = (_req(n, SamplingParams(max_new_tokens=9), checker) for n in ("a", "b", "w"))
+    runs = {"a": [4, 5, 6, 7], "b": [8, 9, 10, 3]}
+    for table, req in zip(tables, (a, b), strict=True):
+        _open(table, checker, 2, req)
+        req.transition(ReqStatus.PREFILL)
+        req.transition(ReqStatus.RUNNING)
+        with checker.acting(Role.RESULT_PROCESSOR):
+            table.append_runs(
+                np.array([2]), np.array([runs[req.request_id]]), np.array([3]), verifies=True
+            )
+    assert (tuple(a.output_ids), tuple(b.output_ids)) == ((4, 5, 6), (8, 9, 10))
+    stop = FinishState(reason=FinishReason.STOP, finished_len=2)
+    abort = FinishState(reason=FinishReason.ABORT, finished_len=0)
+    Req.end_many([a, loose, b], [stop, abort, stop])
+    assert (tuple(a.output_ids), tuple(b.output_ids)) == ((4, 5, 6), (8, 9, 10))
+    assert (a.emitted_ids, b.emitted_ids) == ((4, 5), (8, 9))
+    assert [r.status for r in (a, loose, b)] == [
+        ReqStatus.FINISHED,
+        ReqStatus.ABORTED,
+        ReqStatus.FINISHED,
+    ]
+    assert not tables[0].is_open(2) and not tables[1].is_open(2)
+    assert [int(t.epochs(np.array([2]))[0]) for t in tables] == [1, 1]
+    c, d = (_req(n, SamplingParams(max_new_tokens=9), checker) for n in ("c", "d"))
+    for table, req in zip(reversed(tables), (c, d), strict=True):  # c in table 1, d in table 0
+        _open(table, checker, 2, req)
+        req.transition(ReqStatus.PREFILL)
+        req.transition(ReqStatus.RUNNING)
+    with checker.acting(Role.RESULT_PROCESSOR):
+        tables[1].append_runs(np.array([2]), np.array([[1, 1, 1, 1]]), np.array([1]), verifies=True)
+    one = FinishState(reason=FinishReason.STOP, finished_len=1)
+    Req.end_many([c, d], [one, abort])  # attached, both, to different tables
+    assert (tuple(c.output_ids), tuple(d.output_ids)) == ((1,), ())
+    assert not tables[0].is_open(2) and not tables[1].is_open(2)
 
 
 def test_a_streaming_read_takes_each_grown_row_from_where_it_was_seen() -> None:

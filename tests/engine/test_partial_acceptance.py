@@ -20,7 +20,8 @@ from spec_checkpoints import (
 )
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 NEW_TOKENS = 20
 STEPS = 3  # D = 4

@@ -1,7 +1,8 @@
 """What the prefix cache keeps, when, and how it reports it, through the real engine.
 
 A finished request caches exactly its committed KV of tokens the user saw (never the pending
-bonus, never a stop's tail); an aborted one caches nothing; under overlap a finish inserts only
+bonus, never a stop's tail), and a later request is served exactly that, in production mode
+too; an aborted one caches nothing; under overlap a finish inserts only
 after its deferred release; no forward writes a cached page; a whole-prompt hit recomputes the
 last token; speculation costs no hits when memory holds the cache; a worker whose state at p
 depends on token p + 1 keeps its acceptance only with BIGRAM keys; the snapshot, the trace and
@@ -84,6 +85,40 @@ def test_a_finish_caches_its_committed_visible_prefix_only(
         seq = [*BASE[:7], 1, *capped.output_ids]
         committed = len(seq) - 1 if capped.num_outputs == 9 else len(BASE[:7]) + 1 + 9
         assert _cached(engine, seq) == committed // page_size * page_size
+
+
+@pytest.mark.parametrize("checking", [True, False], ids=["checked", "production"])
+@pytest.mark.parametrize(
+    ("algorithm", "overlap"), [("none", False), ("draft_model", True)], ids=["plain", "spec"]
+)
+def test_kv_past_the_committed_length_is_never_served_from_the_cache(
+    ckpt: SpecCheckpoints, algorithm: str, overlap: bool, checking: bool
+) -> None:
+    """A request ends by its length cap, its last token's KV never written (no verify took it
+    as a root; with speculation, a rejected draft's KV may sit in that slot). A later request
+    whose prompt holds that whole sequence is served exactly the committed positions from the
+    cache and emits HF's tokens, also in production mode, where no run-time check would refuse
+    an insert past the committed length."""
+    worker = ckpt.worker(algorithm, agreeing=False)
+    config = attrs.evolve(
+        _config(page_size=1, overlap=overlap),
+        check_invariants=checking,
+        check_ownership=checking,
+        debug_relay=checking,
+    )
+    with Engine(worker, limits=LIMITS, config=config) as engine:
+        first = engine.submit("first", BASE, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        (run_checked if checking else Engine.run_until_idle)(engine)
+        assert first.finish is not None and first.finish.reason is FinishReason.LENGTH
+        # Its last run ended at the cap (not past it): the last token is the pending bonus.
+        assert first.num_outputs == 10
+        seq = [*BASE, *first.emitted_ids]
+        committed = len(seq) - 1
+        prompt = [*seq, 5, 17]
+        later = engine.submit("later", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        (run_checked if checking else Engine.run_until_idle)(engine)
+    assert later.cached_tokens == committed
+    assert list(later.emitted_ids) == greedy(ckpt.hf, prompt, 6)
 
 
 def test_an_aborted_request_caches_nothing(ckpt: SpecCheckpoints) -> None:

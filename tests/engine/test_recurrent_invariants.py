@@ -21,9 +21,11 @@ import pytest
 from engine_driver import run_checked
 
 from specstate import RequestLimits, SamplingParams
+from specstate.core.errors import InvariantViolation
 from specstate.core.ownership import Role
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation, check_recurrent
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_recurrent
 from specstate.memory.recurrent import RecurrentStatePool
 from specstate.tools.bench_recurrent import StatefulTimedWorker
 

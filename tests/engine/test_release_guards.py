@@ -23,9 +23,10 @@ from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 from spy_worker import SpyWorker
 
 from specstate import FinishReason, Req, ReqStatus, RequestLimits, SamplingParams
-from specstate.engine import launch
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
+from specstate.engine.launch import launcher as launch
 from specstate.relay.streams import CpuStream, Stream
 
 NEW_TOKENS = 12
@@ -233,5 +234,10 @@ def test_a_stale_failure_leaves_a_readmitted_incarnation_alone(
         assert found is not None, "no request was retracted and re-admitted"
         req, plan = found
         row = plan.batch.reqs.index(req)
-        ended = engine.lifecycle.fail([req], [plan.batch.incarnations[row]], RuntimeError("x"))
+        ended = engine.lifecycle.fail(
+            [req],
+            [plan.batch.incarnations[row]],
+            RuntimeError("x"),
+            until_batch=engine.num_launched,
+        )
         assert ended == [] and req.status is ReqStatus.RUNNING and req.finish is None

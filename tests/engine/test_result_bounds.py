@@ -22,7 +22,8 @@ from spy_worker import SpyWorker
 from specstate import FinishReason, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import OnPublish
 
 PROMPT = [3, 14, 15, 92]

@@ -29,8 +29,8 @@ from specstate import (
 )
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.sampling import SamplingInfo, apply_logit_controls, seeded_uniforms
-from specstate.engine.result_check import check_form, check_sampling_rows, check_values
-from specstate.engine.result_copy import HostResult, ResultCopy
+from specstate.engine.launch.result_check import check_form, check_sampling_rows, check_values
+from specstate.engine.launch.result_copy import HostResult, ResultCopy
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
 from specstate.relay.future_map import RelayPayload

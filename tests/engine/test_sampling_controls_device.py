@@ -15,7 +15,8 @@ import pytest
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.testing.device_audit import DeviceAudit
 

@@ -22,7 +22,8 @@ from spec_checkpoints import SpecCheckpoints
 from transformers import LlamaForCausalLM
 
 from specstate import FinishReason, InvalidRequest, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.reference.workers import default_registry
 
 CLEAN = (3, 14, 15, 92, 65, 35, 89)

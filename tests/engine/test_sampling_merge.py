@@ -15,7 +15,8 @@ from hf_oracle import greedy
 from spec_checkpoints import SpecCheckpoints
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 PROMPT = [9, 41, 7, 7, 30]
 SEEDED = SamplingParams(max_new_tokens=12, temperature=1.5, seed=11, ignore_eos=True)

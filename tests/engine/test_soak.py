@@ -25,7 +25,8 @@ from spec_checkpoints import (
 
 from specstate import FinishReason, RequestLimits, SamplingParams
 from specstate.core.request import Req
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 
 PROMPTS = [

@@ -14,7 +14,7 @@ from engine_driver import run_checked
 
 from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.core.ownership import Role
-from specstate.core.request import ReqStatus
+from specstate.core.status import ReqStatus
 from specstate.engine.invariants import check_engine
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -39,9 +39,9 @@ def test_a_late_result_for_an_old_incarnation_in_the_same_slot_is_skipped() -> N
     with engine.checker.acting(Role.SCHEDULER):
         plan, _ = engine.scheduler.schedule()
     assert plan is not None and plan.batch.forward_mode.is_decode()
-    late = engine.rounds.launcher.launch(plan, batch_id=999)
-    result, error = late.wait()
-    assert error is None and result is not None and late.host is not None
+    engine.rounds.launcher.launch(plan, batch_id=999)
+    late = engine.rounds.launcher.collect()
+    assert late.error is None and late.host is not None
 
     # Retract it (the pool's retraction path), then re-admit it: it lands in the same slot.
     with engine.checker.acting(Role.SCHEDULER):

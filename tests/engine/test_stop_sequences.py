@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specstate import Engine, EngineConfig, Req, RequestLimits, SamplingParams
-from specstate.core.request import FinishReason, ReqStatus
-from specstate.engine.finish import resolve_finish
-from specstate.engine.outputs import OutputTable
-from specstate.engine.stop_sequences import StopSequences
+from specstate.core.status import FinishReason, ReqStatus
+from specstate.engine.settle.outputs import OutputTable
+from specstate.engine.settle.stop_sequences import StopSequences
 from specstate.internals import OwnershipChecker, Role
+from specstate.testing.finish_oracle import resolve_finish
 from specstate.tools.timed_worker import TimedWaitWorker
 
 VOCAB = 6

@@ -4,7 +4,8 @@ Partially agreeing drafters (multi-token runs), the overlap loop with chunked pr
 chunks, a pool small enough to retract, stop tokens inside runs and an abort: the tokens a
 request's events carry, concatenated, are exactly its ``emitted_ids`` (and HF ``generate()``'s
 tokens for the requests that were not aborted); its finish comes on its last event and nothing
-follows it. The invariant checker runs after every step.
+follows it. The invariant checker runs after every step. A token is delivered on the step it
+is emitted, also by a request in a slot whose previous holder ended with as many outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from spec_checkpoints import (
     MIXED_PROMPTS,
     SpecCheckpoints,
 )
+from spy_worker import SpyWorker
 
-from specstate import FinishReason, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate import FinishReason, Req, RequestLimits, SamplingParams
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.result import GenerationBatchResult
+from specstate.engine.config import EngineConfig, StepReport
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
-from specstate.engine.stream import TokenEvent, stream
+from specstate.engine.stream import StreamCursor, TokenEvent, stream
+from specstate.engine.worker import OnPublish, WorkerProtocol
+from specstate.tools.timed_worker import TimedWaitWorker
 
 NEW_TOKENS = 20
 
@@ -92,3 +99,63 @@ def test_streamed_tokens_are_the_emitted_tokens(
             )
             assert tokens == expected, req.request_id
     assert reqs[0].finish is not None and reqs[0].finish.reason is FinishReason.ABORT
+
+
+class SlotSpy(SpyWorker):
+    """Delegates to a worker; records the slot each request id was first launched in."""
+
+    def __init__(self, inner: WorkerProtocol) -> None:
+        super().__init__(inner)
+        self.slots: dict[str, int] = {}
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        """Record the rows' slots, then delegate."""
+        for rid, slot in zip(batch.request_ids, batch.req_pool_indices.tolist(), strict=True):
+            self.slots.setdefault(rid, slot)
+        return super().forward_batch_generation(batch, on_publish=on_publish)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_token_is_delivered_on_the_step_it_is_emitted_whatever_the_slot_held(
+    overlap: bool,
+) -> None:
+    """Requests run one at a time and reuse the slots their predecessors left; some follow a
+    holder that ended with one token and emit one token in their first step (the same output
+    count in the same slot). After every step, each request's events carry all it emitted."""
+    spy = SlotSpy(TimedWaitWorker(device_seconds=0.0, num_steps=2, accept=2))
+    engine = Engine(
+        spy,
+        limits=RequestLimits(vocab_size=32, max_context_len=64),
+        config=EngineConfig(overlap=overlap, max_running=1, kv_tokens=256, check_invariants=True),
+    )
+    caps = [1, 1, 5, 5] * 2
+    reqs = [
+        engine.submit(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=cap))
+        for i, cap in enumerate(caps)
+    ]
+    cursor = StreamCursor(engine)
+    delivered: dict[str, int] = defaultdict(int)
+    steps = 0
+    with engine:
+        while not engine.is_idle:
+            for event in cursor.step():
+                delivered[event.request_id] += len(event.tokens)
+            steps += 1
+            late = {
+                r.request_id: (delivered[r.request_id], len(r.emitted_ids))
+                for r in reqs
+                if delivered[r.request_id] != len(r.emitted_ids)
+            }
+            assert not late, f"step {steps}: (delivered, emitted) {late}"
+    assert [len(r.emitted_ids) for r in reqs] == caps
+    previous: dict[int, Req] = {}  # slot -> its last holder (the requests ran in order)
+    after_a_one_token_holder = []
+    for req in reqs:
+        slot = spy.slots[req.request_id]
+        earlier = previous.get(slot)
+        if earlier is not None and len(earlier.emitted_ids) == 1 < len(req.emitted_ids):
+            after_a_one_token_holder.append(req.request_id)
+        previous[slot] = req
+    assert after_a_one_token_holder  # the case this test is about did happen

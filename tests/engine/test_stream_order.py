@@ -22,13 +22,14 @@ from hf_oracle import greedy
 from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
+from specstate.batch.plan import LaunchPlan
+from specstate.batch.relay_inputs import resolve_batch_seq_lens
 from specstate.core.errors import RelayError
-from specstate.core.request import FinishReason
-from specstate.engine import launch
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.launch import InFlight, Launcher
-from specstate.engine.scheduler import LaunchPlan
-from specstate.relay.batch_relay import resolve_batch_seq_lens
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.launch import launcher as launch
+from specstate.engine.launch.launcher import Launcher
 from specstate.relay.future_map import Unresolved
 from specstate.relay.streams import CpuStream, Stream
 
@@ -88,11 +89,11 @@ def test_relay_reads_follow_their_publish_on_a_jittery_stream(
 class _ResolvesOnTheHost(Launcher):
     """A broken port: resolves a decode round's frontier at launch, on the host thread."""
 
-    def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
+    def launch(self, plan: LaunchPlan, *, batch_id: int) -> None:
         """Resolve before the forward is on the stream, then launch as usual."""
         if plan.is_decode and isinstance(plan.batch.seq_lens, Unresolved):
             resolve_batch_seq_lens(self.future_map, plan.batch)
-        return super().launch(plan, batch_id=batch_id, traced=traced)
+        super().launch(plan, batch_id=batch_id)
 
 
 @pytest.mark.usefixtures("jittery_stream")
@@ -100,7 +101,7 @@ def test_the_checker_catches_a_resolve_that_is_not_stream_ordered(
     ckpt: SpecCheckpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The broken launcher reads a slot whose publish has not run: the relay check fires."""
-    monkeypatch.setattr("specstate.engine.engine.Launcher", _ResolvesOnTheHost)
+    monkeypatch.setattr("specstate.engine.compose.Launcher", _ResolvesOnTheHost)
     engine = _engine(ckpt, "eagle")
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     for i, p in enumerate(MIXED_PROMPTS):

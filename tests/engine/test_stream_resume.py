@@ -1,12 +1,13 @@
-"""Streams resume, share and survive manual steps; `Engine.close` ends live requests.
+"""Streams resume and survive manual steps, one at a time; `Engine.close` ends live requests.
 
 The engine records what its streams delivered (`Deliveries`), so however the engine is driven —
-a stream left and re-entered, two streams advanced in turn, ``engine.step()`` calls between
-them, a consumer that raised — every request's events, concatenated, are exactly its
+a stream left and re-entered, ``engine.step()`` calls between streams, a consumer that raised, a
+second stream refused while one is live — every request's events, concatenated, are exactly its
 ``emitted_ids`` once, in order, with its finish on its last event and nothing after it. The
 workload retracts (a small pool) and accepts multi-token runs; the invariant checker runs after
 every step. `Engine.close` with live requests ends each with ABORT and a reason, and a stream
-still delivers those finishes.
+still delivers those finishes; a stream on a closed engine with nothing left to deliver is
+refused.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import pytest
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
-from specstate import FinishReason, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig, StepReport
+from specstate import FinishReason, Req, RequestLimits, SamplingParams, UsageError
+from specstate.engine.config import EngineConfig, StepReport
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
-from specstate.engine.stream import TokenEvent, stream
+from specstate.engine.stream import StreamCursor, TokenEvent, stream
 from specstate.engine.trace import TraceRecorder
 
 NEW_TOKENS = 16
@@ -102,24 +104,26 @@ def test_a_stream_left_and_entered_again_resumes(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_two_streams_advanced_in_turn_share_the_events(
-    partial_ckpt: SpecCheckpoints, overlap: bool
-) -> None:
-    """Two live iterators, one event from each in turn: every event goes to exactly one."""
+def test_a_second_live_stream_is_refused(partial_ckpt: SpecCheckpoints, overlap: bool) -> None:
+    """While a stream is live (started, not ended or closed), a second stream and a
+    `StreamCursor` are refused with `UsageError` and take nothing; the first goes on, and once
+    it is closed a new stream resumes after it: every event is delivered exactly once."""
     engine = _engine(partial_ckpt, overlap=overlap)
     reqs = _submit(engine)
     events: dict[str, list[TokenEvent]] = defaultdict(list)
-    streams = [stream(engine), stream(engine)]
-    got = [0, 0]
-    done = [False, False]
-    while not all(done):
-        for i, it in enumerate(streams):
-            if not done[i]:
-                n = _collect(events, it, 1)
-                got[i] += n
-                done[i] = n == 0
+    first = stream(engine)
+    assert _collect(events, first, 3) == 3  # left, but kept: still live
+    for _ in range(2):
+        with pytest.raises(UsageError, match="another reader is live: a stream"):
+            _collect(events, stream(engine), 1)
+        with pytest.raises(UsageError, match="another reader is live: a stream"):
+            StreamCursor(engine)
+        assert _collect(events, first, 2) == 2
+    assert engine.deliveries.snapshot().reader == "a stream(engine) iterator"
+    first.close()
+    assert engine.deliveries.snapshot().reader is None
+    assert _collect(events, stream(engine), 10_000) > 0
     engine.close()
-    assert min(got) > 3, got
     _check_events(partial_ckpt, reqs, events)
 
 
@@ -192,12 +196,35 @@ def test_close_ends_live_requests_with_abort(partial_ckpt: SpecCheckpoints, over
             == greedy(partial_ckpt.hf, list(prompt), NEW_TOKENS)[: len(req.emitted_ids)]
         )
     _collect(events, stream(engine), 10_000)  # after close: the undelivered, then it stops
+    with pytest.raises(UsageError, match=r"stream\(engine\) on a closed engine"):
+        stream(engine)  # nothing is left to deliver: refused, not an empty stream
     for req in reqs:
         got = events[req.request_id]
         assert got[-1].finish == req.finish
         assert [t for e in got for t in e.tokens] == list(req.emitted_ids)
     aborted = {e["id"] for e in trace.events if e["event"] == "abort"}
     assert aborted == {r.request_id for r in reqs}
+
+
+def test_a_stream_on_a_closed_engine_with_nothing_to_deliver_is_refused(
+    partial_ckpt: SpecCheckpoints,
+) -> None:
+    """Closed after its requests were streamed, or never streamed: ``stream(engine)`` raises
+    `UsageError` at once (a serving loop around it does not spin on empty streams)."""
+    for streamed in (True, False):
+        engine = Engine(
+            partial_ckpt.worker("none"),
+            limits=RequestLimits(vocab_size=partial_ckpt.vocab_size, max_context_len=64),
+            config=EngineConfig(kv_tokens=512),
+        )
+        engine.submit("a", [1, 2], SamplingParams(max_new_tokens=2))
+        if streamed:
+            assert [e.request_id for e in stream(engine)] == ["a", "a"]
+        else:
+            engine.run_until_idle()
+        engine.close()
+        with pytest.raises(UsageError, match=r"stream\(engine\) on a closed engine"):
+            stream(engine)
 
 
 def test_undelivered_ends_are_bounded_when_nobody_streams(partial_ckpt: SpecCheckpoints) -> None:

@@ -26,7 +26,8 @@ from spec_checkpoints import (
 )
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.trace import TraceRecorder, chrome_events
 from specstate.tools.cli import main
 from specstate.tools.timed_worker import TimedWaitWorker

@@ -17,8 +17,10 @@ from spy_worker import SpyWorker
 from specstate import FinishReason, InvalidRequest, RequestLimits, SamplingParams
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.core.errors import InvariantViolation
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_engine
 from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import OnPublish, WorkerProtocol
 from specstate.grammar.spec import Grammar

@@ -33,8 +33,9 @@ from grammar_oracle import (
 from spec_checkpoints import ALGORITHMS, FAMILIES, MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.grammar.table import GrammarSnapshot
+from specstate.engine.capabilities.grammar import GrammarSnapshot
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 PROMPTS = [list(p) for p in MIXED_PROMPTS]
 KINDS: tuple[str | None, ...] = ("json_schema", "regex", "ebnf", "lark", None)

@@ -38,7 +38,8 @@ from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 from transformers import LlamaForCausalLM
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 from specstate.grammar.spec import Grammar, GrammarVocabulary
 from specstate.grammar.state import GrammarCompiler

@@ -9,7 +9,7 @@ from memory_harness import Memory, build_memory
 from specstate import DoubleRelease, KvPoolExhausted, LedgerViolation, OwnershipError
 from specstate.core.request import Req
 from specstate.internals import Role
-from specstate.memory.allocation import DeferredReleases
+from specstate.memory.deferred import DeferredReleases
 from specstate.memory.sizing import ceil_to_page
 
 

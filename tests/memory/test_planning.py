@@ -31,8 +31,8 @@ from specstate import (
     kv_tokens_for_budget,
     requests_that_fit,
 )
-from specstate.memory import planning
-from specstate.memory.planning import format_bytes, parse_bytes
+from specstate.engine import planning
+from specstate.engine.planning import format_bytes, parse_bytes
 from specstate.reference.eagle_head import EAGLE_MODEL_TYPE
 from specstate.reference.model import KvCache
 from specstate.reference.workers import default_registry

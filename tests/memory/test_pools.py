@@ -1,4 +1,4 @@
-"""Tests for specstate.memory.pools: request slots, the paged allocator, grow_rows / free_rows."""
+"""Request slots, the paged allocator, and the rows that map one onto the other (grow / free)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted, LedgerViolation
-from specstate.memory.pools import (
-    ReqToTokenPool,
-    SlotHandle,
-    TokenSlotAllocator,
-    free_rows,
-    grow_rows,
-)
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.sizing import page_aligned_decode_alloc_lens, spec_decode_tokens_needed
+from specstate.memory.slots import ReqToTokenPool, SlotHandle
 
 
 def t(values: list[int]) -> torch.Tensor:
@@ -208,12 +203,12 @@ def make_pools(
 def test_grow_rows_reuses_started_pages_and_takes_new_ones() -> None:
     """Positions in a started page reuse it; later positions take fresh pages in order."""
     req_pool, tokens, slots = make_pools(3, 4)
-    assert grow_rows(req_pool, tokens, slots, t([0, 0, 0]), t([5, 1, 8])) == 5
+    assert req_pool.grow_rows(tokens, slots, t([0, 0, 0]), t([5, 1, 8])) == 5
     table = req_pool.req_to_token
     assert table[slots[0], :5].tolist() == [4, 5, 6, 7, 8]  # pages 1, 2
     assert table[slots[1], :1].tolist() == [12]  # page 3
     assert table[slots[2], :8].tolist() == list(range(16, 24))  # pages 4, 5
-    assert grow_rows(req_pool, tokens, slots, t([5, 1, 8]), t([9, 4, 9])) == 2
+    assert req_pool.grow_rows(tokens, slots, t([5, 1, 8]), t([9, 4, 9])) == 2
     assert table[slots[0], :9].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 24]  # page 2 reused, 6 new
     assert table[slots[1], :4].tolist() == [12, 13, 14, 15]  # page 3 filled, nothing new
     assert table[slots[2], :9].tolist() == [*range(16, 24), 28]  # page 7
@@ -223,17 +218,17 @@ def test_grow_rows_reuses_started_pages_and_takes_new_ones() -> None:
 def test_grow_rows_with_page_size_one_maps_every_position_to_its_own_page() -> None:
     """With P = 1 each new position takes one page, and the slot id is the page id."""
     req_pool, tokens, slots = make_pools(2, 1)
-    assert grow_rows(req_pool, tokens, slots, t([0, 0]), t([2, 3])) == 5
+    assert req_pool.grow_rows(tokens, slots, t([0, 0]), t([2, 3])) == 5
     assert req_pool.req_to_token[slots, :3].tolist() == [[1, 2, 0], [3, 4, 5]]
 
 
 def test_grow_rows_never_writes_outside_the_grown_range() -> None:
     """Positions below cur and at or past nxt keep their contents."""
     req_pool, tokens, slots = make_pools(1, 4)
-    grow_rows(req_pool, tokens, slots, t([0]), t([6]))
+    req_pool.grow_rows(tokens, slots, t([0]), t([6]))
     req_pool.req_to_token[slots[0], 6:] = -1  # a sentinel the grow must not touch past nxt
     before = req_pool.req_to_token.clone()
-    grow_rows(req_pool, tokens, slots, t([6]), t([10]))
+    req_pool.grow_rows(tokens, slots, t([6]), t([10]))
     after = req_pool.req_to_token
     assert torch.equal(after[:, :6], before[:, :6])
     assert torch.equal(after[:, 10:], before[:, 10:])
@@ -243,10 +238,10 @@ def test_grow_rows_never_writes_outside_the_grown_range() -> None:
 def test_grow_rows_exhaustion_changes_nothing() -> None:
     """Growing past the free pages raises KvPoolExhausted; table and pool are unchanged."""
     req_pool, tokens, slots = make_pools(2, 4, num_pages=4)  # 3 usable pages
-    grow_rows(req_pool, tokens, slots, t([0, 0]), t([2, 0]))
+    req_pool.grow_rows(tokens, slots, t([0, 0]), t([2, 0]))
     table, snap = req_pool.req_to_token.clone(), tokens.snapshot()
     with pytest.raises(KvPoolExhausted, match=r"requested 3 pages \(12 tokens\), available 2"):
-        grow_rows(req_pool, tokens, slots, t([2, 0]), t([8, 8]))
+        req_pool.grow_rows(tokens, slots, t([2, 0]), t([8, 8]))
     assert torch.equal(req_pool.req_to_token, table)
     assert tokens.snapshot() == snap
 
@@ -269,7 +264,7 @@ def test_grow_rows_rejects_bad_rows_and_ranges(
     """Bad slots or ranges raise LedgerViolation and allocate nothing."""
     req_pool, tokens, _ = make_pools(2, 4)
     with pytest.raises(LedgerViolation, match=match):
-        grow_rows(req_pool, tokens, t(rows), t(cur), t(nxt))
+        req_pool.grow_rows(tokens, t(rows), t(cur), t(nxt))
     assert tokens.available_pages() == 31
     assert int(req_pool.req_to_token.abs().sum()) == 0
 
@@ -277,21 +272,21 @@ def test_grow_rows_rejects_bad_rows_and_ranges(
 def test_free_rows_rounds_start_up_to_a_page() -> None:
     """Pages holding any position below start stay; the partial last page is freed whole."""
     req_pool, tokens, slots = make_pools(2, 4)
-    grow_rows(req_pool, tokens, slots, t([0, 0]), t([10, 10]))  # pages 1,2,3 and 4,5,6
-    assert free_rows(req_pool, tokens, slots, t([5, 4]), t([10, 10])) == 3
+    req_pool.grow_rows(tokens, slots, t([0, 0]), t([10, 10]))  # pages 1,2,3 and 4,5,6
+    assert req_pool.free_rows(tokens, slots, t([5, 4]), t([10, 10])) == 3
     tokens.check_balance(t([1, 2, 4]))  # row 0 keeps pages 1, 2; row 1 keeps page 4
-    assert free_rows(req_pool, tokens, slots, t([0, 0]), t([8, 4])) == 3
+    assert req_pool.free_rows(tokens, slots, t([0, 0]), t([8, 4])) == 3
     assert tokens.available_pages() == 31
 
 
 def test_free_rows_twice_raises_and_changes_nothing() -> None:
     """Freeing the same rows twice raises DoubleRelease naming the pages; nothing changes."""
     req_pool, tokens, slots = make_pools(1, 4)
-    grow_rows(req_pool, tokens, slots, t([0]), t([7]))
-    free_rows(req_pool, tokens, slots, t([4]), t([7]))
+    req_pool.grow_rows(tokens, slots, t([0]), t([7]))
+    req_pool.free_rows(tokens, slots, t([4]), t([7]))
     snap = tokens.snapshot()
     with pytest.raises(DoubleRelease, match=r"free of 1 already free pages: \[2\]"):
-        free_rows(req_pool, tokens, slots, t([0]), t([7]))
+        req_pool.free_rows(tokens, slots, t([0]), t([7]))
     assert tokens.snapshot() == snap
     tokens.check_balance(t([1]))
 
@@ -344,11 +339,11 @@ class PoolMachine(RuleBasedStateMachine):
         table, snap = self.req_pool.req_to_token.clone(), self.tokens.snapshot()
         if want > len(self.free):
             with pytest.raises(KvPoolExhausted, match=rf"requested {want} pages"):
-                grow_rows(self.req_pool, self.tokens, t(slots), t(cur), t(nxt))
+                self.req_pool.grow_rows(self.tokens, t(slots), t(cur), t(nxt))
             assert torch.equal(self.req_pool.req_to_token, table)
             assert self.tokens.snapshot() == snap
             return None
-        assert grow_rows(self.req_pool, self.tokens, t(slots), t(cur), t(nxt)) == want
+        assert self.req_pool.grow_rows(self.tokens, t(slots), t(cur), t(nxt)) == want
         for s, c, n in zip(slots, cur, nxt, strict=True):
             handle, pages, _ = self.rows[s]
             row = self.req_pool.req_to_token[s]
@@ -392,7 +387,7 @@ class PoolMachine(RuleBasedStateMachine):
         slots = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, unique=True))
         starts = [data.draw(st.integers(0, self.rows[s][2])) for s in slots]
         stops = [self.rows[s][2] for s in slots]
-        freed = free_rows(self.req_pool, self.tokens, t(slots), t(starts), t(stops))
+        freed = self.req_pool.free_rows(self.tokens, t(slots), t(starts), t(stops))
         expected = 0
         for s, start in zip(slots, starts, strict=True):
             handle, pages, _ = self.rows.pop(s)
@@ -422,7 +417,7 @@ class PoolMachine(RuleBasedStateMachine):
         if self.rows:
             slots = sorted(self.rows)
             stops = [self.rows[s][2] for s in slots]
-            free_rows(self.req_pool, self.tokens, t(slots), t([0] * len(slots)), t(stops))
+            self.req_pool.free_rows(self.tokens, t(slots), t([0] * len(slots)), t(stops))
         self.tokens.free_pages(t(self.cache_pages))
         self.tokens.check_balance(t([]))
         assert self.tokens.available_pages() == self.tokens.num_pages - 1

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.core.errors import InvalidConfig, LedgerViolation
-from specstate.core.request import FinishReason, FinishState, ReqStatus
+from specstate.core.status import FinishReason, FinishState, ReqStatus
 from specstate.internals import OwnershipChecker, Role
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch, PrefixSharing, prefix_keys
 from specstate.memory.prefix_rows import insertable_lens

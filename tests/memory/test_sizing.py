@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specstate.core.errors import InvalidConfig, LedgerViolation
-from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator, grow_rows
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.sizing import (
     SpecWindow,
     ceil_to_page,
@@ -16,6 +16,7 @@ from specstate.memory.sizing import (
     page_aligned_decode_alloc_lens,
     spec_decode_tokens_needed,
 )
+from specstate.memory.slots import ReqToTokenPool
 
 # (allocated, committed, reserve, page_size, cur, nxt, needed): SGLang spec v2's vectors.
 SECTION_4_1_VECTORS = [
@@ -213,13 +214,13 @@ def test_estimates_equal_pages_the_pool_hands_out(
         req_pool = ReqToTokenPool(8, 128)
         tokens = TokenSlotAllocator(1 + 8 * 128 // page_size, page_size)
         slots = torch.tensor([req_pool.alloc(f"r{i}").slot for i in range(len(reqs))])
-        grow_rows(req_pool, tokens, slots, torch.zeros_like(lens.cur), lens.cur)
+        req_pool.grow_rows(tokens, slots, torch.zeros_like(lens.cur), lens.cur)
         return req_pool, tokens, slots
 
     req_pool, tokens, slots = fresh_rows()
     spec = spec_decode_tokens_needed(alloc, commit, reserve=reserve, page_size=page_size)
-    assert grow_rows(req_pool, tokens, slots, lens.cur, lens.nxt) * page_size == spec
+    assert req_pool.grow_rows(tokens, slots, lens.cur, lens.nxt) * page_size == spec
 
     req_pool, tokens, slots = fresh_rows()
     plain = decode_tokens_needed(alloc, page_size)
-    assert grow_rows(req_pool, tokens, slots, lens.cur, lens.cur + 1) * page_size == plain
+    assert req_pool.grow_rows(tokens, slots, lens.cur, lens.cur + 1) * page_size == plain

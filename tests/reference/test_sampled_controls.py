@@ -28,7 +28,8 @@ from sampling_oracle import ChiSquare, chi_square, conditional_chi_square
 from transformers import LlamaForCausalLM
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.workers import default_registry
 from specstate.reference.workers.sampler import TokenCounts

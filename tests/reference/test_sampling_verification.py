@@ -29,7 +29,8 @@ from spec_checkpoints import FAMILIES, family_options
 from transformers import LlamaForCausalLM
 
 from specstate import InvalidConfig, RequestLimits, SamplingInfo, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head

@@ -19,8 +19,9 @@ from spec_checkpoints import (
 )
 
 from specstate import RequestLimits, SamplingParams
-from specstate.core.request import FinishReason
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 
 NEW_TOKENS = 20
 STEPS = 3

@@ -28,7 +28,8 @@ from spec_checkpoints import (
 )
 
 from specstate import Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.workers import TreeRoundWorker, VerifiedTree, default_registry
 

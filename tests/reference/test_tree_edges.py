@@ -14,7 +14,8 @@ from spec_checkpoints import SpecCheckpoints
 
 from specstate import RequestLimits, SamplingParams
 from specstate.core.errors import InvalidConfig
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.reference.workers import default_registry
 
 CONTEXT = 40

@@ -22,7 +22,8 @@ from specstate import (
     RequestLimits,
     SamplingParams,
 )
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.eagle_head import load_eagle_head
 from specstate.reference.model import AttentionBatch, KvCache

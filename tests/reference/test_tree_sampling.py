@@ -34,7 +34,8 @@ from spec_checkpoints import (
 from transformers import LlamaForCausalLM
 
 from specstate import RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.reference.workers import (
     TokenSampler,
     TreeRoundWorker,
@@ -42,7 +43,8 @@ from specstate.reference.workers import (
     default_registry,
 )
 from specstate.reference.workers import tree_verify as tree_module
-from specstate.reference.workers.tree import DraftTree, TreeVerdict, verify_sampled_tree
+from specstate.reference.workers.tree_draft import DraftTree
+from specstate.reference.workers.tree_verify import TreeVerdict, verify_sampled_tree
 
 STRICT = 1e-3  # a correct sampler passes above this; a broken one must land far below
 BROKEN = 1e-6

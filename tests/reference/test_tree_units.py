@@ -23,15 +23,17 @@ from specstate.reference.model import (
     TreeMask,
 )
 from specstate.reference.workers.sampler import TokenCounts, TokenSampler, sample_with_uniforms
-from specstate.reference.workers.tree import (
+from specstate.reference.workers.tree import compact_kv
+from specstate.reference.workers.tree_draft import (
     DraftTree,
     TreeShape,
-    TreeVerdict,
-    compact_kv,
     grow_tree,
     select_tree,
     tree_attention,
     tree_capabilities,
+)
+from specstate.reference.workers.tree_verify import (
+    TreeVerdict,
     tree_counts,
     verify_greedy_tree,
     verify_tree,

@@ -7,12 +7,12 @@ import torch
 
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.isolation import ForwardIsolator, IsolationError
+from specstate.batch.relay_inputs import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.batch.sampling import SamplingInfo
 from specstate.batch.schedule_batch import ScheduleBatch
 from specstate.internals import OwnershipChecker
-from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
-from specstate.relay.isolation import ForwardIsolator, IsolationError
 
 LIMITS = RequestLimits(vocab_size=16, max_context_len=32)
 

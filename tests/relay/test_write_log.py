@@ -10,8 +10,10 @@ import torch
 
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.ownership import OwnershipChecker
-from specstate.core.request import Req, RequestLimits, SamplingParams
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
+from specstate.engine.schedule.decode_columns import DecodeColumns
+from specstate.engine.schedule.decode_rows import DecodeRows
 from specstate.relay.future_map import FutureMap, RelayPayload
 
 MAX_SLOTS = 40

@@ -332,11 +332,13 @@ def test_a_worker_that_raises_ends_only_its_batch(partial_ckpt: SpecCheckpoints)
 
 
 class _Wedges(SpyWorker):
-    """Delegates; its ``wedge_on``-th forward blocks until `release` (at most a minute)."""
+    """Delegates; its ``wedge_on``-th forward sets `wedged` and blocks until `release` (at
+    most a minute)."""
 
     def __init__(self, inner: WorkerProtocol, *, wedge_on: int) -> None:
         super().__init__(inner)
         self._wedge_on = wedge_on
+        self.wedged = threading.Event()
         self.release = threading.Event()
 
     def forward_batch_generation(
@@ -344,6 +346,7 @@ class _Wedges(SpyWorker):
     ) -> GenerationBatchResult:
         """Delegate; the wedged call first waits for `release`."""
         if len(self.calls) + 1 == self._wedge_on:
+            self.wedged.set()
             self.release.wait(60)
         return super().forward_batch_generation(batch, on_publish=on_publish)
 
@@ -385,6 +388,40 @@ def test_a_wedged_worker_ends_every_stream_and_reports_unhealthy(
     run(main())
 
 
+def test_a_close_with_a_timeout_returns_while_a_forward_hangs() -> None:
+    """``close(timeout_s=...)`` while a forward hangs (no forward timeout): it raises
+    `EngineUnavailable` after about ``timeout_s``, not when the forward ends; once the forward
+    returns, the driver carries the close out (the stream ends with ABORT, the engine closes)."""
+    worker = _Wedges(TimedWaitWorker(device_seconds=0.0), wedge_on=3)
+
+    async def main() -> None:
+        front = AsyncEngine(
+            Engine(
+                worker,
+                limits=RequestLimits(vocab_size=32, max_context_len=512),
+                config=checked_config(kv_tokens=1024),
+            )
+        )
+        try:
+            sampling = SamplingParams(max_new_tokens=200, ignore_eos=True)
+            stream = await front.submit("x", [1, 2, 3], sampling)
+            assert await asyncio.to_thread(worker.wedged.wait, BOUND_S)  # it hangs now
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(EngineUnavailable, match="did not stop within 0.5 s"):
+                await front.close(timeout_s=0.5)
+            assert asyncio.get_running_loop().time() - started < 5.0
+        finally:
+            worker.release.set()
+        _, finish = await collect(stream)
+        assert finish.reason is FinishReason.ABORT
+        await front.close(timeout_s=30)  # the driver stops once the forward returned
+        snap = await front.snapshot()
+        assert snap.healthy and snap.num_streams == 0 and snap.engine is not None
+        assert snap.engine.num_free_pages == snap.engine.num_pages
+
+    run(main())
+
+
 def test_an_exception_out_of_step_fails_every_stream() -> None:
     """The driver dying (an error out of Engine.step) ends every stream; no hang."""
 
@@ -409,6 +446,40 @@ def test_an_exception_out_of_step_fails_every_stream() -> None:
         with pytest.raises(EngineUnavailable):
             await front.submit("after", [1], sampling)
         await front.close()
+
+    run(main())
+
+
+class _Halt(BaseException):
+    """A `BaseException` that is not an `Exception` (as a library's own cancellation is)."""
+
+
+@pytest.mark.parametrize("kind", [_Halt, KeyboardInterrupt, SystemExit, GeneratorExit])
+def test_a_read_that_raises_a_base_exception_fails_only_that_read(
+    kind: type[BaseException],
+) -> None:
+    """``read(fn)`` whose ``fn`` raises a `BaseException` that is no `Exception`: the caller
+    gets `UsageError` caused by it (its own loop goes on); the driver keeps running: a stream
+    open across it ends with all its tokens, a new request is served, the front door is healthy."""
+
+    async def main() -> None:
+        async with AsyncEngine(timed_engine()) as front:
+            sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            stream = await front.submit("open", [1, 2, 3], sampling)
+
+            def raise_it(engine: Engine) -> None:
+                raise kind("raised by the read")
+
+            with pytest.raises(UsageError, match=f"read.*fn raised {kind.__name__}") as info:
+                await asyncio.wait_for(front.read(raise_it), 30)  # a hang fails here, fast
+            assert isinstance(info.value.__cause__, kind)
+            assert front.is_healthy and front.failure is None
+            tokens, finish = await collect(stream)
+            assert len(tokens) == 40 and finish.reason is FinishReason.LENGTH
+            after = await collect(await front.submit("after", [1, 2, 3], sampling))
+            assert len(after[0]) == 40 and after[1].reason is FinishReason.LENGTH
+            assert await front.read(lambda engine: engine.is_closed) is False
+            await assert_released(front)
 
     run(main())
 

@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -29,6 +30,7 @@ from specstate.engine.worker import WorkerProtocol
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
 from specstate.serving.openai_server import ServedModel
+from specstate.tools.timed_worker import TimedWaitWorker
 
 MODEL = "embedded-test"
 LIMITS = RequestLimits(
@@ -186,6 +188,34 @@ def test_usage_reports_the_prefix_cache_hits_of_the_prompt(served: Served) -> No
         assert usage is not None and usage.prompt_tokens_details is not None
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached == [0, second.cached_tokens, second.cached_tokens]
+
+
+def test_usage_counts_only_the_accepted_tokens_it_delivered(served: Served) -> None:
+    """A length cap that falls inside an accepted run: the verify really accepted past the cap
+    (its accept length, run directly on `Engine`, is the uncapped run's), but the usage's
+    ``accepted_tokens`` counts only the delivered ones: ``completion_tokens`` less the one
+    token the prefill emitted, the last verify cut at the cap."""
+    prompt = prompt_ids("# usage.accepted_tokens: a cap inside an accepted run\ndef ")
+    with embedded_engine() as engine:
+        free = engine.submit("free", prompt, SamplingParams(max_new_tokens=48))
+        engine.run_until_idle()
+    runs = free.accept_lengths
+    assert len(free.emitted_ids) == 1 + sum(runs)  # one prefill token, then verified runs
+    j = next(i for i, a in enumerate(runs) if i >= 2 and a >= 3)  # a later run to cut inside
+    cap = 1 + sum(runs[:j]) + 1  # one token into run j
+    with embedded_engine() as engine:
+        capped = engine.submit("capped", prompt, SamplingParams(max_new_tokens=cap))
+        engine.run_until_idle()
+    assert capped.accept_lengths[-1] == runs[j]  # settled past the cap: a real accept length
+    assert sum(capped.accept_lengths) > cap - 1
+    completion = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=cap, temperature=0
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == cap
+    stats = speculative_usage(completion)
+    assert stats["accepted_tokens"] == cap - 1 == sum(capped.emitted_accept_lengths)
+    assert stats["verifies"] == j + 1
+    assert token_ids(completion.choices[0]) == list(free.emitted_ids[:cap])
 
 
 def test_token_id_prompts_and_stop_sequences(served: Served) -> None:
@@ -393,6 +423,28 @@ BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
         _body(grammar={"regex": "a+"}, response_format={"type": "json_object"}),
         "grammar",
     ),
+    ("min_tokens past max_tokens", _body(max_tokens=4, min_tokens=5), "min_tokens"),
+    ("grammar and min_tokens", _body(grammar={"regex": "a+"}, min_tokens=2), "min_tokens"),
+    ("grammar and ignore_eos", _body(grammar={"regex": "a+"}, ignore_eos=True), "ignore_eos"),
+    ("temperature too small for float32", _body(temperature=1e-40), "temperature"),
+    ("stop token outside vocab", _body(stop_token_ids=[9999]), "stop_token_ids"),
+    (
+        "response_format schema that does not compile",
+        _body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
+        "response_format",
+    ),
+    ("lone surrogate in the prompt", _body(prompt="ab\ud800"), "prompt"),
+    ("lone surrogate in a prompt list", _body(prompt=["\udfff"]), "prompt"),
+    ("lone surrogate in a stop", _body(stop=["\ud800"]), "stop"),
+    ("lone surrogate in a grammar", _body(grammar={"regex": "\ud800+"}), "grammar"),
+    (
+        "lone surrogate in a schema",
+        _body(
+            response_format={"type": "json_schema", "json_schema": {"schema": {"const": "\udc00"}}}
+        ),
+        "response_format",
+    ),
+    ("lone surrogate as a field name", _body(**{"\ud800": 1}), "\ud800"),
 ]
 
 
@@ -422,13 +474,14 @@ def test_bad_inputs_get_400_while_good_streams_finish(
     thread = threading.Thread(target=good_streams)
     thread.start()
     try:
+        wrong = []  # every mismatch at once: (name, status, type, param, message)
         for name, body, param in BAD_REQUESTS:
             status, answer = served.request("POST", "/v1/completions", body)
-            assert status == 400, name
-            error = answer["error"]
-            assert error["type"] == "invalid_request_error", name
-            assert error["param"] == param, name
-            assert error["message"], name
+            error = answer.get("error") or {}
+            got = (status, error.get("type"), error.get("param"), bool(error.get("message")))
+            if got != (400, "invalid_request_error", param, True):
+                wrong.append((name, *got[:3], error.get("message")))
+        assert not wrong, "\n".join(map(repr, wrong))
         with pytest.raises(openai.BadRequestError) as info:
             served.client().completions.create(model=MODEL, prompt="x", max_tokens=-1)
         assert info.value.status_code == 400
@@ -439,6 +492,55 @@ def test_bad_inputs_get_400_while_good_streams_finish(
     assert errors == []
     assert good == {i: oracle[text] for i, text in enumerate(TEXTS)}
     assert served.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_the_context_boundary_is_exact(served: Served) -> None:
+    """Prompt plus ``max_tokens`` equal to the context is served to its last token, one more is
+    a 400 naming ``max_tokens``; a prompt one short of the context is served one token, a
+    prompt of the whole context is a 400 naming ``prompt``."""
+    context = LIMITS.max_context_len
+    cases = [  # (prompt length, max_tokens, the refused field or None)
+        (context - 24, 24, None),
+        (context - 24, 25, "max_tokens"),
+        (context - 1, 1, None),
+        (context, 1, "prompt"),
+    ]
+    for length, max_tokens, refused in cases:
+        body = _body(prompt=[65] * length, max_tokens=max_tokens, ignore_eos=True)
+        status, answer = served.request("POST", "/v1/completions", body)
+        if refused is not None:
+            assert status == 400, (length, max_tokens, answer)
+            assert answer["error"]["param"] == refused, (length, max_tokens, answer)
+            assert answer["error"]["code"] == "context_length_exceeded"
+            continue
+        assert status == 200, (length, max_tokens, answer)
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert len(answer["choices"][0]["token_ids"]) == max_tokens
+        assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == (
+            length + max_tokens
+        )
+
+
+def test_a_request_past_the_kv_pool_is_a_400_naming_max_tokens() -> None:
+    """A context larger than the KV pool: the prompt and ``max_tokens`` fit the context, but
+    the engine refuses the request at submit (it could never fit the pool); the 400 names the
+    field the client sent, ``max_tokens``, and the server serves a request that fits."""
+    limits = RequestLimits(vocab_size=32, max_context_len=1024)
+    engine = Engine(
+        TimedWaitWorker(device_seconds=0.0),
+        limits=limits,
+        config=EngineConfig(kv_tokens=256, check_invariants=True),
+    )
+    model = ServedModel(name="small-pool", limits=limits)
+    with serving(engine, model) as small:
+        body = json.dumps({"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 600})
+        status, answer = small.request("POST", "/v1/completions", body.encode())
+        assert status == 400, answer
+        assert answer["error"]["param"] == "max_tokens"
+        assert "pool" in answer["error"]["message"]
+        fits = json.dumps({"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 20})
+        status, answer = small.request("POST", "/v1/completions", fits.encode())
+        assert status == 200 and len(answer["choices"][0]["token_ids"]) == 20
 
 
 def test_models_health_and_metrics(served: Served) -> None:
@@ -455,6 +557,38 @@ def test_models_health_and_metrics(served: Served) -> None:
     verifies = snap.engine.metrics.num_verifies
     assert f"specstate_spec_verifies_total {float(verifies)}" in text
     assert "specstate_kv_free_pages" in text
+
+
+SERVED_ROUTES = ["POST /v1/completions", "GET /v1/models", "GET /health", "GET /metrics"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "hint"),
+    [
+        ("POST", "/v1/chat/completions", 404, "no chat endpoint"),
+        ("GET", "/v2/models", 404, "POST /v1/completions"),
+        ("GET", "/v1/completions", 405, "POST /v1/completions"),
+    ],
+)
+def test_an_unknown_route_answers_with_the_served_routes(
+    served: Served, method: str, path: str, status: int, hint: str
+) -> None:
+    """A route the server does not have (or a method it does not take there) answers OpenAI's
+    error object whose message names the routes served, and lists them in ``routes``; the
+    table of docs/serving.md lists the same routes."""
+    got, body = served.request(method, path, b"{}" if method == "POST" else None)
+    assert got == status
+    assert body["routes"] == SERVED_ROUTES
+    error = body["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unknown_route"
+    assert f"{method} {path}" in error["message"] and hint in error["message"]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = page.split("### Routes")[1].split("###")[0]
+    documented = re.findall(r"^\| `(\w+ /[\w/]+)` \|", table, re.M)
+    assert documented == SERVED_ROUTES
+    if path == "/v1/chat/completions":  # the page shows this answer whole
+        shown = re.search(r"```json\n(.*?)\n```", table, re.S)
+        assert shown is not None and json.loads(shown.group(1)) == body
 
 
 def test_grammar_and_response_format_constrain_the_output_as_the_engine_does(

@@ -9,7 +9,8 @@ from typing import Any
 import attrs
 
 from specstate import Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol
 

@@ -8,8 +8,9 @@ import torch
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.internals import KvLedger, OwnershipChecker, Role
 from specstate.memory.allocation import KvAllocator
-from specstate.memory.pools import ReqToTokenPool, TokenSlotAllocator
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.sizing import SpecWindow
+from specstate.memory.slots import ReqToTokenPool
 
 
 @attrs.frozen

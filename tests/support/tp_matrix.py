@@ -14,7 +14,7 @@ import attrs
 
 from specstate import EngineConfig, SamplingParams
 from specstate.engine.worker import WorkerCapabilities
-from specstate.reference.workers.tree import tree_capabilities
+from specstate.reference.workers.tree_draft import tree_capabilities
 
 NEW_TOKENS = 12
 TREE: dict[str, object] = {"topk": 2, "num_draft_tokens": 6}

@@ -18,7 +18,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
 from specstate.engine.config import EngineConfig
@@ -147,9 +147,12 @@ LIMITS_VOCAB = 97
 class FaultyWorker:
     """A worker that misbehaves at its first decode round, on the ranks told to.
 
-    ``fault``: ``raise`` (a RuntimeError before the forward), ``sleep`` (``seconds`` before it),
-    ``die`` (the process exits), ``perturb`` (every row that accepted more than one token accepts
-    one fewer, consistently: frontier and publish follow), or None (a plain pass-through).
+    ``fault``: ``raise`` (a RuntimeError before the forward), ``raise_after`` (a RuntimeError
+    after the whole forward, its collectives and publish done), ``sleep`` (``seconds`` before
+    it), ``die`` (the process exits), ``perturb`` (every row that accepted more than one token
+    accepts one fewer, consistently: frontier and publish follow), ``logprobs`` (every
+    log-probability a little lower, tokens and accept lengths unchanged), or None (a plain
+    pass-through).
     """
 
     def __init__(
@@ -194,6 +197,13 @@ class FaultyWorker:
             time.sleep(self._seconds)
         if fault == "die":
             os._exit(3)
+        if fault == "raise_after":
+            self._inner.forward_batch_generation(batch, on_publish=on_publish)
+            raise RuntimeError("injected worker fault after the forward")
+        if fault == "logprobs":
+            result = self._inner.forward_batch_generation(batch, on_publish=on_publish)
+            assert result.logprobs is not None, "the requests must ask for logprobs"
+            return attrs.evolve(result, logprobs=result.logprobs - 1e-3)
         if fault != "perturb":
             return self._inner.forward_batch_generation(batch, on_publish=on_publish)
         result = self._inner.forward_batch_generation(batch, on_publish=None)
@@ -296,9 +306,10 @@ PROMPTS = [(3, 14, 15, 92, 65, 35, 89), (79, 32), (38, 46, 26, 43, 38, 32, 79, 5
 def agreement_faults(group: RankGroup, ckpt: dict[str, str]) -> dict[str, object]:
     """The recoverable and the detected faults, in one spawn (the group survives each).
 
-    ``result``: rank 1 perturbs an accept length; ``plan``: rank 1 admits fewer requests;
+    ``result``: rank 1 perturbs an accept length; ``logprobs``: rank 1 reports different
+    log-probabilities (nothing else differs); ``plan``: rank 1 admits fewer requests;
     ``both_raise``: every rank's worker raises at the same round (the batch fails, serving
-    goes on); ``after``: a workload served after all three.
+    goes on); ``after``: a workload served after all of them.
     """
     config = EngineConfig(
         overlap=False, kv_tokens=1024, check_invariants=True, check_ownership=True
@@ -308,6 +319,13 @@ def agreement_faults(group: RankGroup, ckpt: dict[str, str]) -> dict[str, object
     fault = "perturb" if group.rank == 1 else None
     worker: WorkerProtocol = FaultyWorker(reference_worker(ckpt, "draft_model", **agreeing), fault)
     out["result"] = serve(group, worker, config, greedy_requests(PROMPTS, 8))
+    fault = "logprobs" if group.rank == 1 else None
+    worker = FaultyWorker(reference_worker(ckpt, "draft_model", **agreeing), fault)
+    with_logprobs = [
+        (rid, prompt, attrs.evolve(sampling, logprobs=True))
+        for rid, prompt, sampling in greedy_requests(PROMPTS, 8)
+    ]
+    out["logprobs"] = serve(group, worker, config, with_logprobs)
     plan_config = attrs.evolve(config, max_running=4 if group.rank == 0 else 1)
     worker = reference_worker(ckpt, "draft_model", **agreeing)
     out["plan"] = serve(group, worker, plan_config, greedy_requests(PROMPTS, 8))
@@ -322,7 +340,8 @@ def agreement_faults(group: RankGroup, ckpt: dict[str, str]) -> dict[str, object
 def fatal_fault(
     group: RankGroup, ckpt: dict[str, str], fault: str, overlap: bool
 ) -> dict[str, object]:
-    """Rank 1's worker raises, sleeps past the timeouts, or dies at the first decode round."""
+    """Rank 1's worker raises (before or after its forward), sleeps past the timeouts, or dies
+    at the first decode round."""
     config = EngineConfig(
         overlap=overlap, kv_tokens=1024, check_invariants=True, check_ownership=True
     )

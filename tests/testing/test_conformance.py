@@ -33,7 +33,8 @@ from specstate.engine.worker import OnPublish, WorkerMemory, WorkerProtocol
 from specstate.reference.workers.mtp import MtpWorker
 from specstate.reference.workers.round import VerifiedRound
 from specstate.relay.future_map import RelayPayload
-from specstate.testing.conformance import DEFAULT_PROMPTS, assert_worker_conforms, check_worker
+from specstate.testing.conformance import assert_worker_conforms, check_worker
+from specstate.testing.kit_workload import DEFAULT_PROMPTS
 
 Pub = OnPublish | None
 Result = GenerationBatchResult

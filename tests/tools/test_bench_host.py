@@ -58,12 +58,12 @@ def test_device_work_is_modelled_as_launches(monkeypatch: pytest.MonkeyPatch) ->
     """Every `req_to_token` store, every gathered relay buffer and every scatter of joined rows
     costs exactly one modelled launch, and nothing else spins; the functions are back in
     place after the run."""
-    import specstate.memory.pools as pools
     import specstate.relay.write_log as write_log
+    from specstate.memory.slots import ReqToTokenPool
     from specstate.tools import bench_host
 
     launches = {"store": 0, "gather": 0, "patch": 0}
-    store, gather, patch_rows = pools._store, write_log._gather, write_log._patch_rows
+    store, gather, patch_rows = ReqToTokenPool._store, write_log._gather, write_log._patch_rows
 
     def counted_store(*args: Any) -> None:
         launches["store"] += 1
@@ -77,7 +77,7 @@ def test_device_work_is_modelled_as_launches(monkeypatch: pytest.MonkeyPatch) ->
         launches["patch"] += 1 + (args[3] is not None)
         return patch_rows(*args)
 
-    monkeypatch.setattr(pools, "_store", counted_store)
+    monkeypatch.setattr(ReqToTokenPool, "_store", counted_store)
     monkeypatch.setattr(write_log, "_gather", counted_gather)
     monkeypatch.setattr(write_log, "_patch_rows", counted_patch)
     spins: list[int] = []
@@ -90,7 +90,7 @@ def test_device_work_is_modelled_as_launches(monkeypatch: pytest.MonkeyPatch) ->
     assert launches["store"] > 0 and launches["patch"] > 0  # churned rounds patch the relay
     assert set(spins) == {7000}
     assert len(spins) == sum(launches.values())
-    assert pools._store is counted_store
+    assert ReqToTokenPool._store is counted_store
     assert (write_log._gather, write_log._patch_rows) == (counted_gather, counted_patch)
 
 

@@ -13,8 +13,9 @@ from types import ModuleType
 import pytest
 
 from specstate.tools import prefix_workload
-from specstate.tools.bench_prefix import config, make_workload, run_rounds
+from specstate.tools.bench_prefix import run_rounds
 from specstate.tools.cli import main
+from specstate.tools.prefix_workload import config, make_workload
 
 PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "sglang_radix_bench.py"
 

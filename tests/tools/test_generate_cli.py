@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from specstate.tools.cli import main
 
 PROMPTS = {"a": [3, 4, 5], "b": [9], "c": [60, 61, 62, 63, 64, 65, 66]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("algorithm", ["none", "ngram"])
@@ -54,6 +58,44 @@ def test_generate_jsonl_round_trip(tmp_path: Path, algorithm: str, overlap: str)
     assert finished == set(PROMPTS)
     timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert {e["ph"] for e in timeline} >= {"M", "X", "C"}
+
+
+def test_requests_from_stdin_and_results_to_stdout(tmp_path: Path) -> None:
+    """``--input -`` reads a pipe, and the results go to stdout (``--output`` left out): the
+    same rows as from and to files, stdout holding only the rows, the summary on stderr."""
+    make_checkpoint(tmp_path / "ckpt")
+    lines = [json.dumps({"id": k, "input_ids": v, "max_new_tokens": 7}) for k, v in PROMPTS.items()]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram"]
+    to_file = [*argv, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    assert main(to_file) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    piped = subprocess.run(
+        [sys.executable, "-m", "specstate.tools.cli", *argv, "--input", "-"],
+        input=(tmp_path / "in.jsonl").read_text(),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == (tmp_path / "o.jsonl").read_text()
+    assert "specstate generate: 3 requests: 3 finished" in piped.stderr
+
+
+def test_a_bad_stdin_line_is_named_and_two_stdout_outputs_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad line read from stdin is named ``<stdin>:N``; ``-`` for both the results and the
+    summary is refused (they would interleave); both exit 2 before any model loads."""
+    argv = ["generate", "--model", str(tmp_path / "no-model"), "--input", "-"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"id": "a", "input_ids": [1]}\n{"id": 7}\n'))
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("specstate generate: <stdin>:2: ")
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"id": "a", "input_ids": [1]}\n'))
+    assert main([*argv, "--summary-json", "-"]) == 2
+    assert "--output and --summary-json are both '-'" in capsys.readouterr().err
 
 
 def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,7 +216,8 @@ def test_generate_runs_in_float32_unless_asked(flags: tuple[str, ...], dtype: st
     import argparse
 
     from specstate.reference.embedded import target_dir
-    from specstate.tools.generate import add_arguments, build_worker
+    from specstate.tools.generate.options import add_arguments
+    from specstate.tools.generate.workers import build_worker
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -293,7 +336,7 @@ def test_a_non_llama_model_is_explained(
     """A GPT-2 --model: with --worker, checkpoint_limits reads it and a text line is refused
     for its vocabulary (not its model_type); without --worker, the reference worker says it
     runs Llama and points at --worker."""
-    from specstate.tools.generate import checkpoint_limits
+    from specstate.tools.generate.workers import checkpoint_limits
 
     _gpt2_checkpoint(tmp_path / "gpt2")
     limits = checkpoint_limits(tmp_path / "gpt2")

@@ -22,7 +22,7 @@ from hf_oracle import greedy
 from hybrid_oracle import make_hybrid_checkpoints
 from lfm2_oracle import make_lfm2_checkpoint, make_lfm2_checkpoints
 
-from specstate.memory.planning import (
+from specstate.engine.planning import (
     KvLayout,
     format_bytes,
     kv_bytes_for_tokens,

@@ -16,7 +16,7 @@ from hf_oracle import greedy, make_checkpoint
 from spec_checkpoints import make_spec_checkpoints
 
 from specstate import kv_bytes_for_tokens, kv_layouts, kv_tokens_for_budget
-from specstate.memory.planning import parse_bytes
+from specstate.engine.planning import parse_bytes
 from specstate.tools.cli import main
 
 PROMPT = [3, 4, 5]

@@ -43,7 +43,8 @@ def requests(tmp_path_factory: pytest.TempPathFactory, partial_ckpt: SpecCheckpo
 def test_tp2_spawned_and_torchrun_write_what_tp1_writes(
     requests: Path, partial_ckpt: SpecCheckpoints, tmp_path: Path
 ) -> None:
-    """The same JSONL from --tp 1, --tp 2 (spawned ranks) and torchrun --nproc-per-node 2."""
+    """The same JSONL from --tp 1, --tp 2 (spawned ranks; requests on stdin, results on
+    stdout) and torchrun --nproc-per-node 2."""
     common = [
         "generate",
         "--model", str(partial_ckpt.target),
@@ -57,7 +58,18 @@ def test_tp2_spawned_and_torchrun_write_what_tp1_writes(
         "--quiet",
     ]  # fmt: skip
     assert main([*common, "--output", str(tmp_path / "tp1.jsonl")]) == 0
-    assert main([*common, "--output", str(tmp_path / "tp2.jsonl"), "--tp", "2"]) == 0
+    # The spawned ranks read the requests from a pipe and write the results to stdout.
+    piped = [a if a != str(requests) else "-" for a in common]
+    spawned = subprocess.run(
+        [sys.executable, "-m", "specstate.tools.cli", *piped, "--tp", "2"],
+        input=requests.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert spawned.returncode == 0, spawned.stderr[-2000:]
+    (tmp_path / "tp2.jsonl").write_text(spawned.stdout)
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), "-m", "specstate.tools.cli",

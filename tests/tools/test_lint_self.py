@@ -34,13 +34,13 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         ("core/request.py", "Req.append_outputs", "mutate _output_ids.extend"): 1,
         ("core/request.py", "Req._leave_rows", "assign _output_ids"): 1,
         # The output table: rows opened at admission, appended only by append_runs.
-        ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens"): 1,
-        ("engine/outputs.py", "OutputTable.__init__", "assign _output_tokens_flat"): 1,
-        ("engine/outputs.py", "OutputTable.__init__", "assign _output_lengths"): 1,
-        ("engine/outputs.py", "OutputTable.open_row", "assign _output_tokens"): 1,
-        ("engine/outputs.py", "OutputTable.open_row", "assign _output_lengths"): 1,
-        ("engine/outputs.py", "OutputTable.append_runs", "assign _output_tokens_flat"): 1,
-        ("engine/outputs.py", "OutputTable.append_runs", "assign _output_lengths"): 1,
+        ("engine/settle/outputs.py", "OutputTable.__init__", "assign _output_tokens"): 1,
+        ("engine/settle/outputs.py", "OutputTable.__init__", "assign _output_tokens_flat"): 1,
+        ("engine/settle/outputs.py", "OutputTable.__init__", "assign _output_lengths"): 1,
+        ("engine/settle/outputs.py", "OutputTable.open_row", "assign _output_tokens"): 1,
+        ("engine/settle/outputs.py", "OutputTable.open_row", "assign _output_lengths"): 1,
+        ("engine/settle/outputs.py", "OutputTable.append_runs", "assign _output_tokens_flat"): 1,
+        ("engine/settle/outputs.py", "OutputTable.append_runs", "assign _output_lengths"): 1,
         # The allocator: the only opener/closer of ledger slots and grower of allocated.
         ("memory/allocation.py", "KvAllocator.admit", "call open_slot"): 1,
         ("memory/allocation.py", "KvAllocator._grow", "call grow_allocated"): 1,
@@ -49,15 +49,15 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         ("memory/allocation.py", "KvAllocator.release_many", "call close_slots"): 1,
         # The scheduler's prepare-for-extend: committed = the end of the launched chunk; it
         # opens a request's output row at admission.
-        ("engine/scheduler.py", "Scheduler._extend_plan", "call commit_extend"): 1,
-        ("engine/scheduler.py", "Scheduler._admit", "call open_row"): 1,
+        ("engine/schedule/scheduler.py", "Scheduler._extend_plan", "call commit_extend"): 1,
+        ("engine/schedule/scheduler.py", "Scheduler._admit", "call open_row"): 1,
         # A prefix-cache hit at admission: the cached prefix is committed KV (an extend that
         # already ran) and the cache's (cache_protected_len); the scheduler is the one writer.
-        ("engine/scheduler.py", "Scheduler._share_prefix", "call commit_extend"): 1,
-        ("engine/scheduler.py", "Scheduler._share_prefix", "call set_protected"): 1,
+        ("engine/schedule/scheduler.py", "Scheduler._share_prefix", "call commit_extend"): 1,
+        ("engine/schedule/scheduler.py", "Scheduler._share_prefix", "call set_protected"): 1,
         # The result processor: the only committer after prefill, and the only output writer.
-        ("engine/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
-        ("engine/results.py", "ResultProcessor._append", "call append_runs"): 1,
+        ("engine/settle/results.py", "ResultProcessor._commit", "call advance_committed"): 1,
+        ("engine/settle/results.py", "ResultProcessor._append", "call append_runs"): 1,
         # The recurrent-state pool (hybrid workers): records opened and closed by the allocator
         # with the request slots; committed lengths advanced only by the result processor.
         ("memory/allocation.py", "KvAllocator.admit", "call open_state"): 1,
@@ -75,7 +75,7 @@ OWNER_SITES: Counter[tuple[str, str, str]] = Counter(
         ): 1,
         ("memory/recurrent.py", "RecurrentStatePool.settle_states", "call commit_states"): 2,
         ("memory/recurrent.py", "RecurrentStatePool.settle_states", "call commit_prefilled"): 1,
-        ("engine/results.py", "ResultProcessor._commit_states", "call settle_states"): 1,
+        ("engine/settle/results.py", "ResultProcessor._commit_states", "call settle_states"): 1,
         # `specstate bench recurrent` times the commit on a standalone pool it owns.
         ("tools/bench_recurrent.py", "_commit_us", "call open_state"): 1,
         ("tools/bench_recurrent.py", "_commit_us", "call settle_states"): 1,

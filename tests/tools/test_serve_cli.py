@@ -3,13 +3,16 @@
 The real run starts the command itself in a subprocess with no ``--model`` (the embedded
 model, as on a fresh install), sends the curl request docs/serving.md shows (with the port the
 test picked), checks the answer against the same request run through an `Engine` directly,
-and stops the server with Ctrl-C (exit 0). Every wait is bounded.
+and stops the server with Ctrl-C (exit 0). Another interrupts a server with long requests live:
+they end with ``abort`` and the command exits within the bound docs/serving.md states. Every
+wait is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -18,18 +21,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from specstate import Engine, EngineConfig, Grammar, RequestLimits, SamplingParams
-from specstate.memory.planning import kv_layouts, kv_tokens_for_budget
+from specstate.engine.planning import kv_layouts, kv_tokens_for_budget
 from specstate.reference import embedded
 from specstate.reference.workers import default_registry
+from specstate.serving.uvicorn_server import SHUTDOWN_BOUND_S
 from specstate.tools import serve
 from specstate.tools.serve import INSTALL_HINT
 
@@ -39,9 +46,9 @@ BOUND_S = 180
 
 
 def _env() -> dict[str, str]:
-    """This checkout's sources first, as the tests import them."""
-    src = str(ROOT / "src")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    """This checkout's sources first, as the tests import them (and the test-only modules)."""
+    paths = [str(ROOT / "src"), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def _free_port() -> int:
@@ -117,9 +124,13 @@ def test_serve_builds_the_engine_generate_flags_describe(
     assert capsys.readouterr().err.startswith(bought)
 
 
+def _docs_page() -> str:
+    return (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+
+
 def _docs_curls(port: int) -> list[list[str]]:
     """The curl commands of docs/serving.md (plain, structured), pointed at ``port``."""
-    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    text = _docs_page()
     lines = re.findall(r"^\$ (curl .*)$", text, re.M)
     assert len(lines) == 2, lines
     return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
@@ -177,7 +188,7 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
         grammar_vocabulary=embedded.grammar_vocabulary(),
     )
     with Engine(worker, limits=limits, config=EngineConfig(kv_tokens=4096)) as engine:
-        prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    ")]
+        prompt = [embedded.BOS_ID, *embedded.encode("def add(a, b):\n    return ")]
         req = engine.submit("d", prompt, SamplingParams(max_new_tokens=16))
         as_object = SamplingParams(
             max_new_tokens=32, grammar=Grammar.json_schema({"type": "object"})
@@ -187,7 +198,95 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
     assert answer["model"] == "specstate-embedded"
     assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
     assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)
+    shown = re.search(r"Its choice's `text` is `(.*?)`", _docs_page())  # what the page says
+    assert shown is not None and answer["choices"][0]["text"] == json.loads(shown.group(1))
     choice = constrained["choices"][0]
     assert choice["token_ids"] == list(obj.emitted_ids)
     assert choice["finish_reason"] == "stop"
     assert isinstance(json.loads(choice["text"]), dict), choice["text"]
+
+
+def _events(response: http.client.HTTPResponse) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, until the server closes it."""
+    while line := response.readline():
+        if line.startswith(b"data: "):
+            yield line[len(b"data: ") :].decode().strip()
+
+
+def _running(url: str) -> float:
+    """The engine's running requests, from /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=BOUND_S) as response:
+        text = response.read().decode()
+    found = re.search(r'^specstate_requests\{state="running"\} (\S+)$', text, re.M)
+    return 0.0 if found is None else float(found.group(1))
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_live_requests_and_exits_within_the_bound() -> None:
+    """Ctrl-C while a stream and a whole completion each have tens of seconds of tokens to go:
+    both end at once with ``finish_reason: "abort"`` (the stream with that last chunk, then
+    ``[DONE]``), and the server exits 0 within the bound docs/serving.md states."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--worker",
+            "slow_serve_worker:make",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    whole: dict[str, Any] = {}
+    long = {"model": "slow_serve_worker:make", "prompt": [1, 2, 3], "max_tokens": 4000}
+
+    def ask_whole() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=BOUND_S)
+        conn.request("POST", "/v1/completions", json.dumps(long).encode())
+        response = conn.getresponse()
+        whole.update(status=response.status, body=json.loads(response.read()))
+        conn.close()
+
+    asker = threading.Thread(target=ask_whole)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=BOUND_S)
+    try:
+        _wait_healthy(url, server)
+        asker.start()
+        conn.request("POST", "/v1/completions", json.dumps({**long, "stream": True}).encode())
+        response = conn.getresponse()
+        assert response.status == 200
+        events = _events(response)
+        first = json.loads(next(events))
+        assert first["choices"][0]["finish_reason"] is None
+        deadline = time.monotonic() + BOUND_S
+        while _running(url) < 2:  # the whole completion runs too
+            assert time.monotonic() < deadline, "the second request never ran"
+            time.sleep(0.05)
+        interrupted = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        rest = list(events)
+        _, stderr = server.communicate(timeout=BOUND_S)
+        exited = time.monotonic() - interrupted
+        asker.join(BOUND_S)
+    finally:
+        conn.close()
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert rest[-1] == "[DONE]", rest[-3:]
+    last = json.loads(rest[-2])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert whole["status"] == 200, whole
+    choice = whole["body"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 4000
+    assert server.returncode == 0, stderr
+    assert exited < SHUTDOWN_BOUND_S, f"exited {exited:.1f} s after Ctrl-C"
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert f"exits within {SHUTDOWN_BOUND_S} s of the interrupt" in docs

@@ -12,7 +12,8 @@ from engine_driver import run_checked
 
 from specstate import RequestLimits, SamplingParams
 from specstate.core.errors import InvalidConfig
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.trace import TraceRecorder
 from specstate.tools.cli import main
 from specstate.tools.timed_worker import TimedWaitWorker

@@ -63,6 +63,12 @@ class ForwardBatch:
             to draft this round, in ``[0, num_steps]`` (0: none, a plain decode step); None:
             the worker's own ``num_steps`` (`draft_steps` reads it). A worker that declares
             ``WorkerCapabilities.supports_adaptive_steps`` honours it.
+        verify_budgets: for a DECODE round under a verify-budget policy, ``[B]`` int64 on the
+            device: row ``i`` verifies at most ``verify_budgets[i]`` drafts (its accepted run
+            is at most ``verify_budgets[i] + 1`` tokens) and writes no KV past its frontier
+            ``+ verify_budgets[i] + 1``; 0 is a plain decode step that still extends the
+            drafter. None: every row verifies the round's width. A worker that declares
+            ``WorkerCapabilities.supports_verify_budgets`` honours it.
         grammar: the grammar view of this forward (`GrammarRows`: packed bitmasks per sampled
             or verified position of the rows whose request has a grammar), or None when no
             row has one. A worker that declares ``WorkerCapabilities.supports_grammar`` uses
@@ -83,6 +89,7 @@ class ForwardBatch:
     spec_info: RelayPayload | None
     num_draft_steps: int | None = None
     grammar: GrammarRows | None = None
+    verify_budgets: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +127,7 @@ class ForwardBatch:
             spec_info=batch.spec_info,
             num_draft_steps=batch.num_draft_steps,
             grammar=batch.grammar,
+            verify_budgets=None if batch.verify_budgets is None else batch.verify_budgets.device,
         )
 
     @staticmethod

@@ -49,6 +49,14 @@ class GenerationBatchResult:
             ``next_token_ids``: the log-probability of each accepted token under the target's
             final (processed) distribution. Required when a row of the batch asks for logprobs
             (``batch.sampling_info.logprobs``), else None; entries past a run are ignored.
+        verified_lens: ``[batch_size]`` int, the drafts each row of a decode round verified,
+            at most its budget (``ForwardBatch.verify_budgets``, else the round's width): a
+            row accepts at most ``verified_lens[i] + 1`` tokens. None: every row verified its
+            budget (the round's width without budgets).
+        draft_confidences: ``[batch_size, stride - 1]`` floating point in ``[0, 1]``: the
+            worker's predicted probability that each draft position of the row is accepted,
+            given the ones before it (a confidence head; `ConfidenceBudget` plans the next
+            rounds' budgets from them). None: the worker predicts none.
     """
 
     next_token_ids: torch.Tensor
@@ -60,6 +68,8 @@ class GenerationBatchResult:
     copy_done: Event | None = None
     invalid_rows: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    verified_lens: torch.Tensor | None = None
+    draft_confidences: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         bs = self.accept_lens.numel()

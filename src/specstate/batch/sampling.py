@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from specstate.core.request import SamplingParams
+from specstate.core.params import SamplingParams
 
 __all__ = ["PenaltyAccumulator", "SamplingInfo", "apply_logit_controls", "seeded_uniforms"]
 

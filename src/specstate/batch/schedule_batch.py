@@ -23,6 +23,7 @@ from typing import Final
 import attrs
 import torch
 
+from specstate.batch.budgets import VerifyBudgets
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import InvalidConfig
@@ -111,6 +112,10 @@ class ScheduleBatch:
         future_indices: ``[B]`` FutureMap rows this batch's relay values live in, or None.
         num_draft_steps: draft steps of this DECODE round chosen by the engine's draft policy
             (adaptive draft length), or None: the worker's own ``num_steps``.
+        verify_budgets: ``[B]`` per-row verify budgets of this DECODE round, planned by the
+            engine's verify-budget policy from settled history (row ``i`` verifies at most
+            ``budgets[i]`` drafts), or None: every row verifies the round's width. Per round:
+            cleared by ``filter`` and ``merge``.
         grammar: the forward's grammar view (`GrammarRows`), set at launch by the grammar
             table when a row samples under a grammar; None otherwise. Per forward: cleared
             by ``filter`` and ``merge``.
@@ -131,6 +136,7 @@ class ScheduleBatch:
     spec_info: RelayPayload | None = None
     future_indices: torch.Tensor | None = None
     num_draft_steps: int | None = None
+    verify_budgets: VerifyBudgets | None = None
     grammar: GrammarRows | None = None
     # The request ids, when the caller already has them (a persistent batch); else derived.
     _ids: tuple[str, ...] | None = attrs.field(default=None, alias="ids")
@@ -228,6 +234,7 @@ class ScheduleBatch:
         self.prefix_lens = None
         self.extend_lens = None
         self.positions = None
+        self.verify_budgets = None
         self.grammar = None
 
 

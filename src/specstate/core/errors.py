@@ -11,6 +11,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
     │                           token id outside the vocabulary, prompt longer than the context
     ├── InvalidConfig           inconsistent engine / memory / worker configuration
     ├── InvalidTransition       a request lifecycle change the state machine does not allow
+    ├── InvariantViolation      a relation between clocks, owners or pools does not hold
+    │                           (the invariant checker, ``check_invariants``; names it)
     ├── OwnershipError          a counter mutated by a role that does not own it (run-time check)
     ├── LedgerViolation         a ledger change that would break
     │   │                       0 <= protected <= committed <= allocated <= row width
@@ -36,6 +38,8 @@ An operation that raises leaves the state it was asked to change exactly as it w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "DoubleRelease",
     "EngineUnavailable",
@@ -44,6 +48,7 @@ __all__ = [
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
+    "InvariantViolation",
     "KvPoolExhausted",
     "LedgerViolation",
     "OwnershipError",
@@ -65,7 +70,18 @@ class SpecStateError(Exception):
 
 
 class InvalidRequest(SpecStateError, ValueError):
-    """A request was rejected at submission; no state changed."""
+    """A request was rejected at submission; no state changed.
+
+    Attributes:
+        fields: the request fields the refusal is about, as `Engine.submit` takes them
+            (``"prompt_ids"``, or a `SamplingParams` field such as ``"max_new_tokens"``), in
+            the order the message names them; empty when none is (a duplicate request id). A
+            server maps them to the fields of its own protocol.
+    """
+
+    def __init__(self, message: str = "", *, fields: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.fields: tuple[str, ...] = tuple(dict.fromkeys(fields))
 
 
 class InvalidConfig(SpecStateError, ValueError):
@@ -74,6 +90,19 @@ class InvalidConfig(SpecStateError, ValueError):
 
 class InvalidTransition(SpecStateError):
     """A request lifecycle transition that the state machine does not allow."""
+
+
+class InvariantViolation(SpecStateError):
+    """A relation between the engine's clocks, owners or pools does not hold.
+
+    Attributes:
+        invariant: the name of the relation (``ledger-order``, ``steady-state``, ...: the
+            invariant checker's docs list them).
+    """
+
+    def __init__(self, invariant: str, message: str) -> None:
+        super().__init__(f"[{invariant}] {message}")
+        self.invariant = invariant
 
 
 class OwnershipError(SpecStateError):

@@ -31,7 +31,8 @@ def _stop_ids(value: Iterable[int]) -> frozenset[int]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise InvalidRequest(
             f"stop_token_ids must be a collection of token ids, got {type(value).__name__} "
-            f"{value!r}"
+            f"{value!r}",
+            fields=("stop_token_ids",),
         )
     return frozenset(value)
 
@@ -48,7 +49,8 @@ def _stop_sequences(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ..
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise InvalidRequest(
             f"stop_sequences must be a collection of token-id sequences, got "
-            f"{type(value).__name__} {value!r}"
+            f"{type(value).__name__} {value!r}",
+            fields=("stop_sequences",),
         )
     out: list[tuple[int, ...]] = []
     for entry in value:
@@ -71,7 +73,7 @@ def _grammar(value: object) -> Grammar | None:
         try:
             return Grammar.from_json(value)
         except ValueError as exc:
-            raise InvalidRequest(f"grammar: {exc}") from None
+            raise InvalidRequest(f"grammar: {exc}", fields=("grammar",)) from None
     return value  # type: ignore[return-value]  # reported by `problems`
 
 
@@ -187,65 +189,118 @@ class SamplingParams:
 
     def problems(self, vocab_size: int) -> list[str]:
         """Every way these parameters are invalid for a vocabulary of ``vocab_size``."""
+        return [message for _, message in self.field_problems(vocab_size)]
+
+    def field_problems(self, vocab_size: int) -> list[tuple[str, str]]:
+        """`problems`, each after the name of the field it is about."""
         found = []
         if not is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
-            found.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            found.append(
+                (
+                    "max_new_tokens",
+                    f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+                )
+            )
         not_ids = [t for t in self.stop_token_ids if not is_int(t)]
         if not_ids:
-            found.append(f"stop_token_ids must be integers, got {sorted(map(repr, not_ids))}")
+            found.append(
+                (
+                    "stop_token_ids",
+                    f"stop_token_ids must be integers, got {sorted(map(repr, not_ids))}",
+                )
+            )
         bad_stop = sorted(t for t in self.stop_token_ids if is_int(t) and not 0 <= t < vocab_size)
         if bad_stop:
-            found.append(f"stop_token_ids {bad_stop} outside the vocabulary [0, {vocab_size})")
+            found.append(
+                (
+                    "stop_token_ids",
+                    f"stop_token_ids {bad_stop} outside the vocabulary [0, {vocab_size})",
+                )
+            )
         for name in ("ignore_eos", "speculative", "logprobs"):
             if not isinstance(getattr(self, name), bool):
-                found.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+                found.append((name, f"{name} must be a bool, got {getattr(self, name)!r}"))
         greedy = self.temperature == 0 and not isinstance(self.temperature, bool)
         if not greedy and not _in_f32(self.temperature, low=_F32_TINY):
             found.append(
-                f"temperature must be a finite number >= 0, got {self.temperature!r:.40} (0 for "
-                f"greedy, else in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: the sampler computes in "
-                "float32)"
+                (
+                    "temperature",
+                    f"temperature must be a finite number >= 0, got {self.temperature!r:.40} (0 "
+                    f"for greedy, else in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: the sampler computes "
+                    "in float32)",
+                )
             )
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            found.append(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+            found.append(("top_k", f"top_k must be an integer >= 1 or None, got {self.top_k!r}"))
         if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            found.append(f"top_p must be a number in (0, 1], got {self.top_p!r:.40}")
+            found.append(("top_p", f"top_p must be a number in (0, 1], got {self.top_p!r:.40}"))
         if not _in_f32(self.repetition_penalty, low=_F32_TINY):
             found.append(
-                f"repetition_penalty must be a finite number > 0, got "
-                f"{self.repetition_penalty!r:.40} (in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: float32)"
+                (
+                    "repetition_penalty",
+                    f"repetition_penalty must be a finite number > 0, got "
+                    f"{self.repetition_penalty!r:.40} (in [{_F32_TINY:.3g}, {_F32_MAX:.3g}]: "
+                    "float32)",
+                )
             )
         for name in ("frequency_penalty", "presence_penalty"):
             if not _in_f32(getattr(self, name), low=-_F32_MAX):
                 found.append(
-                    f"{name} must be a finite number, got {getattr(self, name)!r:.40} (in "
-                    f"[{-_F32_MAX:.3g}, {_F32_MAX:.3g}]: float32)"
+                    (
+                        name,
+                        f"{name} must be a finite number, got {getattr(self, name)!r:.40} (in "
+                        f"[{-_F32_MAX:.3g}, {_F32_MAX:.3g}]: float32)",
+                    )
                 )
         if not is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            found.append(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+            found.append(
+                (
+                    "min_new_tokens",
+                    f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}",
+                )
+            )
         elif is_int(self.max_new_tokens) and self.min_new_tokens > self.max_new_tokens:
             found.append(
-                f"min_new_tokens {self.min_new_tokens} exceeds max_new_tokens {self.max_new_tokens}"
+                (
+                    "min_new_tokens",
+                    f"min_new_tokens {self.min_new_tokens} exceeds max_new_tokens "
+                    f"{self.max_new_tokens}",
+                )
             )
-        found += _sequence_problems(self.stop_sequences, vocab_size)
+        found += [
+            ("stop_sequences", m) for m in _sequence_problems(self.stop_sequences, vocab_size)
+        ]
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            found.append(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+            found.append(
+                ("seed", f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+            )
         found += self._grammar_problems()
         return found
 
-    def _grammar_problems(self) -> list[str]:
-        """What is wrong with ``grammar`` and its combination with the other fields."""
+    def _grammar_problems(self) -> list[tuple[str, str]]:
+        """What is wrong with ``grammar`` and its combination with the other fields (the field
+        to change first: the grammar itself, or the field a grammar rules out)."""
         if self.grammar is None:
             return []
         if not isinstance(self.grammar, Grammar):
-            return [f"grammar must be a Grammar or None, got {type(self.grammar).__name__}"]
-        found = self.grammar.problems()
+            return [
+                ("grammar", f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
+            ]
+        found = [("grammar", problem) for problem in self.grammar.problems()]
         if self.ignore_eos is True:
-            found.append("a grammar ends with the end-of-sequence token: ignore_eos must be False")
+            found.append(
+                (
+                    "ignore_eos",
+                    "a grammar ends with the end-of-sequence token: ignore_eos must be False",
+                )
+            )
         if is_int(self.min_new_tokens) and self.min_new_tokens > 0:
             found.append(
-                "a grammar decides where the output may end: min_new_tokens must be 0, got "
-                f"{self.min_new_tokens}"
+                (
+                    "min_new_tokens",
+                    "a grammar decides where the output may end: min_new_tokens must be 0, got "
+                    f"{self.min_new_tokens}",
+                )
             )
         return found
 

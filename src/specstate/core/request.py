@@ -13,6 +13,7 @@ be applied to a new owner.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
 
@@ -21,16 +22,7 @@ from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.params import RequestLimits, SamplingParams, is_int
 from specstate.core.status import TRANSITIONS, FinishReason, FinishState, ReqSnapshot, ReqStatus
 
-__all__ = [
-    "FinishReason",
-    "FinishState",
-    "OutputSource",
-    "Req",
-    "ReqSnapshot",
-    "ReqStatus",
-    "RequestLimits",
-    "SamplingParams",
-]
+__all__ = ["OutputSource", "Req"]
 
 
 _ABORT: Final = FinishReason.ABORT
@@ -58,6 +50,10 @@ class OutputSource(Protocol):
         """Accept lengths of the verifies settled since the request took ``slot``."""
         ...
 
+    def read_verified_lengths(self, slot: int) -> list[int]:
+        """Drafts each of those verifies verified (its budget, or the round's width)."""
+        ...
+
     def read_logprobs(self, slot: int) -> list[float]:
         """Log-probability of every settled output token of the request in ``slot``."""
         ...
@@ -68,10 +64,10 @@ class OutputSource(Protocol):
 
     def leave_rows(
         self, slots: list[int], logprobs: list[bool]
-    ) -> tuple[list[list[int]], list[list[int]], list[list[float] | None]]:
-        """The requests in ``slots`` leave them: per slot, its settled outputs, its accept
-        lengths and (where ``logprobs`` is set) its log-probabilities; a result launched
-        before this for one of them is stale."""
+    ) -> tuple[list[list[int]], list[list[list[int]]], list[list[float] | None]]:
+        """The requests in ``slots`` leave them: per slot, its settled outputs, its verifies
+        (``[accept lengths, verified lengths]``) and (where ``logprobs`` is set) its
+        log-probabilities; a result launched before this for one of them is stale."""
         ...
 
 
@@ -93,12 +89,14 @@ class Req:
         "_cached_tokens",
         "_checker",
         "_finish",
+        "_first_admitted_s",
         "_incarnation",
         "_logprobs",
         "_output_ids",
         "_slot",
         "_source",
         "_status",
+        "_verified_lengths",
         "prompt_ids",
         "request_id",
         "sampling",
@@ -117,6 +115,7 @@ class Req:
         self._checker = checker
         self._output_ids: list[int] = []
         self._accept_lengths: list[int] = []
+        self._verified_lengths: list[int] = []
         self._logprobs: list[float] = []
         self._source: OutputSource | None = None
         self._slot = 0
@@ -124,6 +123,7 @@ class Req:
         self._incarnation = 0
         self._finish: FinishState | None = None
         self._cached_tokens = 0
+        self._first_admitted_s: float | None = None
 
     @classmethod
     def new(
@@ -140,19 +140,25 @@ class Req:
         Raises:
             InvalidRequest: naming the request and every problem found (empty prompt,
                 ``max_new_tokens < 1``, token ids outside the vocabulary, a prompt that leaves
-                no room in the context, bad sampling values).
+                no room in the context, bad sampling values); ``fields`` names their fields.
         """
-        prompt, problems = _read_prompt(prompt_ids)
-        if not problems:
-            problems = _prompt_problems(prompt, limits)
+        prompt, bad_prompt = _read_prompt(prompt_ids)
+        if not bad_prompt:
+            bad_prompt = _prompt_problems(prompt, limits)
+        problems = [("prompt_ids", problem) for problem in bad_prompt]
         if not isinstance(sampling, SamplingParams):
-            problems.append(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+            problems.append(
+                ("sampling", f"sampling must be SamplingParams, got {type(sampling).__name__}")
+            )
         else:
-            problems += sampling.problems(limits.vocab_size)
+            problems += sampling.field_problems(limits.vocab_size)
         if not isinstance(request_id, str) or not request_id:
-            problems.insert(0, "request id must be a non-empty string")
+            problems.insert(0, ("request_id", "request id must be a non-empty string"))
         if problems:
-            raise InvalidRequest(f"request {request_id!r}: " + "; ".join(problems))
+            raise InvalidRequest(
+                f"request {request_id!r}: " + "; ".join(problem for _, problem in problems),
+                fields=[field for field, _ in problems],
+            )
         return cls(request_id, prompt, sampling, checker)
 
     # ------------------------------------------------------------------ reads
@@ -188,6 +194,45 @@ class Req:
         return tuple(self._accept_lengths)
 
     @property
+    def verified_lengths(self) -> tuple[int, ...]:
+        """Drafts each settled verify of this request verified, aligned with `accept_lengths`
+        (the round's width, or the row's verify budget under a budget policy, or fewer when
+        the worker verified fewer)."""
+        if self._source is not None:
+            return (*self._verified_lengths, *self._source.read_verified_lengths(self._slot))
+        return tuple(self._verified_lengths)
+
+    def draft_acceptance(self) -> tuple[tuple[int, int], ...]:
+        """Per draft position ``j``, ``(accepted, verified)``: in how many of the request's
+        emitted verifies draft ``j`` was verified, and in how many it was accepted (its
+        accept length passed ``j + 1``). Positions past the widest verify are left out."""
+        accepts = self.emitted_accept_lengths
+        verified = self.verified_lengths[: len(accepts)]
+        width = max(verified, default=0)
+        return tuple(
+            (
+                sum(1 for a, v in zip(accepts, verified, strict=True) if j < v and a > j + 1),
+                sum(1 for v in verified if j < v),
+            )
+            for j in range(width)
+        )
+
+    @property
+    def emitted_accept_lengths(self) -> tuple[int, ...]:
+        """`accept_lengths` as far as the user saw them: once the request ended, the last
+        verify is cut where ``finished_len`` falls (a stop or the cap inside an accepted run),
+        so the sum counts only tokens of `emitted_ids` (what a usage report may charge)."""
+        accepts = list(self.accept_lengths)
+        surplus = 0 if self._finish is None else self.num_outputs - self._finish.finished_len
+        while surplus > 0 and accepts:  # the settled tokens past the end, from the last run
+            cut = min(surplus, accepts[-1])
+            accepts[-1] -= cut
+            surplus -= cut
+            if accepts[-1] == 0:
+                accepts.pop()
+        return tuple(accepts)
+
+    @property
     def logprobs(self) -> tuple[float, ...] | None:
         """With ``sampling.logprobs``: the log-probability of every emitted token, aligned
         with `emitted_ids` (under the target's final distribution); else None."""
@@ -208,6 +253,12 @@ class Req:
         """Tokens whose KV the prefix cache supplied at the request's latest admission (a
         retracted request is matched again when re-admitted); 0 before admission."""
         return self._cached_tokens
+
+    @property
+    def first_admitted_s(self) -> float | None:
+        """`time.monotonic` when the scheduler first admitted the request (a retracted one is
+        admitted again later: the first time stays); None while it never was."""
+        return self._first_admitted_s
 
     @property
     def finish(self) -> FinishState | None:
@@ -352,13 +403,16 @@ class Req:
         return source, [r._slot for r in reqs]
 
     def record_admission(self, *, cached_tokens: int) -> None:
-        """Record how many of its tokens the prefix cache supplied (scheduler, at admission).
+        """Record how many of its tokens the prefix cache supplied, and, the first time, when
+        (scheduler, at admission).
 
         Raises:
             OwnershipError: the calling thread does not act as the scheduler.
         """
         self._checker.require((Role.SCHEDULER,), counter="cached_tokens", request=self.request_id)
         self._cached_tokens = cached_tokens
+        if self._first_admitted_s is None:  # a front door's queue time ends here
+            self._first_admitted_s = time.monotonic()
 
     def attach_outputs(self, source: OutputSource, slot: int) -> None:
         """Keep the settled outputs in ``source``'s ``slot`` from now on (admission).
@@ -388,10 +442,13 @@ class Req:
     def _leave_rows(reqs: Sequence[Req], source: OutputSource, slots: list[int]) -> None:
         # Copy the outputs and accept lengths back before the slots can be reused; the source
         # marks the slots so that a result still in flight for these requests is skipped.
-        outputs, accepts, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
-        for req, out, accepted, probs in zip(reqs, outputs, accepts, logprobs, strict=True):
+        outputs, verifies, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
+        for req, out, (accepted, checked), probs in zip(
+            reqs, outputs, verifies, logprobs, strict=True
+        ):
             req._output_ids = out
             req._accept_lengths += accepted
+            req._verified_lengths += checked
             if probs is not None:
                 req._logprobs = probs
             req._source = None

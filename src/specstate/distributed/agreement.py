@@ -7,7 +7,8 @@ batch each rank contributes one status row to an all-gather on the control group
 
 * the ranks settle different batches: `RankDivergence` (they are out of step);
 * no rank failed: the batch is settled; in checking mode the digests of the results (accept
-  lengths, tokens, frontier, invalid rows, logprobs) must be equal, else `RankDivergence`;
+  lengths, tokens, frontier, invalid rows, logprobs, verified lengths, draft confidences) must
+  be equal, else `RankDivergence`;
 * some rank failed: every rank fails the batch with one `RankFailure` naming the failed ranks
   and the first one's error (its text broadcast from that rank), so the requests end with the
   same detail everywhere. If only some ranks failed, or a worker-group collective failed, the
@@ -26,17 +27,19 @@ control collective that failed) happens on every rank that can still be reached.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from specstate.batch.plan import LaunchPlan
 from specstate.core.errors import RankDivergence, RankFailure
 from specstate.distributed.groups import ControlGroup, RankGroup, WorkerGroup
-from specstate.engine.agreement import AgreementSnapshot
+from specstate.engine.budgets import BudgetRows, SettledBudgets, VerifyBudgetPolicy
+from specstate.engine.capabilities.agreement import AgreementSnapshot
 from specstate.engine.draft_policy import DraftPolicy
-from specstate.engine.result_copy import HostResult
-from specstate.engine.scheduler import LaunchPlan
+from specstate.engine.launch.result_copy import HostResult
 
 __all__ = ["LeaderDraftPolicy", "RankAgreement", "plan_digest", "result_digest"]
 
@@ -60,6 +63,8 @@ def plan_digest(plan: LaunchPlan, batch_id: int) -> npt.NDArray[np.int64]:
     hasher.update(np.ascontiguousarray(plan.slots_host).tobytes())
     hasher.update(np.ascontiguousarray(plan.epochs).tobytes())
     hasher.update(np.asarray(batch.incarnations, dtype=np.int64).tobytes())
+    budgets = batch.verify_budgets
+    hasher.update(b"-" if budgets is None else np.ascontiguousarray(budgets.host).tobytes())
     return _words(hasher)
 
 
@@ -73,7 +78,15 @@ def _idle_digest(batch_id: int) -> npt.NDArray[np.int64]:
 def result_digest(host: HostResult) -> npt.NDArray[np.int64]:
     """A digest of a batch's result as the host will settle it."""
     hasher = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
-    parts = (host.accept, host.tokens, host.frontier, host.invalid, host.logprobs)
+    parts = (
+        host.accept,
+        host.tokens,
+        host.frontier,
+        host.invalid,
+        host.logprobs,
+        host.verified,
+        host.confidences,
+    )
     for part in parts:
         hasher.update(b"-" if part is None else np.ascontiguousarray(part).tobytes())
     return _words(hasher)
@@ -238,3 +251,43 @@ class LeaderDraftPolicy:
     def observe(self, num_steps: int, accept_lens: npt.NDArray[np.int64]) -> None:
         """Hand the settled round to the inner policy."""
         self._inner.observe(num_steps, accept_lens)
+
+
+class LeaderBudgetPolicy:
+    """A `VerifyBudgetPolicy` whose every plan is rank 0's, broadcast on the control group.
+
+    As `LeaderDraftPolicy`: every rank's inner policy observes the same settled rounds and is
+    asked for the same rows, so it stays in the same state; only rank 0's budgets are used
+    (a policy need not be deterministic), and the checking mode's plan digest covers them.
+    """
+
+    def __init__(self, inner: VerifyBudgetPolicy, control: ControlGroup) -> None:
+        self._inner = inner
+        self._control = control
+
+    def plan(self, rows: BudgetRows) -> npt.NDArray[np.int64]:
+        """Rank 0's budgets for these rows.
+
+        Every rank takes part in the broadcast whatever its own policy does: a plan that
+        raises or is malformed is sent as budgets of -1, which every rank's guard refuses, so
+        the policy is disabled on every rank alike (the exception is then re-raised here).
+        """
+        failure: BaseException | None = None
+        try:
+            mine = np.asarray(self._inner.plan(rows))
+        except BaseException as exc:  # the guard above decides; the ranks must stay in step
+            failure, mine = exc, np.zeros(0, dtype=np.int64)
+        if failure is not None or mine.shape != (rows.batch_size,) or mine.dtype.kind not in "iu":
+            mine = np.full(rows.batch_size, -1, dtype=np.int64)  # refused by every guard
+        got = self._control.broadcast_ints(mine.astype(np.int64).tolist())
+        if failure is not None:
+            raise failure
+        return np.asarray(got, dtype=np.int64)
+
+    def observe(self, settled: SettledBudgets) -> None:
+        """Hand the settled round to the inner policy."""
+        self._inner.observe(settled)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """The ended requests leave the inner policy."""
+        self._inner.forget(request_ids)

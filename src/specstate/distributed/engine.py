@@ -9,6 +9,7 @@ Those that are not deterministic across processes come from one place, rank 0::
                                       before it steps
     when to step, when to stop        rank 0 (`step`, `close`); the followers `follow`
     the adaptive draft width          rank 0's choice, broadcast (`LeaderDraftPolicy`)
+    the verify budgets                rank 0's plan, broadcast (`LeaderBudgetPolicy`)
     sampling draws                    the worker's generator, seeded with rank 0's seed at attach
     n-gram drafts                     rank 0's, broadcast by the worker
     tokens and accept lengths         every rank computes them from bit-identical logits (the
@@ -34,9 +35,11 @@ from collections.abc import Sequence
 from typing import Final
 
 from specstate.core.errors import InvalidRequest, RankDivergence, RankError, UsageError
-from specstate.core.request import Req, RequestLimits, SamplingParams
-from specstate.distributed.agreement import LeaderDraftPolicy, RankAgreement
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
+from specstate.distributed.agreement import LeaderBudgetPolicy, LeaderDraftPolicy, RankAgreement
 from specstate.distributed.groups import RankGroup
+from specstate.engine.budgets import VerifyBudgetPolicy
 from specstate.engine.config import EngineConfig, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.engine import Engine
@@ -81,12 +84,15 @@ class DistributedEngine(Engine):
         check_agreement: bool = False,
         draft_policy: DraftPolicy | None = None,
         trace: TraceRecorder | None = None,
+        verify_budget: VerifyBudgetPolicy | None = None,
     ) -> None:
         caps = worker.capabilities
         if draft_policy is None and config.adaptive_draft and caps.speculative:
             draft_policy = AcceptanceEma(caps.num_steps)
         if draft_policy is not None:
             draft_policy = LeaderDraftPolicy(draft_policy, group.control)
+        if verify_budget is not None:  # every rank takes rank 0's budgets
+            verify_budget = LeaderBudgetPolicy(verify_budget, group.control)
         self.group = group
         self.agreement = RankAgreement(group, check=check_agreement)
         self._pending: list[_Command] = []
@@ -99,6 +105,7 @@ class DistributedEngine(Engine):
             trace=trace,
             draft_policy=draft_policy,
             agreement=self.agreement,
+            verify_budget=verify_budget,
         )
 
     @property

@@ -14,8 +14,9 @@ import attrs
 
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
+from specstate.engine.budgets import BudgetGuardSnapshot
 from specstate.engine.device_check import device_problems
-from specstate.engine.results import AcceptMetrics
+from specstate.engine.settle.results import AcceptMetrics
 from specstate.memory.prefix_cache import PrefixCacheSnapshot
 
 __all__ = ["EngineConfig", "EngineSnapshot", "StepReport"]
@@ -196,7 +197,9 @@ class EngineSnapshot:
             shares no KV (``EngineConfig.prefix_cache`` off, or a worker that does not
             declare ``prefix_sharing``).
         draft_policy_failure: what disabled the engine's draft policy (it raised, or chose a
-            width outside ``[0, max_steps]``: `specstate.engine.draft_guard`), or None.
+            width outside ``[0, max_steps]``: `specstate.engine.capabilities.draft_guard`), or None.
+        verify_budget: the verify-budget policy's state (`BudgetGuardSnapshot`: the rows it
+            planned at each budget, what disabled it), or None when the engine has none.
     """
 
     num_waiting: int
@@ -211,3 +214,4 @@ class EngineSnapshot:
     metrics: AcceptMetrics
     prefix_cache: PrefixCacheSnapshot | None = None
     draft_policy_failure: str | None = None
+    verify_budget: BudgetGuardSnapshot | None = None

@@ -24,15 +24,31 @@ Invariant: ``0 <= choose(b) <= max_steps`` and, when not 0, ``choose(b) >= min(m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from specstate.core.errors import InvalidConfig
+from specstate.memory.host_arrays import IntArray
 
-__all__ = ["AcceptanceEma", "DraftPolicy"]
+__all__ = ["AcceptanceEma", "DraftPolicy", "PlanRound", "RoundPlan", "full_width"]
+
+RoundPlan = tuple["int | None", "IntArray | None"]
+"""A decode round's draft steps (None: the worker's ``num_steps``) and its rows' verify budgets
+(None: every row verifies the round's width)."""
+
+PlanRound = Callable[[tuple[str, ...]], RoundPlan]
+"""What the scheduler asks when it plans a decode round of these rows (request ids, in batch
+order): the round's `RoundPlan`, from settled history only (`full_width` without policies)."""
+
+_FULL: RoundPlan = (None, None)
+
+
+def full_width(request_ids: tuple[str, ...]) -> RoundPlan:
+    """Every decode round drafts and verifies the worker's full width: no policy."""
+    return _FULL
 
 
 @runtime_checkable

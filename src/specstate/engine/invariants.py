@@ -1,8 +1,8 @@
 """The invariant checker: the relations between clocks, owners and pools, checked after a step.
 
-`check_engine` reads an engine's owners (never writes) and raises `InvariantViolation` for the
-first relation that does not hold, naming the invariant, the request and the numbers. Each has
-a name (`InvariantViolation.invariant`):
+`check_engine` reads an engine's owners through an `EngineView` (never writes) and raises
+`InvariantViolation` for the first relation that does not hold, naming the invariant, the
+request and the numbers. Each has a name (`InvariantViolation.invariant`):
 
 * ``ledger-order``: ``0 <= protected <= committed <= allocated <= row width`` for every open
   slot;
@@ -36,14 +36,14 @@ a name (`InvariantViolation.invariant`):
 * ``recurrent-commit``: a running request's committed state has absorbed exactly its committed
   KV (``recurrent_committed_len == kv_committed_len``); a prefilling one has committed none
   (its partial state is carried on the device from chunk to chunk);
-* ``grammar-records``, ``grammar-committed``, ``grammar-position`` (grammar requests): one
-  grammar record per live grammar request, its committed count equal to the settled outputs,
-  its matcher where the last forward left it (`specstate.grammar.table`);
-* ``rank-agreement`` (one rank of a tensor-parallel group): the agreement saw every step's
-  launch point and agreed on every retired batch before it was settled
-  (`specstate.engine.agreement`);
-* ``delivery``: a stream never delivered more of a request than it emitted
-  (`specstate.engine.delivery`).
+* each capability's own invariants (`RoundHook.check`): ``grammar-records``,
+  ``grammar-committed``, ``grammar-position`` (grammar requests: one grammar record per live
+  grammar request, its committed count equal to the settled outputs, its matcher where the
+  last forward left it, `specstate.engine.capabilities.grammar`); ``rank-agreement`` (one
+  rank of a tensor-parallel group: the agreement saw every step's launch point and agreed on
+  every retired batch before it was settled, `specstate.engine.capabilities.agreement`);
+  ``delivery`` (a stream never delivered more of a request than it emitted,
+  `specstate.engine.capabilities.delivery`).
 
 The engine also checks, around every settlement (with ``check_invariants``):
 
@@ -59,10 +59,10 @@ The engine also checks, around every settlement (with ``check_invariants``):
 * ``decode-rows``: the persistent decode rows, every time a change patched them, equal the
   columns built from scratch for the same requests (slots, incarnations, ids, output-row
   epochs, the per-row sampling values), and at scheduling every row's epoch is current
-  (`specstate.engine.decode_rows`).
+  (`specstate.engine.schedule.decode_rows`).
 
 Forward isolation checks ``isolation`` (a worker wrote a scheduler-owned tensor in place:
-`specstate.relay.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a
+`specstate.batch.isolation`); the FutureMap checks ``relay`` consume-once (a forward read a
 frontier nobody published, or one was published twice) with ``debug_relay``; the ownership
 checker refuses a counter write by a role that does not own it (`OwnershipError`).
 """
@@ -70,45 +70,24 @@ checker refuses a counter write by a role that does not own it (`OwnershipError`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.errors import SpecStateError
-from specstate.core.request import Req, ReqStatus
+from specstate.core.errors import InvariantViolation, SpecStateError
+from specstate.core.request import Req
+from specstate.core.status import ReqStatus
 
 if TYPE_CHECKING:
-    from specstate.core.ledger import KvLedgerSnapshot, LedgerReader
-    from specstate.engine.engine import Engine
-    from specstate.engine.launch import InFlight
-    from specstate.engine.outputs import OutputTable
-    from specstate.engine.result_copy import HostResult
-    from specstate.memory.allocation import KvAllocator
-
-
-class SettlementParts(Protocol):
-    """The owners a settlement check reads (the engine, or its round pipeline)."""
-
-    @property
-    def ledger(self) -> LedgerReader:
-        """The KV ledger (read only)."""
-        ...
-
-    @property
-    def allocator(self) -> KvAllocator:
-        """The KV allocator (read only here)."""
-        ...
-
-    @property
-    def outputs(self) -> OutputTable:
-        """The output table (read only here)."""
-        ...
+    from specstate.core.ledger import KvLedgerSnapshot
+    from specstate.engine.hooks import EngineView
+    from specstate.engine.launch.outcome import Collected
+    from specstate.engine.launch.result_copy import HostResult
 
 
 __all__ = [
-    "InvariantViolation",
     "SettlementProbe",
     "check_engine",
     "check_recurrent",
@@ -116,23 +95,11 @@ __all__ = [
 ]
 
 
-class InvariantViolation(SpecStateError):
-    """A relation between the engine's clocks, owners or pools does not hold.
-
-    Attributes:
-        invariant: the name of the relation (see the module docstring).
-    """
-
-    def __init__(self, invariant: str, message: str) -> None:
-        super().__init__(f"[{invariant}] {message}")
-        self.invariant = invariant
-
-
 def _fail(invariant: str, message: str) -> None:
     raise InvariantViolation(invariant, message)
 
 
-def check_engine(engine: Engine) -> None:
+def check_engine(engine: EngineView) -> None:
     """Check every invariant of the module docstring; raise on the first that fails."""
     entries = engine.ledger.batch_snapshot().entries
     for e in entries:
@@ -149,54 +116,16 @@ def check_engine(engine: Engine) -> None:
     except SpecStateError as exc:
         raise InvariantViolation("pool-balance", f"KV pool does not balance: {exc}") from exc
     sched = engine.scheduler
-    owners = [*sched.prefilling, *sched.running]
-    deferred = set(engine.deferred.pending())
-    open_ids = [e.request_id for e in entries]
-    holders = {r.request_id for r in owners} | deferred
-    if sorted(open_ids) != sorted(holders):
-        _fail(
-            "slot-owners",
-            f"open slots {sorted(open_ids)} != live or deferred requests {sorted(holders)}",
-        )
-    for req in sched.waiting:
-        if engine.allocator.holds_slot(req):
-            _fail("slot-owners", f"request {req.request_id}: waiting but holds a KV slot")
-    for req in sched.prefilling:
-        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        done = sched.prefill_progress(req)
-        if not entry.kv_committed_len == entry.kv_allocated_len == done:
-            _fail(
-                "prefill-progress",
-                f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
-                f"allocated {entry.kv_allocated_len}, launched prefill {done}",
-            )
-    records = sched.num_prefill_records
-    if records != len(owners):
-        _fail(
-            "prefill-progress",
-            f"{records} prefill records for {len(owners)} admitted requests (an ended or "
-            "retracted request kept its record)",
-        )
-    in_flight = engine.in_flight
-    busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
-    for req in sched.running:
-        if id(req) in busy or req.status is not ReqStatus.RUNNING:
-            continue
-        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        if req.seqlen != entry.kv_committed_len + 1:
-            _fail(
-                "steady-state",
-                f"request {req.request_id}: seqlen {req.seqlen} != committed "
-                f"{entry.kv_committed_len} + 1 with no result in flight",
-            )
+    admitted = [*sched.prefilling, *sched.running]
+    _check_slot_owners(engine, entries, admitted)
+    _check_prefill_progress(engine, admitted)
+    _check_steady_state(engine)
     _check_reserve(engine)
-    _check_output_rows(engine, [*sched.prefilling, *sched.running])
-    _check_recurrent(engine, [*sched.prefilling, *sched.running], entries)
-    engine.grammar.check(engine)  # grammar-records, grammar-committed, grammar-position
+    _check_output_rows(engine, admitted)
+    _check_recurrent(engine, admitted, entries)
     _check_page_owners(engine)
-    _check_agreement(engine)
-    for problem in engine.deliveries.problems():
-        _fail("delivery", problem)
+    for check in engine.hooks.check:  # each capability's own invariants
+        check(engine)
     if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
         pool = engine.allocator.token_pool
         free = engine.allocator.available_tokens() // pool.page_size
@@ -207,7 +136,60 @@ def check_engine(engine: Engine) -> None:
             )
 
 
-def _check_page_owners(engine: Engine) -> None:
+def _check_slot_owners(
+    engine: EngineView, entries: Sequence[KvLedgerSnapshot], admitted: list[Req]
+) -> None:
+    """``slot-owners``: open slots are the admitted and the deferred; no waiter holds one."""
+    open_ids = [e.request_id for e in entries]
+    holders = {r.request_id for r in admitted} | set(engine.deferred.pending())
+    if sorted(open_ids) != sorted(holders):
+        _fail(
+            "slot-owners",
+            f"open slots {sorted(open_ids)} != live or deferred requests {sorted(holders)}",
+        )
+    for req in engine.scheduler.waiting:
+        if engine.allocator.holds_slot(req):
+            _fail("slot-owners", f"request {req.request_id}: waiting but holds a KV slot")
+
+
+def _check_prefill_progress(engine: EngineView, admitted: list[Req]) -> None:
+    """``prefill-progress``: a prefill's committed length is its launched progress."""
+    sched = engine.scheduler
+    for req in sched.prefilling:
+        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
+        done = sched.prefill_progress(req)
+        if not entry.kv_committed_len == entry.kv_allocated_len == done:
+            _fail(
+                "prefill-progress",
+                f"request {req.request_id}: prefilling with committed {entry.kv_committed_len}, "
+                f"allocated {entry.kv_allocated_len}, launched prefill {done}",
+            )
+    records = sched.num_prefill_records
+    if records != len(admitted):
+        _fail(
+            "prefill-progress",
+            f"{records} prefill records for {len(admitted)} admitted requests (an ended or "
+            "retracted request kept its record)",
+        )
+
+
+def _check_steady_state(engine: EngineView) -> None:
+    """``steady-state``: a running request with nothing in flight holds its pending bonus."""
+    in_flight = engine.in_flight
+    busy = set() if in_flight is None else {id(r) for r in in_flight.plan.batch.reqs}
+    for req in engine.scheduler.running:
+        if id(req) in busy or req.status is not ReqStatus.RUNNING:
+            continue
+        entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
+        if req.seqlen != entry.kv_committed_len + 1:
+            _fail(
+                "steady-state",
+                f"request {req.request_id}: seqlen {req.seqlen} != committed "
+                f"{entry.kv_committed_len} + 1 with no result in flight",
+            )
+
+
+def _check_page_owners(engine: EngineView) -> None:
     """``page-owners``: cached pages are held exactly by the rows that map them."""
     prefix = engine.allocator.prefix
     if prefix is None:
@@ -247,41 +229,25 @@ def _check_page_owners(engine: Engine) -> None:
         )
 
 
-def _check_agreement(engine: Engine) -> None:
-    """``rank-agreement``: every launch point and every retired batch passed the agreement."""
-    rounds = engine.rounds
-    if rounds.agreement is None:
-        return
-    snap = rounds.agreement.snapshot()
-    retired = rounds.num_retired
-    # An abandoned forward retires the batch queued behind it unsettled (its KV quarantined).
-    settled = snap.last_settled == retired or (
-        snap.last_settled == retired - 1 and bool(engine.deferred.held())
-    )
-    if snap.last_launched != rounds.num_launched or not settled:
-        _fail(
-            "rank-agreement",
-            f"the agreement saw launch point {snap.last_launched} and settled batch "
-            f"{snap.last_settled}; the engine launched {rounds.num_launched} and retired {retired}",
-        )
-
-
-def _check_reserve(engine: Engine) -> None:
-    """``reserve``: the decode batch in flight may write L positions past committed."""
+def _check_reserve(engine: EngineView) -> None:
+    """``reserve``: the decode batch in flight may write L positions past committed (with
+    verify budgets, a row's budget + 1)."""
     flight = engine.in_flight
     if flight is None or not flight.plan.is_decode:
         return
     window = engine.allocator.window.alloc_len_per_decode
     batch = flight.plan.batch
-    for req, inc in zip(batch.reqs, batch.incarnations, strict=True):
+    budgets = None if batch.verify_budgets is None else batch.verify_budgets.host
+    for i, (req, inc) in enumerate(zip(batch.reqs, batch.incarnations, strict=True)):
         if req.incarnation != inc or req.status is not ReqStatus.RUNNING:
             continue
+        need = window if budgets is None else int(budgets[i]) + 1
         entry = engine.ledger.snapshot(engine.allocator.slot_of(req))
-        if entry.kv_allocated_len < entry.kv_committed_len + window:
+        if entry.kv_allocated_len < entry.kv_committed_len + need:
             _fail(
                 "reserve",
                 f"request {req.request_id}, batch {flight.batch_id} in flight: allocated "
-                f"{entry.kv_allocated_len} < committed {entry.kv_committed_len} + L {window}",
+                f"{entry.kv_allocated_len} < committed {entry.kv_committed_len} + L {need}",
             )
 
 
@@ -296,7 +262,7 @@ class SettlementProbe:
     states: npt.NDArray[np.int64] | None = None  # committed recurrent lengths (hybrid)
 
     @classmethod
-    def take(cls, engine: SettlementParts, flight: InFlight) -> SettlementProbe:
+    def take(cls, engine: EngineView, flight: Collected) -> SettlementProbe:
         """Read the rows of ``flight``'s batch (Python per row: checking mode only)."""
         plan = flight.plan
         slots = plan.slots_host
@@ -319,7 +285,7 @@ class SettlementProbe:
 
 
 def check_settlement(
-    engine: SettlementParts, flight: InFlight, host: HostResult, before: SettlementProbe
+    engine: EngineView, flight: Collected, host: HostResult, before: SettlementProbe
 ) -> None:
     """``commit-settlement`` and the verify's write bound (``reserve``) of one settled batch.
 
@@ -334,8 +300,10 @@ def check_settlement(
     committed, _ = engine.ledger.host_lengths(slots)
     outputs = engine.outputs.lengths(slots)
     n_prefill = len(plan.last_chunk)
-    width = host.stride
     batch = plan.batch
+    widths = np.full(len(batch.reqs), host.stride, dtype=np.int64)
+    if batch.verify_budgets is not None:  # a row writes at most its budget + 1 positions
+        widths = batch.verify_budgets.host + 1
     for i, req in enumerate(batch.reqs):
         grew, emitted = committed[i] - before.committed[i], outputs[i] - before.outputs[i]
         where = f"request {req.request_id}, batch {flight.batch_id}"
@@ -358,13 +326,14 @@ def check_settlement(
                 f"({before.committed[i]} -> {committed[i]}) and outputs by {emitted}",
             )
         steps = batch.num_draft_steps
-        if plan.is_decode and steps is not None and (accept > steps + 1 or width > steps + 1):
+        if plan.is_decode and steps is not None and (accept > steps + 1 or host.stride > steps + 1):
             _fail(
                 "draft-width",
                 f"{where}: a round launched with {steps} draft steps settled a run of "
-                f"{accept} (stride {width}); at most {steps + 1}",
+                f"{accept} (stride {host.stride}); at most {steps + 1}",
             )
         _check_state_settled(engine, flight, i, accept, before)
+        width = int(widths[i])
         if plan.is_decode and int(host.seq_lens[i]) + width > before.allocated[i]:
             _fail(
                 "reserve",
@@ -373,7 +342,7 @@ def check_settlement(
             )
 
 
-def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
+def _check_output_rows(engine: EngineView, admitted: list[Req]) -> None:
     """``output-rows``: output rows and admitted requests correspond one to one."""
     rows = set(engine.outputs.open_rows())
     for req in admitted:
@@ -388,7 +357,7 @@ def _check_output_rows(engine: Engine, admitted: list[Req]) -> None:
 
 
 def _check_state_settled(
-    engine: SettlementParts, flight: InFlight, row: int, accept: int, before: SettlementProbe
+    engine: EngineView, flight: Collected, row: int, accept: int, before: SettlementProbe
 ) -> None:
     """``recurrent-settlement``: row ``row``'s committed state moved by exactly ``accept``."""
     pool = engine.allocator.recurrent
@@ -406,7 +375,7 @@ def _check_state_settled(
         )
 
 
-def check_recurrent(engine: Engine) -> None:
+def check_recurrent(engine: EngineView) -> None:
     """``recurrent-slots`` and ``recurrent-commit`` alone (`check_engine` runs them too)."""
     sched = engine.scheduler
     entries = engine.ledger.batch_snapshot().entries
@@ -414,7 +383,7 @@ def check_recurrent(engine: Engine) -> None:
 
 
 def _check_recurrent(
-    engine: Engine, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
+    engine: EngineView, admitted: list[Req], entries: Sequence[KvLedgerSnapshot]
 ) -> None:
     """``recurrent-slots`` and ``recurrent-commit`` (see the module docstring)."""
     pool = engine.allocator.recurrent

@@ -70,7 +70,6 @@ class SpecstateCollector:
         engine, p = self._engine, self._prefix
         snap = engine.snapshot()
         metrics = snap.metrics
-        drafts_per_verify = max(engine.worker.capabilities.num_draft_tokens - 1, 0)
 
         def counter(name: str, doc: str, value: float) -> Any:
             family = CounterMetricFamily(f"{p}_spec_{name}", doc)
@@ -80,8 +79,13 @@ class SpecstateCollector:
         yield counter("verifies", "Settled verify rows.", metrics.num_verifies)
         yield counter(
             "draft_tokens",
-            "Draft tokens proposed by settled verifies.",
-            metrics.num_verifies * drafts_per_verify,
+            "Draft tokens verified by settled verifies (each row's budget or the width).",
+            metrics.num_proposed_drafts,
+        )
+        yield counter(
+            "rejected_drafts",
+            "Draft tokens verified and rejected (verify work that bought no token).",
+            metrics.num_rejected_drafts,
         )
         yield counter(
             "accepted_tokens",
@@ -94,10 +98,27 @@ class SpecstateCollector:
             "Settled verifies whose draft at this position (1-based) was accepted.",
             labels=["position"],
         )
-        for k in range(1, drafts_per_verify + 1):
+        verified = CounterMetricFamily(
+            f"{p}_spec_verified_drafts_by_position",
+            "Settled verifies that verified their draft at this position (1-based).",
+            labels=["position"],
+        )
+        for k, checked in enumerate(metrics.verified_by_position, start=1):
             accepted = sum(n for length, n in metrics.histogram if length >= k + 1)
             by_position.add_metric([str(k)], accepted)
+            verified.add_metric([str(k)], checked)
         yield by_position
+        yield verified
+        budgets = snap.verify_budget
+        if budgets is not None:
+            planned = CounterMetricFamily(
+                f"{p}_verify_budget_rows",
+                "Decode rows planned at each verify budget, by policy.",
+                labels=["policy", "budget"],
+            )
+            for budget, rows in enumerate(budgets.rows_by_budget):
+                planned.add_metric([budgets.policy, str(budget)], rows)
+            yield planned
         by_length = CounterMetricFamily(
             f"{p}_spec_verifies_by_accept_length",
             "Settled verifies by accept length (bonus included).",

@@ -112,6 +112,15 @@ class WorkerCapabilities:
             nothing; TOKEN: every per-position state (target KV, draft KV, features, token
             histories) lives at the position's token slot and depends on tokens ``[0, p]``;
             BIGRAM: as TOKEN, but the state at ``p`` may read token ``p + 1`` too.
+        supports_verify_budgets: the worker honours ``ForwardBatch.verify_budgets`` (a chain,
+            ``topk == 1``): row ``i`` verifies at most ``budgets[i]`` drafts, accepts at most
+            ``budgets[i] + 1`` tokens and writes no KV (target or draft) past its frontier
+            ``+ budgets[i] + 1``; a row at 0 is a plain decode step whose drafter is still
+            extended. It may report what each row verified (``verified_lens``). The engine
+            then takes a verify-budget policy and reserves each row by its budget.
+        reports_draft_confidences: the worker reports ``draft_confidences`` in every decode
+            result, for every row (budget 0 included: the drafts it proposed, verified or
+            not), which `ConfidenceBudget` plans from.
         asynchronous: ``forward_batch_generation`` only enqueues its device work and returns
             before that work is done; the result's ``copy_done`` event completes once it is
             (a GPU worker's kernels). The engine then launches every forward on the driving
@@ -138,6 +147,8 @@ class WorkerCapabilities:
     supports_grammar: bool = False
     prefix_sharing: PrefixSharing = PrefixSharing.NONE
     asynchronous: bool = False
+    supports_verify_budgets: bool = False
+    reports_draft_confidences: bool = False
 
     @classmethod
     def chain(cls, algorithm: str, *, num_steps: int, keeps_draft_kv: bool) -> WorkerCapabilities:

@@ -12,9 +12,10 @@ package has one owner and three parts, bottom to top:
 * `specstate.grammar.rows` — `GrammarRows`, the forward-scoped view a worker gets as
   ``ForwardBatch.grammar``: packed int32 bitmasks per sampled or verified position, built from
   exactly the drafts the forward verifies.
-* `specstate.grammar.table` — `GrammarTable`, the owner: it compiles at submit, hands each
-  launched batch its view, commits settled tokens, ends dead ends, checks its invariants and
-  takes its snapshot.
+* `specstate.engine.capabilities.grammar` — `GrammarTable`, the owner, a capability of the
+  round (above the engine's core, so not in this package): it compiles at submit, hands each
+  launched batch its view, commits settled tokens, fails rows at dead ends, checks its
+  invariants and takes its snapshot.
 
 Nothing here is imported by ``import specstate.grammar``: import the module you need.
 """

@@ -130,7 +130,7 @@ class GrammarStats:
 class GrammarRows:
     """The worker's grammar view of one forward; see the module docstring.
 
-    Built by `specstate.grammar.table.GrammarTable` at launch. Rows are the batch's rows whose
+    Built by the engine's `GrammarTable` at launch. Rows are the batch's rows whose
     request has a grammar and samples a token in this forward (a prefill chunk that is not the
     last samples nothing the engine keeps).
 

@@ -4,7 +4,7 @@
 context-free grammar in EBNF (GBNF) or Lark syntax. `GrammarVocabulary` says which bytes each
 token id stands for, so that a grammar over text becomes a mask over token ids; special tokens
 (BOS, EOS, padding) stand for no text. Both are frozen, hashable values; no grammar library is
-imported here (`specstate.grammar.table` compiles them, with the ``grammar`` extra).
+imported here (`specstate.engine.capabilities.grammar` compiles them, with the ``grammar`` extra).
 
 The request-file and server form of a grammar is a JSON object with exactly one key::
 
@@ -179,9 +179,13 @@ class GrammarVocabulary:
         Raises:
             InvalidConfig: the file cannot be read or its tokens cannot be spelled as bytes.
         """
-        from specstate.grammar.tokenizer_json import vocabulary_from_tokenizer_json
+        from specstate.grammar.tokenizer_json import token_bytes_from_tokenizer_json
 
-        return vocabulary_from_tokenizer_json(path, vocab_size=vocab_size, special_ids=special_ids)
+        return cls(
+            token_bytes=token_bytes_from_tokenizer_json(
+                path, vocab_size=vocab_size, special_ids=special_ids
+            )
+        )
 
     @property
     def size(self) -> int:

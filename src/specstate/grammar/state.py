@@ -58,7 +58,8 @@ def _import_llguidance() -> Any:
     except ImportError:
         raise InvalidRequest(
             "a grammar needs llguidance, which the 'grammar' extra installs: "
-            "pip install 'specstate[grammar]'"
+            "pip install 'specstate[grammar]'",
+            fields=("grammar",),
         ) from None
     return llguidance
 

@@ -2,7 +2,7 @@
 
 A grammar masks token ids by the bytes each one stands for (`GrammarVocabulary`). A byte-level
 checkpoint needs no file; a subword checkpoint ships its tokens in ``tokenizer.json``, and
-`vocabulary_from_tokenizer_json` reads them from it (plain JSON: no tokenizer library is
+`token_bytes_from_tokenizer_json` reads them from it (plain JSON: no tokenizer library is
 needed). Two families cover the common checkpoints:
 
 * **byte-level BPE** (GPT-2, Llama 3, Qwen, Mistral Nemo): the ``ByteLevel`` decoder; each
@@ -34,19 +34,19 @@ from pathlib import Path
 from typing import Any, Final
 
 from specstate.core.errors import InvalidConfig
-from specstate.grammar.spec import GrammarVocabulary
 
-__all__ = ["vocabulary_from_tokenizer_json"]
+__all__ = ["token_bytes_from_tokenizer_json"]
 
 _METASPACE: Final = "\u2581"  # ▁
 _BYTE_TOKEN: Final = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def vocabulary_from_tokenizer_json(
+def token_bytes_from_tokenizer_json(
     path: str | Path, *, vocab_size: int, special_ids: Iterable[int] = ()
-) -> GrammarVocabulary:
-    """The `GrammarVocabulary` of the tokenizer at ``path`` for a model of ``vocab_size`` ids
-    (module docstring); ``special_ids`` (EOS, BOS) are special whatever the file says.
+) -> list[bytes | None]:
+    """The bytes of each of ``vocab_size`` ids of the tokenizer at ``path`` (module docstring),
+    None for a special id; ``special_ids`` (EOS, BOS) are special whatever the file says.
+    `GrammarVocabulary.from_tokenizer_json` builds the vocabulary from them.
 
     Raises:
         InvalidConfig: the file cannot be read, its decoder is not one of the two families,
@@ -76,7 +76,7 @@ def vocabulary_from_tokenizer_json(
     for i in special_ids:
         if 0 <= i < vocab_size:
             out[i] = None
-    return GrammarVocabulary(token_bytes=[t or None for t in out])
+    return [t or None for t in out]
 
 
 def _model_tokens(path: Path, model: Mapping[str, Any]) -> dict[int, str]:

@@ -42,22 +42,16 @@ from specstate.core.errors import DoubleRelease, InvalidConfig, KvPoolExhausted,
 from specstate.core.ledger import AllocatorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
-from specstate.memory.pools import (
-    IntArray,
-    ReqToTokenPool,
-    SlotHandle,
-    TokenSlotAllocator,
-    free_rows,
-    grow_rows,
-    host_index,
-)
+from specstate.memory.host_arrays import IntArray, host_index
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.prefix_cache import PrefixMatch
-from specstate.memory.prefix_rows import PrefixRows
-from specstate.memory.recurrent import RecurrentStatePool
-from specstate.memory.releases import DeferredReleases, ReleasedBatch, ReleasedKv
+from specstate.memory.prefix_rows import NoPrefixRows, PrefixRows
+from specstate.memory.recurrent import NoRecurrentState, RecurrentStatePool
+from specstate.memory.releases import ReleasedBatch, ReleasedKv
 from specstate.memory.sizing import DecodeAllocLens, SpecWindow
+from specstate.memory.slots import ReqToTokenPool, SlotHandle
 
-__all__ = ["DeferredReleases", "KvAllocator", "ReleasedBatch", "ReleasedKv"]
+__all__ = ["KvAllocator"]
 
 _CALLERS = (Role.SCHEDULER, Role.ALLOCATOR)
 
@@ -74,8 +68,10 @@ class KvAllocator:
         validate: run the per-row checks of every call (tests and ``check_invariants``);
             off, a round's reservation is a fixed number of host array operations.
         recurrent: the recurrent-state records of a hybrid worker, opened and closed with the
-            request slots (None: the worker keeps no recurrent state).
-        prefix: the prefix cache's rows, or None to share nothing between requests.
+            request slots (None: the worker keeps no recurrent state; `NoRecurrentState`
+            stands in).
+        prefix: the prefix cache's rows, or None to share nothing between requests
+            (`NoPrefixRows` stands in).
     """
 
     def __init__(
@@ -107,7 +103,12 @@ class KvAllocator:
         self._checker = checker
         self._validate = validate
         self._recurrent = recurrent
+        self._states: RecurrentStatePool | NoRecurrentState = (
+            NoRecurrentState() if recurrent is None else recurrent
+        )
         self.prefix = prefix
+        """The prefix cache's rows (read them), or None: the engine shares no KV."""
+        self._prefix: PrefixRows | NoPrefixRows = NoPrefixRows() if prefix is None else prefix
         # Per request slot: its holder and the pool generation it was admitted at (the handle).
         self._holders: dict[int, Req] = {}
         self._admitted_generation = np.zeros(req_pool.max_requests + 1, dtype=np.int64)
@@ -178,17 +179,12 @@ class KvAllocator:
 
     def check_balance(self) -> None:
         """Debug: free pages, pages of open rows and cached pages are all pages, none twice."""
-        owned = self.owned_pages()
-        if self.prefix is not None:
-            cached, _ = self.prefix.cache.pages_and_refs()
-            owned = torch.cat([owned, torch.from_numpy(cached)])
-        self._token_pool.check_balance(owned)
+        cached = torch.from_numpy(self._prefix.cached_pages())
+        self._token_pool.check_balance(torch.cat([self.owned_pages(), cached]))
 
     def available_tokens(self) -> int:
         """Token slots a reservation can get: free pages plus evictable cached pages."""
-        pages = self._token_pool.available_pages()
-        if self.prefix is not None:
-            pages += self.prefix.evictable_pages()
+        pages = self._token_pool.available_pages() + self._prefix.evictable_pages()
         return pages * self._token_pool.page_size
 
     # -------------------------------------------------------------- admission
@@ -202,8 +198,7 @@ class KvAllocator:
         handle = self._req_pool.alloc(req.request_id)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.open_slot(handle.slot, req.request_id)
-            if self._recurrent is not None:
-                self._recurrent.open_state(handle.slot, req.request_id, req.incarnation)
+            self._states.open_state(handle.slot, req.request_id, req.incarnation)
         self._holders[handle.slot] = req
         self._admitted_generation[handle.slot] = handle.generation
         self._slot_by_req[req] = handle.slot
@@ -211,7 +206,7 @@ class KvAllocator:
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch | None:
         """The longest cached prefix of ``tokens`` a new row could map (None: no cache)."""
-        return None if self.prefix is None else self.prefix.match(tokens)
+        return self._prefix.match(tokens)
 
     def map_prefix(self, req: Req, match: PrefixMatch | None, num_query_tokens: int) -> int:
         """Map ``match`` into ``req``'s fresh row and hold it; ``allocated`` = its length.
@@ -220,12 +215,12 @@ class KvAllocator:
         (prompt plus earlier outputs) feeds the hit-rate statistics.
         """
         self._checker.require(_CALLERS, counter="kv_allocated_len (prefix)", request=req.request_id)
-        if self.prefix is None or match is None:
+        if match is None:
             return 0
         slot = self.slot_of(req)
         if int(self._ledger.allocated(torch.tensor([slot]))[0]):
             raise LedgerViolation(f"request {req.request_id}: a prefix maps only into a fresh row")
-        n = self.prefix.map(slot, match, num_query_tokens)
+        n = self._prefix.map(slot, match, num_query_tokens)
         if n:
             with self._checker.acting(Role.ALLOCATOR):
                 self._ledger.grow_allocated(np.array([slot]), np.array([n]))
@@ -258,16 +253,24 @@ class KvAllocator:
         needed = 0 if nxt is cur else int((nxt - cur).sum())
         return DecodeAllocLens(cur=torch.from_numpy(cur), nxt=torch.from_numpy(nxt), needed=needed)
 
-    def reserve_decode_rows(self, slots: IntArray) -> None:
+    def reserve_decode_rows(self, slots: IntArray, reserve: IntArray | None = None) -> None:
         """`reserve_for_spec_decode` without its report (the scheduler's call every round:
-        nothing reads the lengths, so none are built)."""
-        self._reserve_rows(slots)
+        nothing reads the lengths, so none are built).
 
-    def _reserve_rows(self, s: IntArray) -> tuple[IntArray, IntArray]:
+        ``reserve``: per row, the tokens to hold past ``committed`` instead of the window's R
+        (a round planned with verify budgets: the round in flight's width plus this one's,
+        each a row's budget + 1); it never shrinks a reservation.
+        """
+        self._reserve_rows(slots, reserve)
+
+    def _reserve_rows(
+        self, s: IntArray, reserve: IntArray | None = None
+    ) -> tuple[IntArray, IntArray]:
         """Grow the rows ``s`` for a decode round; their allocated lengths before and after
         (the same array when nothing grew)."""
         committed, cur = self._ledger.host_lengths(s)
-        p, target = self._page_size, committed + self._reserve
+        p = self._page_size
+        target = committed + (self._reserve if reserve is None else reserve)
         # ceil_P(target) > cur exactly when target > floor_P(cur): most rounds nothing grows.
         if not np.count_nonzero(target > (cur if p == 1 else cur // p * p)):
             return cur, cur
@@ -317,24 +320,22 @@ class KvAllocator:
                 f"passes the row width {width}"
             )
         try:
-            grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
+            self._req_pool.grow_rows(self._token_pool, s, c, n, validate=self._validate)
         except KvPoolExhausted:
             if not self._evict_for(c, n):
                 raise
-            grow_rows(self._req_pool, self._token_pool, s, c, n, validate=self._validate)
+            self._req_pool.grow_rows(self._token_pool, s, c, n, validate=self._validate)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.grow_allocated(s, n)
 
     def _evict_for(self, cur: IntArray, nxt: IntArray) -> bool:
         """Evict cached pages so that growing ``[cur, nxt)`` fits; False if it cannot."""
-        if self.prefix is None:
-            return False
         p = self._token_pool.page_size
         need = int(np.maximum(-(-nxt // p) - -(-cur // p), 0).sum())
         short = need - self._token_pool.available_pages()
-        if short <= 0 or short > self.prefix.evictable_pages():
+        if short <= 0 or short > self._prefix.evictable_pages():
             return False
-        self.prefix.evict(short)
+        self._prefix.evict(short)
         return True
 
     # ---------------------------------------------------------------- release
@@ -371,16 +372,12 @@ class KvAllocator:
                     raise DoubleRelease(f"request {req.request_id}: slot {slot} handle is stale")
         protected = self._ledger.host_protected(index)
         committed, allocated = self._ledger.host_lengths(index)
-        start, kept = protected, None
-        if self.prefix is not None:  # cache what the rows may share first (module docstring)
-            start, kept = self.prefix.release(reqs, index, protected, committed)
-        free_rows(
-            self._req_pool, self._token_pool, index, start, allocated, validate=self._validate
-        )
+        # Cache what the rows may share first (module docstring); the rest is freed.
+        start, kept = self._prefix.release(reqs, index, protected, committed)
+        self._req_pool.free_rows(self._token_pool, index, start, allocated, validate=self._validate)
         with self._checker.acting(Role.ALLOCATOR):
             self._ledger.close_slots(torch.from_numpy(index))
-            if self._recurrent is not None:  # the states go with the slots
-                self._recurrent.close_states(index)
+            self._states.close_states(index)  # the states go with the slots
         self._req_pool.free_slots(index, generations, distinct=True)
         deque(map(self._holders.pop, slots), maxlen=0)  # C loops: no Python per request
         deque(map(held.pop, reqs), maxlen=0)

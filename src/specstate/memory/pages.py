@@ -2,8 +2,8 @@
 
 Token slot id = ``page * P + offset``. The free pages are a host stack (all-or-nothing takes,
 O(pages touched)); a flag per page says whether it is free, so a page freed twice is always
-refused. The row functions of `specstate.memory.pools` take and return pages for the request
-rows; the prefix cache holds pages that no row owns any more.
+refused. The row methods of `ReqToTokenPool` (`specstate.memory.slots`) take and return pages
+for the request rows; the prefix cache holds pages that no row owns any more.
 
 Invariant:
     Page 0 (token slots ``0..P-1``) is padding: never handed out. Every other page is either
@@ -106,6 +106,11 @@ class TokenSlotAllocator:
         self._top -= n
         self._is_free[pages] = False
         return pages
+
+    def are_free(self, pages: IntArray) -> npt.NDArray[np.bool_]:
+        """Whether each of ``pages`` is free (on the stack)."""
+        free: npt.NDArray[np.bool_] = self._is_free[pages]
+        return free
 
     def free_pages(self, pages: Indices, *, validate: bool = True) -> None:
         """Return ``pages``; `DoubleRelease` with nothing changed on any bad page.

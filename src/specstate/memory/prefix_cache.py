@@ -41,7 +41,7 @@ import attrs
 import numpy as np
 
 from specstate.core.errors import InvalidConfig, LedgerViolation
-from specstate.memory.pools import IntArray
+from specstate.memory.host_arrays import IntArray
 
 __all__ = [
     "PrefixCache",

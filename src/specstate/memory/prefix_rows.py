@@ -31,22 +31,19 @@ import attrs
 import numpy as np
 
 from specstate.core.errors import LedgerViolation
-from specstate.core.request import FinishReason, Req
-from specstate.memory.pools import (
-    IntArray,
-    ReqToTokenPool,
-    TokenSlotAllocator,
-    free_rows,
-    map_prefix,
-)
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.memory.host_arrays import IntArray
+from specstate.memory.pages import TokenSlotAllocator
 from specstate.memory.prefix_cache import (
     PrefixCache,
     PrefixCacheSnapshot,
     PrefixMatch,
     as_token_array,
 )
+from specstate.memory.slots import ReqToTokenPool
 
-__all__ = ["PrefixRows", "insertable_lens"]
+__all__ = ["NoPrefixRows", "PrefixRows", "insertable_lens"]
 
 _INSERTING = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
@@ -112,12 +109,16 @@ class PrefixRows:
             return 0
         self.cache.lock(match)
         self._held[slot] = match
-        return map_prefix(self._req_pool, self._token_pool, slot, match.pages)
+        return self._req_pool.map_prefix(self._token_pool, slot, match.pages)
 
     # ---------------------------------------------------------------- memory
     def evictable_pages(self) -> int:
         """Pages `evict` can hand back (cached, held by no row)."""
         return self.cache.num_evictable_pages
+
+    def cached_pages(self) -> IntArray:
+        """Every page the cache holds (the pool's balance counts them as owned)."""
+        return self.cache.pages_and_refs()[0]
 
     def evict(self, num_pages: int) -> int:
         """Give ``num_pages`` (or all evictable, if fewer) back to the pool; how many."""
@@ -168,8 +169,7 @@ class PrefixRows:
             if match is not None:
                 self.cache.unlock(match)
         if bool((duplicate_end > protected).any()):
-            free_rows(
-                self._req_pool,
+            self._req_pool.free_rows(
                 self._token_pool,
                 slots,
                 protected,
@@ -214,3 +214,42 @@ class PrefixRows:
     def held_slots(self) -> tuple[int, ...]:
         """Rows that hold a cached prefix."""
         return tuple(self._held)
+
+
+class NoPrefixRows:
+    """The allocator's prefix owner when the engine shares no KV between requests.
+
+    It caches nothing, so it has nothing to match, map, evict or hold, and a release frees
+    every page from the row's first position: the allocator calls it as it calls `PrefixRows`
+    and has no branch of its own for a cache that is off.
+    """
+
+    def match(self, tokens: Sequence[int]) -> None:
+        """No cached prefix."""
+        return None
+
+    def map(self, slot: int, match: PrefixMatch, num_query_tokens: int) -> int:
+        """Nothing to map (`match` finds nothing)."""
+        return 0
+
+    def evictable_pages(self) -> int:
+        """No cached page to hand back."""
+        return 0
+
+    def evict(self, num_pages: int) -> int:
+        """Nothing to evict."""
+        return 0
+
+    def cached_pages(self) -> IntArray:
+        """No cached page."""
+        return np.zeros(0, dtype=np.int64)
+
+    def release(
+        self,
+        reqs: Sequence[Req],
+        slots: IntArray,
+        protected: IntArray,
+        committed: IntArray,
+    ) -> tuple[IntArray, None]:
+        """Nothing is cached: the caller frees every page from ``protected`` on."""
+        return protected, None

@@ -55,7 +55,7 @@ from specstate.core.errors import DoubleRelease, InvalidConfig, LedgerViolation
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.memory.recurrent_layout import RecurrentLayout, RecurrentStateSpec, rows_per_request
 
-__all__ = ["RecurrentPoolSnapshot", "RecurrentStatePool", "recurrent_pool_for"]
+__all__ = ["NoRecurrentState", "RecurrentPoolSnapshot", "RecurrentStatePool", "recurrent_pool_for"]
 
 IntArray = npt.NDArray[np.int64]
 _CLOSED: Final = -1
@@ -258,6 +258,17 @@ class RecurrentStatePool:
         shown = [str(ids[s]) for s in list(slots)[:4] if 0 <= s < len(ids)]
         more = len(slots) - 4
         return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "")
+
+
+class NoRecurrentState:
+    """The allocator's recurrent-state owner for a worker that keeps no recurrent state: a
+    request slot opens and closes no record (the allocator has no branch for it)."""
+
+    def open_state(self, slot: int, request_id: str, incarnation: int) -> None:
+        """No record to open."""
+
+    def close_states(self, slots: IntArray) -> None:
+        """No record to close."""
 
 
 def recurrent_pool_for(

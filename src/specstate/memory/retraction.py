@@ -21,8 +21,10 @@ import attrs
 import torch
 
 from specstate.core.errors import InvalidTransition
-from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
-from specstate.memory.allocation import KvAllocator, ReleasedKv
+from specstate.core.request import Req
+from specstate.core.status import FinishReason, FinishState, ReqStatus
+from specstate.memory.allocation import KvAllocator
+from specstate.memory.releases import ReleasedKv
 
 __all__ = ["RetractionOutcome", "retract_for_decode", "retraction_order"]
 
@@ -34,12 +36,23 @@ def retraction_order(reqs: Sequence[Req]) -> list[Req]:
 
 @attrs.frozen(kw_only=True)
 class RetractionOutcome:
-    """What a retraction pass did: who keeps running, who was retracted or aborted."""
+    """What a retraction pass did: who keeps running, who was retracted, who must end.
+
+    Attributes:
+        kept: the requests whose next decode reservation now fits.
+        retracted: moved to RETRACTED, KV released (the scheduler re-queues them).
+        aborted: the last request, which could not fit alone: its KV is released and it
+            must end with ``aborted_finishes`` (the engine's lifecycle ends it; this pass
+            only decides).
+        aborted_finishes: one ABORT finish per ``aborted`` request.
+        released: what each release gave back.
+    """
 
     kept: tuple[Req, ...]
     retracted: tuple[Req, ...]
     aborted: tuple[Req, ...]
     released: tuple[ReleasedKv, ...]
+    aborted_finishes: tuple[FinishState, ...] = ()
 
 
 def _fits(allocator: KvAllocator, reqs: Sequence[Req], slots: torch.Tensor | None = None) -> bool:
@@ -54,7 +67,8 @@ def retract_for_decode(
     """Retract running requests until the next decode reservation of the rest fits.
 
     Retracted requests move to RETRACTED (the scheduler re-queues them as WAITING); a last
-    request that cannot fit alone moves to ABORTED with reason ABORT. Both have released KV.
+    request that cannot fit alone is reported in ``aborted`` with an ABORT finish for the
+    engine to end it. Both have released KV.
     ``slots`` (the slots of ``running``, if the caller has them) saves the common no-pressure
     check from looking every slot up again.
     """
@@ -65,6 +79,7 @@ def retract_for_decode(
     kept = list(running)
     retracted: list[Req] = []
     aborted: list[Req] = []
+    finishes: list[FinishState] = []
     released: list[ReleasedKv] = []
     if _fits(allocator, running, slots):
         return RetractionOutcome(kept=tuple(running), retracted=(), aborted=(), released=())
@@ -76,13 +91,12 @@ def retract_for_decode(
                 torch.tensor([allocator.slot_of(victim)], dtype=torch.int64)
             )
             released.append(allocator.release(victim))
-            victim.transition(
-                ReqStatus.ABORTED,
-                finish=FinishState(
+            finishes.append(
+                FinishState(
                     reason=FinishReason.ABORT,
-                    finished_len=victim.num_outputs,
+                    finished_len=min(victim.num_outputs, victim.sampling.max_new_tokens),
                     detail=f"KV pool cannot hold its next decode ({needed} tokens)",
-                ),
+                )
             )
             aborted.append(victim)
             break
@@ -96,4 +110,5 @@ def retract_for_decode(
         retracted=tuple(retracted),
         aborted=tuple(aborted),
         released=tuple(released),
+        aborted_finishes=tuple(finishes),
     )

@@ -62,7 +62,6 @@ __all__ = [
     "MixedTails",
     "RelayPayload",
     "ResolvedSeqLens",
-    "RowPatch",
     "Unresolved",
     "is_unresolved",
 ]

@@ -26,7 +26,7 @@ The three fences of one overlapped iteration, as the engine uses them::
     (3) result copy:   after forward N, the launch packs the result and copies it to pinned
                        host memory on a copy stream that waits for the forward stream, then
                        records the copy event; the host waits for that event, and only then
-                       reads result N (`specstate.engine.result_copy`).
+                       reads result N (`specstate.engine.launch.result_copy`).
 
 Errors: an exception of submitted work is captured and re-raised *as is* (the original object,
 with a note naming the stream) at the next host sync point after it (``synchronize`` or

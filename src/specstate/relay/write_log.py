@@ -11,15 +11,15 @@ lives, without scattering anything::
     entry 8 (prefill of F)     rows [F]            stamp F -> 8
     read for round N+1         rows [A B F D]      = entry 7's rows [0 1 _ 3], row 2 <- entry 8
 
-So the persistent running batch (rows stay in place, `specstate.engine.decode_rows`) reads its
-unchanged rows from the previous round's tensor and only the changed rows from elsewhere: the
-cost is one gather per tensor plus one write of the joined rows into it; with no change at all
-the read returns the written tensor itself (no copy). The slots of requests that left the batch
+So the persistent running batch (rows stay in place, `specstate.engine.schedule.decode_rows`) reads
+its unchanged rows from the previous round's tensor and only the changed rows from elsewhere: the
+cost is one gather per tensor plus one write of the joined rows into it; with no change at all the
+read returns the written tensor itself (no copy). The slots of requests that left the batch
 (`RowPatch.departed_host`) are *dead*: their request ended or was retracted, and a slot's next
-holder writes it (its prefill) before anything reads it; the read that patches them out only
-clears their stamps, so the entry that held them is dropped without a scatter once a later
-write supersedes its other rows. Entries are dropped oldest first beyond
-``max_entries``; dropping one scatters only its rows that no later write superseded.
+holder writes it (its prefill) before anything reads it; the read that patches them out only clears
+their stamps, so the entry that held them is dropped without a scatter once a later write
+supersedes its other rows. Entries are dropped oldest first beyond ``max_entries``; dropping one
+scatters only its rows that no later write superseded.
 
 A write without host indices is *unstamped*: the log first moves every earlier entry into the
 buffers (order preserved), then keeps the write alone; a read without host indices returns the

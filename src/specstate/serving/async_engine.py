@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
@@ -33,8 +34,9 @@ from typing import TypeVar
 import attrs
 
 from specstate.core.errors import EngineUnavailable, InvalidConfig, InvalidRequest, UsageError
-from specstate.core.request import SamplingParams
-from specstate.engine.engine import Engine, EngineSnapshot
+from specstate.core.params import SamplingParams
+from specstate.engine.config import EngineSnapshot
+from specstate.engine.engine import Engine
 from specstate.engine.stream import TokenEvent
 from specstate.serving.driver import Driver
 from specstate.serving.inbox import (
@@ -48,6 +50,7 @@ from specstate.serving.inbox import (
     Submit,
     WaitIdle,
 )
+from specstate.serving.request_metrics import RequestMetrics, RequestMetricsSnapshot
 from specstate.serving.request_stream import RequestStream
 
 __all__ = ["AsyncEngine", "AsyncEngineSnapshot"]
@@ -69,6 +72,8 @@ class AsyncEngineSnapshot:
         num_ended: accepted requests that ended (any finish reason).
         num_cancelled: requests aborted because their consumer left before the end.
         engine: the engine's own snapshot (`Engine.snapshot`); after a failure, the last one.
+        requests: latencies and token counts of the requests served
+            (`specstate.serving.request_metrics`).
     """
 
     healthy: bool
@@ -80,6 +85,7 @@ class AsyncEngineSnapshot:
     num_ended: int
     num_cancelled: int
     engine: EngineSnapshot | None
+    requests: RequestMetricsSnapshot
 
 
 class AsyncEngine:
@@ -127,14 +133,16 @@ class AsyncEngine:
         if not isinstance(sampling, SamplingParams):  # refused here: the driver serves everyone
             raise InvalidRequest(
                 f"request {request_id!r}: sampling must be a SamplingParams, got "
-                f"{type(sampling).__name__}"
+                f"{type(sampling).__name__}",
+                fields=("sampling",),
             )
         try:
             prompt = tuple(prompt_ids)
         except TypeError:
             raise InvalidRequest(
                 f"request {request_id!r}: prompt_ids must be a sequence of token ids, got "
-                f"{type(prompt_ids).__name__}"
+                f"{type(prompt_ids).__name__}",
+                fields=("prompt_ids",),
             ) from None
         stream = RequestStream(request_id, sampling, cancel=self._cancel)
         self._inbox.submit(Submit(stream, prompt))
@@ -188,6 +196,12 @@ class AsyncEngine:
         return self._driver.failure
 
     @property
+    def request_metrics(self) -> RequestMetrics:
+        """The latencies and token counts of the requests served (written by the driver thread;
+        `snapshot` reads them consistently, `register_request_metrics` exports them)."""
+        return self._driver.request_metrics
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting for admission, as of the driver's last turn (no driver round trip)."""
         return self._inbox.num_waiting
@@ -198,7 +212,10 @@ class AsyncEngine:
         For reads only (a snapshot, a metrics scrape): ``fn`` must not change the engine.
 
         Raises:
-            UsageError: the front door is closed (`EngineUnavailable` if it failed).
+            UsageError: the front door is closed (`EngineUnavailable` if it failed); or ``fn``
+                raised a `BaseException` that is no `Exception` (``__cause__``; handed over
+                wrapped, so that a `KeyboardInterrupt` does not stop the caller's event loop).
+                The driver goes on either way.
             Exception: whatever ``fn`` raised.
         """
         reply = Reply.here()
@@ -234,6 +251,7 @@ class AsyncEngine:
             num_ended=counts.num_ended,
             num_cancelled=counts.num_cancelled,
             engine=engine,
+            requests=self._driver.request_metrics.snapshot(),
         )
 
     async def wait_idle(self) -> None:
@@ -243,18 +261,40 @@ class AsyncEngine:
             await reply.future
 
     # ---------------------------------------------------------- lifecycle
-    async def close(self, *, drain: bool = False) -> None:
+    async def close(self, *, drain: bool = False, timeout_s: float | None = None) -> None:
         """Stop accepting requests, end the live ones, close the engine, stop the driver.
 
         ``drain=True`` lets every live request finish; ``drain=False`` aborts them (their
         streams end with `FinishReason.ABORT`). Either way the engine steps until idle, so
         every request's KV is released, before it closes. Idempotent; returns at once if
         the driver already stopped.
+
+        Args:
+            drain: finish the live requests instead of aborting them.
+            timeout_s: wait at most this long for the driver to stop; None waits as long as
+                it takes (a forward that never returns keeps the caller waiting).
+
+        Raises:
+            EngineUnavailable: the driver did not stop within ``timeout_s`` (a step still
+                runs); the close stays asked for, and the driver, a daemon thread, carries it
+                out when that step ends.
         """
         reply = Reply.here()
-        if self._inbox.put(Close(drain, reply)):
-            await reply.future
-        await asyncio.to_thread(self._thread.join)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            if self._inbox.put(Close(drain, reply)):
+                await asyncio.wait_for(reply.future, timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # NOTE: joined with the time left: a thread of the loop's executor that waits
+            # forever would hold up the loop's own shutdown.
+            await asyncio.to_thread(self._thread.join, left)
+        except TimeoutError:
+            pass  # reported below, as the join running out is
+        if self._thread.is_alive():
+            raise EngineUnavailable(
+                f"AsyncEngine.close(): the driver did not stop within {timeout_s} s (a step "
+                "still runs); it stops on its own when that step ends"
+            )
 
     async def __aenter__(self) -> AsyncEngine:
         return self

@@ -9,8 +9,10 @@ the start of a stop) and, when the request ends on a stop, cuts the matched sequ
     streamed:        t1 | t2 | t3          (s1 held back until the end shows it is a stop)
     returned:        t1 t2 t3              finish_reason "stop"
 
-Usage carries the speculative statistics of the request (``accepted_tokens``: tokens its
-verifies accepted, bonus included; ``verifies``; ``mean_accept_length``).
+Usage carries the speculative statistics of the request (``accepted_tokens``: delivered tokens
+its verifies accepted, bonus included, so a verify that accepted past a stop or the length cap
+counts only up to it; ``verifies``; ``mean_accept_length``; ``verified_drafts`` and
+``accepted_drafts``; ``by_position``: per draft position, ``accepted`` of ``verified``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from specstate.core.request import FinishReason, FinishState
+from specstate.core.status import FinishReason, FinishState
 from specstate.serving.openai_protocol import ApiError, CompletionRequest
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, TextStream
@@ -128,6 +130,9 @@ def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[st
             "accepted_tokens": accepted,
             "verifies": verifies,
             "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
+            "verified_drafts": sum(v for _, v in stream.draft_acceptance),
+            "accepted_drafts": sum(a for a, _ in stream.draft_acceptance),
+            "by_position": [{"accepted": a, "verified": v} for a, v in stream.draft_acceptance],
         },
     }
 

@@ -10,6 +10,9 @@ it) and the outbox of deliveries. Callers never touch the engine: they put comma
            route each event to its stream's outbox, one list per event loop
            flush: one loop.call_soon_threadsafe per event loop (not per token)
 
+A function that `AsyncEngine.read` runs is the caller's: whatever it raises, a `BaseException`
+included, goes back to that caller and the driver goes on.
+
 Failure: an exception out of `Engine.step` (or anything the driver does), or a batch that
 ended with `ForwardTimeout`, means the engine can no longer be trusted to step (after a
 timeout the worker may still be running the abandoned forward): the driver stops calling the
@@ -25,16 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from specstate.core.errors import EngineUnavailable, ForwardTimeout, InvalidRequest, UsageError
-from specstate.core.request import FinishReason, Req
-from specstate.engine.engine import Engine, EngineSnapshot
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineSnapshot
+from specstate.engine.engine import Engine
 from specstate.engine.stream import StreamCursor, TokenEvent
 from specstate.serving.inbox import Abort, Cancel, Close, Inbox, Read, Reply, Submit, WaitIdle
+from specstate.serving.request_metrics import RequestMetrics
 from specstate.serving.request_stream import Accepted, Ended, RequestStream, Update
 
 __all__ = ["Driver", "DriverCounts"]
@@ -98,6 +105,8 @@ class Driver:
         """Why the driver stopped stepping, once it did; None while healthy."""
         self.final_snapshot: EngineSnapshot | None = None
         """The engine's snapshot when the driver stopped (None while it runs)."""
+        self.request_metrics = RequestMetrics()
+        """Latencies and token counts of the requests it routes; only this thread writes them."""
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -143,8 +152,8 @@ class Driver:
     # -------------------------------------------------------------- commands
     def _apply(self, command: object) -> None:
         match command:
-            case Submit(stream=stream, prompt_ids=prompt):
-                self._submit(stream, prompt)
+            case Submit(stream=stream, prompt_ids=prompt, arrived_s=arrived_s):
+                self._submit(stream, prompt, arrived_s)
             case Cancel(stream=stream):
                 route = self._routes.get(stream.request_id)
                 if route is not None and route.stream is stream and not route.req.is_finished:
@@ -161,6 +170,8 @@ class Driver:
                     value = fn(self._engine)
                 except Exception as exc:  # the caller's function failed: the caller's error
                     self._answer([reply], None, exc)
+                except BaseException as exc:  # still the caller's, not the driver's end
+                    self._answer([reply], None, _read_failed(exc))
                 else:
                     self._answer([reply], value)
             case WaitIdle(reply=reply):
@@ -175,7 +186,7 @@ class Driver:
             case _:
                 raise TypeError(f"unknown driver command {command!r}")
 
-    def _submit(self, stream: RequestStream, prompt: Sequence[int]) -> None:
+    def _submit(self, stream: RequestStream, prompt: Sequence[int], arrived_s: float) -> None:
         try:
             req = self._engine.submit(stream.request_id, prompt, stream.sampling)
         except (InvalidRequest, TypeError, ValueError) as exc:  # this request's fault alone
@@ -183,6 +194,7 @@ class Driver:
             self._send(stream, Accepted(exc))
             return
         self._submitted += 1
+        self.request_metrics.record_accepted(req, arrived_s=arrived_s)
         self._routes[stream.request_id] = _Route(stream=stream, req=req)
         self._send(stream, Accepted(None))
 
@@ -190,10 +202,12 @@ class Driver:
     def _publish(self, events: list[TokenEvent]) -> ForwardTimeout | None:
         """Route one step's events; a `ForwardTimeout` among the ends is returned (fatal)."""
         fatal = None
+        now = time.monotonic()
         for event in events:
             route = self._routes.get(event.request_id)
             if route is None:  # submitted to the engine by someone else: not ours to route
                 continue
+            self.request_metrics.record_delivery(route.req, len(event.tokens), at_s=now)
             start = route.num_sent
             route.num_sent += len(event.tokens)
             logprobs = None
@@ -207,8 +221,14 @@ class Driver:
             del self._routes[event.request_id]
             self._ended += 1
             req = route.req
+            accepts = req.emitted_accept_lengths  # the usage counts only delivered tokens
+            self.request_metrics.record_end(req, finish, accepts, at_s=now)
             update = Update(
-                event, logprobs, accept_lengths=req.accept_lengths, cached_tokens=req.cached_tokens
+                event,
+                logprobs,
+                accept_lengths=accepts,
+                cached_tokens=req.cached_tokens,
+                draft_acceptance=req.draft_acceptance(),
             )
             self._send(route.stream, update)
             # NOTE: the engine names the error type first in an ERROR finish's detail.
@@ -277,6 +297,18 @@ class Driver:
             self._engine.close()
         except Exception:  # closing is best effort once the driver is done
             _log.exception("AsyncEngine: closing the engine failed")
+
+
+def _read_failed(error: BaseException) -> UsageError:
+    """The caller's error for a read whose function raised a `BaseException` that is no
+    `Exception`. NOTE: not handed over as is: a `KeyboardInterrupt` or `SystemExit` set on the
+    caller's future would stop the caller's event loop, not just its await."""
+    failure = UsageError(
+        f"AsyncEngine.read(): fn raised {type(error).__name__}: {error} (a read must only read; "
+        "the engine goes on)"
+    )
+    failure.__cause__ = error
+    return failure
 
 
 def _unavailable(error: BaseException) -> EngineUnavailable:

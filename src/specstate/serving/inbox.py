@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +71,12 @@ class Reply:
 
 @attrs.frozen(eq=False)
 class Submit:
-    """Submit ``stream``'s request with ``prompt_ids``."""
+    """Submit ``stream``'s request with ``prompt_ids``; it arrived at ``arrived_s``
+    (`time.monotonic`, when the command was made: its latencies count from there)."""
 
     stream: RequestStream
     prompt_ids: Sequence[int]
+    arrived_s: float = attrs.field(factory=time.monotonic)
 
 
 @attrs.frozen(eq=False)

@@ -19,7 +19,14 @@ at their defaults only. Extensions: ``speculative`` (false: this request does no
 its tokens are the same), ``top_k``, ``min_tokens``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``grammar`` (the ``specstate generate`` request field:
 ``{"json_schema": ...}``, ``{"regex": ...}``, ``{"ebnf": ...}`` or ``{"lark": ...}``; not
-together with a constraining ``response_format``). Anything else is refused.
+together with a constraining ``response_format``). Anything else is refused, and so is text
+that is not Unicode (a lone surrogate such as ``"\\ud800"``, legal JSON) in ``prompt``, ``stop``,
+``grammar`` or ``response_format``.
+
+A request the engine itself refuses at submit (`InvalidRequest`: a temperature too small for
+float32, ``max_tokens`` past the KV pool, a grammar that does not compile) is answered by
+`refusal`, which maps the engine fields the refusal names (`InvalidRequest.fields`) to the
+request fields that set them, so ``param`` names the field the client sent.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ from typing import Any, Final
 
 import attrs
 
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.errors import InvalidRequest
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.grammar.spec import Grammar
 from specstate.serving.text import TextCodec
 
-__all__ = ["ApiError", "CompletionRequest", "parse_completion"]
+__all__ = ["ApiError", "CompletionRequest", "parse_completion", "refusal"]
 
 MAX_SEED: Final = 2**63
 MAX_STOPS: Final = 16
@@ -74,6 +82,34 @@ _FIELDS: Final = frozenset(
         "grammar",
     }
 )
+
+
+_TEXT_FIELDS: Final = ("prompt", "stop", "grammar", "response_format")
+"""The fields whose strings reach a tokenizer or a grammar compiler."""
+_PARAMS: Final[Mapping[str, str]] = {
+    "prompt_ids": "prompt",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "stop_sequences": "stop",
+    **{
+        name: name
+        for name in (
+            "stop_token_ids",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "logprobs",
+            "speculative",
+            "ignore_eos",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        )
+    },
+}
+"""The request field that sets each engine field (for ``grammar``, the request's
+`CompletionRequest.grammar_field`)."""
 
 
 class ApiError(Exception):
@@ -118,6 +154,8 @@ class CompletionRequest:
         include_usage: (streaming) end with a chunk that carries the usage.
         logprobs: return the chosen tokens' log-probabilities.
         stop_sequences: the stops to cut from the returned output (OpenAI leaves them out).
+        grammar_field: the field that gave the grammar (``grammar`` or ``response_format``),
+            or None without one.
     """
 
     prompt_ids: tuple[int, ...]
@@ -126,6 +164,7 @@ class CompletionRequest:
     include_usage: bool
     logprobs: bool
     stop_sequences: tuple[tuple[int, ...], ...]
+    grammar_field: str | None = None
 
 
 def _refuse_constant(name: str) -> float:
@@ -148,6 +187,36 @@ def _loads(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ApiError("the body must be a JSON object", code="invalid_json")
     return obj
+
+
+def _check_text(obj: Mapping[str, Any]) -> None:
+    """Refuse a string that is not Unicode text (a lone surrogate) in the text fields.
+
+    JSON may escape half a surrogate pair (``"\\ud800"``); such a string has no UTF-8 form, so
+    no tokenizer or grammar compiler can take it. Walked without recursion: the body's depth
+    is bounded only by the JSON parser.
+    """
+    for name in _TEXT_FIELDS:
+        todo = [obj.get(name)]
+        while todo:
+            value = todo.pop()
+            if isinstance(value, dict):
+                todo += [*value, *value.values()]
+            elif isinstance(value, list):  # a prompt may be millions of ids: skip them fast
+                todo += [item for item in value if type(item) is not int]
+            elif isinstance(value, str):
+                _encodable(value, name)
+
+
+def _encodable(text: str, name: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            f"{name}: character {exc.start} of a string is a lone surrogate "
+            f"({text[exc.start]!r}), not Unicode text; it has no UTF-8 form",
+            param=name,
+        ) from None
 
 
 def _number(obj: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -242,8 +311,9 @@ def _stops(
     return tuple(sequences)
 
 
-def _grammar(obj: Mapping[str, Any], limits: RequestLimits) -> Grammar | None:
-    """The request's grammar: ``grammar`` (the extension) or a constraining ``response_format``."""
+def _grammar(obj: Mapping[str, Any], limits: RequestLimits) -> tuple[Grammar | None, str | None]:
+    """The request's grammar: ``grammar`` (the extension) or a constraining ``response_format``;
+    and the field that gave it."""
     raw, fmt = obj.get("grammar"), obj.get("response_format")
     grammar = None if fmt is None else _response_format(fmt)
     if raw is not None:
@@ -256,13 +326,14 @@ def _grammar(obj: Mapping[str, Any], limits: RequestLimits) -> Grammar | None:
             grammar = Grammar.from_json(raw)
         except ValueError as exc:
             raise ApiError(f"grammar: {exc}", param="grammar") from None
-    if grammar is not None and limits.grammar_vocabulary is None:
+    field = None if grammar is None else "grammar" if raw is not None else "response_format"
+    if field is not None and limits.grammar_vocabulary is None:
         raise ApiError(
             "this model's vocabulary is not known as bytes, so it serves no grammar",
-            param="grammar" if raw is not None else "response_format",
+            param=field,
             code="unsupported_value",
         )
-    return grammar
+    return grammar, field
 
 
 def _response_format(fmt: object) -> Grammar | None:
@@ -330,6 +401,7 @@ def parse_completion(
     """
     obj = _loads(body)
     _check_known(obj, model)
+    _check_text(obj)
     prompt = _prompt(obj["prompt"], limits, codec)
     max_tokens = _count(obj, "max_tokens", DEFAULT_MAX_TOKENS, 1)
     assert max_tokens is not None
@@ -360,6 +432,7 @@ def parse_completion(
         raise ApiError(
             f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
         )
+    grammar, grammar_field = _grammar(obj, limits)
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=_number(obj, "temperature", 1.0, 0.0, 100.0),
@@ -375,7 +448,7 @@ def parse_completion(
         min_new_tokens=min_tokens,
         speculative=_flag(obj, "speculative", True),
         logprobs=logprobs is not None,
-        grammar=_grammar(obj, limits),
+        grammar=grammar,
     )
     return CompletionRequest(
         prompt_ids=prompt,
@@ -384,4 +457,16 @@ def parse_completion(
         include_usage=_stream_options(obj, stream),
         logprobs=logprobs is not None,
         stop_sequences=stops,
+        grammar_field=grammar_field,
     )
+
+
+def refusal(error: InvalidRequest, request: CompletionRequest) -> ApiError:
+    """The 400 of ``request``, which the engine refused with ``error``: ``param`` is the request
+    field that set the first engine field ``error`` names (`InvalidRequest.fields`), or None
+    when it names none."""
+    for field in error.fields:
+        param = request.grammar_field if field == "grammar" else _PARAMS.get(field)
+        if param is not None:
+            return ApiError(str(error), param=param)
+    return ApiError(str(error))

@@ -11,12 +11,15 @@ Routes:
 * ``GET /v1/models``: the one model served.
 * ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine can no
   longer step.
-* ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`), scraped on
+* ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`) and the front
+  door's request latencies and token counts (`specstate.serving.request_metrics`), scraped on
   the driver thread between two steps, from a registry of this app's own.
 
-Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 429 when
-the waiting queue is full, 503 when the engine is unavailable or closed, 500 when the request
-itself failed in the worker. No input crashes the server: anything unexpected is a 500.
+Errors are OpenAI's error object: 400 for a bad request (``param`` names the field), 404 (405
+for a method a route does not take) for a route the server does not have, with the routes it
+serves in the message and in a ``routes`` list beside the error, 429 when the waiting queue is
+full, 503 when the engine is unavailable or closed, 500 when the request itself failed in the
+worker. No input crashes the server: anything unexpected is a 500.
 """
 
 from __future__ import annotations
@@ -35,16 +38,21 @@ import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specstate.core.errors import EngineUnavailable, InvalidRequest, QueueFull, UsageError
-from specstate.core.request import RequestLimits
+from specstate.core.params import RequestLimits
 from specstate.engine.engine import Engine
 from specstate.serving.async_engine import AsyncEngine
 from specstate.serving.completions import CompletionIds, collect_completion, stream_completion
-from specstate.serving.openai_protocol import ApiError, CompletionRequest, parse_completion
+from specstate.serving.openai_protocol import (
+    ApiError,
+    CompletionRequest,
+    parse_completion,
+    refusal,
+)
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, load_codec
 
@@ -80,8 +88,11 @@ def _unavailable(exc: Exception) -> ApiError:
     return ApiError(str(exc), status=503, kind="server_error", code="engine_unavailable")
 
 
-def _json(body: dict[str, Any], status: int = 200) -> JSONResponse:
-    return JSONResponse(body, status_code=status)
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    # NOTE: ASCII JSON (``\u`` escapes), unlike JSONResponse: an error may quote what the
+    # client sent, a lone surrogate included, which has no UTF-8 form.
+    text = json.dumps(body, allow_nan=False)
+    return Response(text, status_code=status, media_type="application/json")
 
 
 def _sse(chunk: dict[str, Any]) -> bytes:
@@ -137,9 +148,8 @@ class _Routes:
     async def _submit(self, rid: str, parsed: CompletionRequest) -> RequestStream:
         try:
             return await self._front.submit(rid, parsed.prompt_ids, parsed.sampling)
-        except InvalidRequest as exc:  # a grammar that does not compile is found here
-            grammar = parsed.sampling.grammar is not None and "grammar" in str(exc)
-            raise ApiError(str(exc), param="grammar" if grammar else None) from None
+        except InvalidRequest as exc:  # the engine's own checks (a grammar that does not compile)
+            raise refusal(exc, parsed) from None
         except QueueFull as exc:
             raise ApiError(
                 str(exc), status=429, kind="rate_limit_error", code="queue_full"
@@ -205,10 +215,12 @@ class _Routes:
         from prometheus_client import CollectorRegistry, generate_latest
 
         from specstate.engine.metrics import register_metrics
+        from specstate.serving.request_metrics import register_request_metrics
 
         if self._registry is None:
             self._registry = CollectorRegistry()
             register_metrics(engine, self._registry)
+            register_request_metrics(self._front, self._registry)
         exposition: bytes = generate_latest(self._registry)
         return exposition
 
@@ -227,10 +239,29 @@ def _guarded(handler: _Handler) -> _Handler:
     return guarded
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
-    return _json(error.body(), status)
+def _http_errors(served: list[str]) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """Starlette's HTTP errors as OpenAI's error object; a route this app does not have (404,
+    or 405 for a method it does not take there) names the ``served`` routes and lists them."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status not in (404, 405):
+            error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
+            return _json(error.body(), status)
+        asked = f"{request.method} {request.url.path}"
+        hint = (
+            " (no chat endpoint: send the prompt as text to POST /v1/completions)"
+            if request.url.path.endswith("/chat/completions")
+            else ""
+        )
+        error = ApiError(
+            f"this server has no route {asked}{hint}; it serves {', '.join(served)}",
+            status=status,
+            code="unknown_route",
+        )
+        return _json({**error.body(), "routes": served}, status)
+
+    return http_error
 
 
 def create_app(
@@ -254,13 +285,15 @@ def create_app(
             if close_on_shutdown:
                 await front.close(drain=False)
 
+    table = [
+        Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
+        Route("/v1/models", _guarded(routes.models), methods=["GET"]),
+        Route("/health", _guarded(routes.health), methods=["GET"]),
+        Route("/metrics", _guarded(routes.metrics), methods=["GET"]),
+    ]
+    served = [f"{m} {r.path}" for r in table for m in sorted(r.methods or ()) if m != "HEAD"]
     return Starlette(
-        routes=[
-            Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
-            Route("/v1/models", _guarded(routes.models), methods=["GET"]),
-            Route("/health", _guarded(routes.health), methods=["GET"]),
-            Route("/metrics", _guarded(routes.metrics), methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: _http_error},
+        routes=table,
+        exception_handlers={HTTPException: _http_errors(served)},
         lifespan=lifespan,
     )

@@ -20,7 +20,8 @@ from types import TracebackType
 
 import attrs
 
-from specstate.core.request import FinishState, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.status import FinishState
 from specstate.engine.stream import TokenEvent
 
 __all__ = ["Accepted", "Ended", "RequestStream", "Update"]
@@ -42,6 +43,7 @@ class Update:
     logprobs: tuple[float, ...] | None
     accept_lengths: tuple[int, ...] = ()
     cached_tokens: int = 0
+    draft_acceptance: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen
@@ -65,9 +67,14 @@ class RequestStream:
         finish: how the request ended, once the final event was yielded; None before.
         logprobs: with ``sampling.logprobs``, the log-probability of every token yielded so
             far (aligned with them); else None.
-        accept_lengths: once ended, the accept length of every verify of the request.
+        accept_lengths: once ended, the accept length of every verify of the request, the
+            last cut where the request ended (`Req.emitted_accept_lengths`): their sum counts
+            only tokens this stream delivered.
         cached_tokens: once ended, the tokens whose KV the prefix cache supplied
             (`Req.cached_tokens`).
+        draft_acceptance: once ended, per draft position ``(accepted, verified)``: in how
+            many of the delivered verifies the draft at that position was verified, and in
+            how many accepted (`Req.draft_acceptance`).
         num_tokens: tokens yielded so far.
     """
 
@@ -85,6 +92,7 @@ class RequestStream:
         self.logprobs: list[float] | None = [] if sampling.logprobs else None
         self.accept_lengths: tuple[int, ...] = ()
         self.cached_tokens = 0
+        self.draft_acceptance: tuple[tuple[int, int], ...] = ()
         self.num_tokens = 0
         self._cancel = cancel
         self._accepted: asyncio.Future[None] = self.loop.create_future()
@@ -153,6 +161,7 @@ class RequestStream:
             self.finish = event.finish
             self.accept_lengths = item.accept_lengths
             self.cached_tokens = item.cached_tokens
+            self.draft_acceptance = item.draft_acceptance
         return event
 
     @property

@@ -4,7 +4,7 @@ Owner of the text side of a served model. `load_codec` finds how a checkpoint tu
 token ids and back:
 
 * a byte-level checkpoint (ids 0-255 are UTF-8 bytes, as in the embedded model): the bytes,
-  after the BOS id when the config names one (`specstate.tools.generate.byte_codec`);
+  after the BOS id when the config names one (`specstate.serving.byte_codec.byte_codec`);
 * a ``tokenizer.json`` (the ``tokenizers`` package) or a ``tokenizer_config.json``
   (``transformers.AutoTokenizer``), special tokens added as the tokenizer's own template says;
 * otherwise none: the server then takes prompts as token ids only.
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest
+from specstate.serving.byte_codec import ByteCodec, byte_codec
 
-__all__ = ["TextCodec", "TextStream", "load_codec"]
+__all__ = ["Codec", "TextCodec", "TextStream", "load_codec"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -51,6 +52,10 @@ class TextCodec(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """Ids back to text; special ids are dropped."""
         ...
+
+
+Codec: TypeAlias = "ByteCodec | TextCodec"
+"""What turns a request's ``text`` into ids and the output back into text (either kind)."""
 
 
 @attrs.frozen
@@ -105,8 +110,6 @@ def load_codec(model: Path) -> TextCodec | None:
     Raises:
         InvalidConfig: the checkpoint has a tokenizer that cannot be loaded.
     """
-    from specstate.tools.generate import byte_codec
-
     try:
         codec = byte_codec(model)
     except InvalidRequest:

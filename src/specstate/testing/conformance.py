@@ -65,8 +65,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.request import FinishReason, Req, RequestLimits
-from specstate.engine.engine import Engine, EngineConfig
+from specstate.core.params import RequestLimits
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerCapabilities, WorkerProtocol
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.testing.draft_state import (
@@ -79,34 +82,18 @@ from specstate.testing.frontier_watch import FrontierWatch, WatchableWorker
 from specstate.testing.kit_findings import (
     ConfigRun,
     ConformanceReport,
-    Finding,
     FindingLog,
     described,
     rule_of_detail,
     rule_of_error,
 )
-from specstate.testing.kit_workload import Job, build_jobs, job_problems
+from specstate.testing.kit_workload import DEFAULT_PROMPTS, Job, build_jobs, job_problems
 from specstate.testing.recurrent_conformance import check_recurrent_state
 from specstate.testing.watched_worker import WatchedWorker
 
-__all__ = [
-    "DEFAULT_PROMPTS",
-    "ConfigRun",
-    "ConformanceReport",
-    "Finding",
-    "assert_worker_conforms",
-    "check_worker",
-]
+__all__ = ["assert_worker_conforms", "check_worker"]
 
 Oracle = Callable[[Sequence[int], int], Sequence[int]]
-
-DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
-    (3, 14, 15, 92, 65, 35, 89),
-    (79, 32),
-    (38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93),
-    (5, 5, 5, 5),
-)
-"""The kit's default prompts (token ids below 94: any vocabulary of 94 or more holds them)."""
 
 _MAX_STEPS = 2000  # steps a configuration may take before the kit calls it stuck
 

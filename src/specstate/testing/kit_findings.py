@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import attrs
 
-from specstate.core.errors import OwnershipError, RelayError, WorkerResultError
-from specstate.engine.invariants import InvariantViolation
-from specstate.relay.isolation import IsolationError
+from specstate.batch.isolation import IsolationError
+from specstate.core.errors import InvariantViolation, OwnershipError, RelayError, WorkerResultError
 
 __all__ = [
     "ConfigRun",

@@ -26,10 +26,19 @@ from collections.abc import Sequence
 
 import attrs
 
-from specstate.core.request import Req, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.request import Req
 from specstate.engine.worker import WorkerCapabilities
 
-__all__ = ["Job", "build_jobs", "job_problems"]
+__all__ = ["DEFAULT_PROMPTS", "Job", "build_jobs", "job_problems"]
+
+DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (3, 14, 15, 92, 65, 35, 89),
+    (79, 32),
+    (38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 93),
+    (5, 5, 5, 5),
+)
+"""The kit's default prompts (token ids below 94: any vocabulary of 94 or more holds them)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -31,9 +31,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from specstate.core.request import FinishReason, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation
+from specstate.core.errors import InvariantViolation
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
 
 __all__ = ["ScriptedDraftWidths", "check_recurrent_state"]

@@ -27,13 +27,14 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
 from specstate.distributed.spawn import RankOutcome, spawn_ranks
 from specstate.engine.config import EngineConfig
 from specstate.engine.worker import WorkerProtocol
-from specstate.testing.conformance import DEFAULT_PROMPTS, ConformanceReport, Finding
+from specstate.testing.kit_findings import ConformanceReport, Finding
+from specstate.testing.kit_workload import DEFAULT_PROMPTS
 
 __all__ = ["check_tp_worker"]
 

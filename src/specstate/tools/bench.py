@@ -205,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_grammar.add_arguments(benches)
     _add_prefix_arguments(benches)
     bench_tp.add_parser(benches)
+    from specstate.tools import bench_budget
+
+    bench_budget.add_parser(benches)
     for sub in benches.choices.values():  # the benches of other modules show defaults too
         sub.formatter_class = shown
 
@@ -234,8 +237,15 @@ def run(args: argparse.Namespace) -> int:
         "grammar": bench_grammar.run,
         "prefix": _run_prefix,
         "tp": bench_tp.run,
+        "budget": _run_budget,
     }
     return benches[args.bench](args)
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    from specstate.tools import bench_budget
+
+    return bench_budget.run(args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -246,7 +256,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------- prefix
 def _run_prefix(args: argparse.Namespace) -> int:
-    from specstate.tools import bench_prefix
+    from specstate.tools import bench_prefix, prefix_workload
 
     if args.hits:
         report = bench_prefix.hit_rates(page_sizes=args.page_sizes, progress=progress)
@@ -274,7 +284,7 @@ def _run_prefix(args: argparse.Namespace) -> int:
         progress=progress,
     )
     if args.json:
-        config = bench_prefix.config(args.rounds, args.warmup, args.seed)
+        config = prefix_workload.config(args.rounds, args.warmup, args.seed)
         print(json.dumps({**header("prefix"), "config": config, "results": results}, indent=2))
         return 0
     print("prefix cache work per round (match + insert + evict), median µs")

@@ -268,9 +268,13 @@ def _run(
         batch_size, rounds, grammar=grammar, overlap=overlap, mask_threads=mask_threads
     )
     table_time = [0.0]
-    table = engine.grammar
-    table.attach = _timed(table_time, table.attach)  # the seams the round calls
-    table.settle = _timed(table_time, table.settle)
+    hooks = engine.rounds.hooks  # the grammar's points in the round, timed
+    hooks.on_launch = tuple(
+        _timed(table_time, h) if h == engine.grammar.on_launch else h for h in hooks.on_launch
+    )
+    hooks.on_result = tuple(
+        _timed(table_time, h) if h == engine.grammar.on_result else h for h in hooks.on_result
+    )
     with engine:
         decode_whole(engine, batch_size)
         for _ in range(_WARMUP):

@@ -39,14 +39,19 @@ import numpy as np
 import torch
 
 import specstate
-import specstate.memory.pools as pools
 import specstate.relay.write_log as write_log
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.request import FinishReason, Req, RequestLimits, SamplingParams
-from specstate.engine.engine import Engine, EngineConfig
-from specstate.engine.invariants import InvariantViolation, check_engine
+from specstate.core.errors import InvariantViolation
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.engine.config import EngineConfig
+from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.memory.host_arrays import IntArray
+from specstate.memory.slots import ReqToTokenPool
 from specstate.relay.future_map import RelayPayload
 from specstate.tools import host_workload as wl
 from specstate.tools.draft_shapes import DRAFT_SHAPES, DraftShape
@@ -371,17 +376,15 @@ def host_benchmark(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     LAUNCH_NS[0] = int(settings.launch_us * 1e3)
-    store = pools._store
+    store = ReqToTokenPool._store
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
-    def store_with_launch(
-        req_pool: pools.ReqToTokenPool, flat: pools.IntArray, values: pools.IntArray
-    ) -> None:
-        store(req_pool, flat, values)
+    def store_with_launch(self: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
+        store(self, flat, values)
         _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
 
     runs: dict[tuple[int, int], list[_Run]] = {}
-    pools._store = store_with_launch
+    ReqToTokenPool._store = store_with_launch  # type: ignore[method-assign]
     write_log._gather = _device_kernel(
         gather, lambda buffers, indices: sum(b is not None for b in buffers)
     )
@@ -396,7 +399,7 @@ def host_benchmark(
                         progress(f"repeat {rep + 1}/{settings.repeats}: page {page}, bs {bs}")
                     runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
-        pools._store = store
+        ReqToTokenPool._store = store  # type: ignore[method-assign]
         write_log._gather, write_log._patch_rows = gather, patch_rows
         torch.set_num_threads(threads)
     return {

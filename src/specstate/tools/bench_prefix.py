@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from specstate.memory.prefix_cache import PrefixCache, PrefixMatch, PrefixSharing, as_token_array
-from specstate.tools.prefix_workload import OUTPUT_LEN, config, make_workload
+from specstate.tools.prefix_workload import OUTPUT_LEN, make_workload
 
-__all__ = ["config", "make_workload", "prefix_benchmark", "run_rounds"]
+__all__ = ["prefix_benchmark", "run_rounds"]
 
 
 def run_rounds(
@@ -134,8 +134,9 @@ def _conversations(
     algorithm: str, *, page_size: int, kv_tokens: int, max_running: int, cache: bool
 ) -> dict[str, Any]:
     """Serve the multi-turn workload once; hit statistics and first-round accept lengths."""
-    from specstate.core.request import RequestLimits, SamplingParams
-    from specstate.engine.engine import Engine, EngineConfig
+    from specstate.core.params import RequestLimits, SamplingParams
+    from specstate.engine.config import EngineConfig
+    from specstate.engine.engine import Engine
     from specstate.reference import embedded
     from specstate.tools.demo import PROMPTS, _worker
 

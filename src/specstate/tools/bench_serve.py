@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 if TYPE_CHECKING:
-    from specstate.core.request import SamplingParams
+    from specstate.core.params import SamplingParams
     from specstate.engine.engine import Engine
 
 __all__ = ["add_parser", "run"]

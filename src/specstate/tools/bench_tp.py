@@ -30,7 +30,7 @@ from typing import Final
 import attrs
 import numpy as np
 
-from specstate.core.request import RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
 from specstate.distributed.spawn import spawn_ranks

@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 import attrs
 
 from specstate.core.errors import InvalidConfig
-from specstate.core.request import Req, RequestLimits, SamplingParams
+from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.request import Req
 from specstate.tools.cli_types import positive
 
 if TYPE_CHECKING:
-    from specstate.engine.engine import EngineConfig
-    from specstate.engine.results import AcceptMetrics
+    from specstate.engine.config import EngineConfig
+    from specstate.engine.settle.results import AcceptMetrics
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
@@ -138,7 +139,7 @@ def _accept(metrics: AcceptMetrics) -> str:
 
 def _config(args: argparse.Namespace, *, overlap: bool) -> EngineConfig:
     """The engine configuration of one run; `InvalidConfig` for a device this machine lacks."""
-    from specstate.engine.engine import EngineConfig
+    from specstate.engine.config import EngineConfig
 
     return EngineConfig(
         overlap=overlap,

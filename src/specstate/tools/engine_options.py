@@ -18,10 +18,10 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from specstate.memory.planning import parse_bytes
+from specstate.engine.planning import parse_bytes
 
 if TYPE_CHECKING:
-    from specstate.engine.engine import EngineConfig
+    from specstate.engine.config import EngineConfig
 
 __all__ = [
     "ALGORITHMS",
@@ -176,7 +176,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` of the parsed flags; a bad value is `InvalidConfig` before any load."""
-    from specstate.engine.engine import EngineConfig
+    from specstate.engine.config import EngineConfig
 
     return EngineConfig(
         overlap=args.overlap,

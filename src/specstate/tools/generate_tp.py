@@ -12,6 +12,9 @@ same arguments and follow until rank 0 closes. If rank 0 stops before it has an 
 input, a bad checkpoint), it tells them so and they exit at once.
 
 Exit code: rank 0's (0, 1 or 2 as for ``specstate generate``); 2 when a rank failed.
+
+``specstate serve --tp N`` (`specstate.tools.serve_tp`) shares the ranks' part: `rank_main`
+(rank 0 runs the command with a `TpLeader`, the others follow) and `follow_leader`.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ import attrs
 from specstate.core.errors import InvalidConfig, SpecStateError
 
 if TYPE_CHECKING:
-    from specstate.core.request import RequestLimits
+    from specstate.core.params import RequestLimits
     from specstate.distributed.engine import DistributedEngine
     from specstate.distributed.groups import RankGroup
     from specstate.engine.config import EngineConfig
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
-__all__ = ["TpLeader", "leader_engine", "run_tp"]
+__all__ = ["TpLeader", "follow_leader", "leader_engine", "rank_main", "run_tp"]
 
 _NO_RUN = 0
 _RUN = 1
@@ -44,10 +47,21 @@ _RUN = 1
 
 @attrs.define
 class TpLeader:
-    """Rank 0's group while ``specstate generate`` runs, and whether the others were told."""
+    """Rank 0's group while the command runs, and whether the others were told."""
 
     group: RankGroup
     told: bool = False
+
+    def engine(
+        self,
+        worker: WorkerProtocol,
+        *,
+        limits: RequestLimits,
+        config: EngineConfig,
+        trace: TraceRecorder | None,
+    ) -> DistributedEngine:
+        """Rank 0's engine (`leader_engine`): ``load_engine`` builds it through the leader."""
+        return leader_engine(self, worker, limits=limits, config=config, trace=trace)
 
 
 def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], int]) -> int:
@@ -61,7 +75,7 @@ def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], 
             print(f"specstate generate: {exc}", file=sys.stderr)
             return 2
         with group:
-            code = _rank(group, args, run_leader)
+            code = rank_main(group, args, run_leader, command="generate")
         if group.failure is not None:  # a broken group cannot be torn down: leave at once
             sys.stdout.flush()
             sys.stderr.flush()
@@ -70,8 +84,8 @@ def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], 
     from specstate.distributed.spawn import spawn_ranks
 
     outcomes = spawn_ranks(
-        _rank,
-        (args, run_leader),
+        rank_main,
+        (args, run_leader, "generate"),
         world_size=args.tp,
         timeout_s=math.inf,
         threads=args.threads or 1,
@@ -88,12 +102,17 @@ def run_tp(args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], 
     return code or (leader if isinstance(leader, int) else 2)
 
 
-def _rank(
-    group: RankGroup, args: argparse.Namespace, run_leader: Callable[[argparse.Namespace], int]
+def rank_main(
+    group: RankGroup,
+    args: argparse.Namespace,
+    run_leader: Callable[[argparse.Namespace], int],
+    command: str,
 ) -> int:
+    """One rank of ``specstate COMMAND --tp N``: rank 0 runs ``run_leader`` with a `TpLeader`
+    in ``args`` (``tp_leader``); every other rank follows it (`follow_leader`)."""
     if group.world_size != args.tp:
         print(
-            f"specstate generate: --tp {args.tp} but the group has {group.world_size} ranks",
+            f"specstate {command}: --tp {args.tp} but the group has {group.world_size} ranks",
             file=sys.stderr,
         )
         return 2
@@ -104,7 +123,7 @@ def _rank(
         finally:
             if not leader.told:  # it stopped before its engine: the others stop too
                 _send_config(group, None)
-    return _follow(group, args)
+    return follow_leader(group, args)
 
 
 def leader_engine(
@@ -123,10 +142,11 @@ def leader_engine(
     return DistributedEngine(worker, group=leader.group, limits=limits, config=config, trace=trace)
 
 
-def _follow(group: RankGroup, args: argparse.Namespace) -> int:
-    """A rank above 0: rank 0's config, the same worker, then follow until rank 0 closes."""
+def follow_leader(group: RankGroup, args: argparse.Namespace) -> int:
+    """A rank above 0: rank 0's config, the same worker (built from the same ``args``), then
+    follow until rank 0 closes; 0 (also when rank 0 stopped before it had an engine)."""
     from specstate.distributed.engine import DistributedEngine
-    from specstate.tools.generate import build_worker, load_factory
+    from specstate.tools.generate.workers import build_worker, load_factory
 
     config = _receive_config(group)
     if config is None:

@@ -1,13 +1,18 @@
-"""``specstate serve``: an OpenAI-compatible completions server over one engine.
+"""``specstate serve``: an OpenAI-compatible completions server over one engine (or N ranks).
 
 Takes ``specstate generate``'s worker and engine flags (`specstate.tools.engine_options`) and
 builds the worker and the engine the way it does (`specstate.tools.generate.build_worker`, or
 ``--worker MODULE:FACTORY``), puts the engine behind an `AsyncEngine` and serves
-`specstate.serving.openai_server` with uvicorn on ``--host:--port`` until interrupted (then
-the live requests are aborted and the engine closes). Without ``--model`` (and ``--worker``)
-it serves the embedded byte-level model, its draft model and EAGLE head included, so it runs
-on a fresh install; text prompts work whenever the checkpoint has a codec
+`specstate.serving.openai_server` with uvicorn on ``--host:--port`` until interrupted: then
+the live requests are aborted first (their streams end with ``finish_reason: "abort"``), the
+engine closes and the command exits within
+`specstate.serving.uvicorn_server.SHUTDOWN_BOUND_S`. Without ``--model`` (and ``--worker``) it
+serves the embedded byte-level model, its draft model and EAGLE head included, so it runs on a
+fresh install; text prompts work whenever the checkpoint has a codec
 (`specstate.serving.text.load_codec`).
+
+``--tp N`` shards the model over ``N`` ranks, this process serving as rank 0
+(`specstate.tools.serve_tp`).
 
 Needs the ``serve`` extra: without it the command prints the install line and exits 2. Exit
 codes: 0 after a clean shutdown, 2 for bad options, a checkpoint that cannot be loaded or a
@@ -41,7 +46,10 @@ EMBEDDED_NAME = "specstate-embedded"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` command's arguments: ``generate``'s worker and engine flags, the server's."""
-    parser.description = "Serve an OpenAI-compatible /v1/completions endpoint over one engine."
+    parser.description = (
+        "Serve an OpenAI-compatible /v1/completions endpoint over one engine (--tp N: over N "
+        "tensor-parallel ranks, this process rank 0)."
+    )
     parser.epilog = (
         "Without --model it serves the embedded byte-level model (--draft defaults to its "
         "draft model or EAGLE head). Routes: POST /v1/completions, GET /v1/models, "
@@ -54,11 +62,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests (429 past)")
     add_engine_options(parser)
     parser.add_argument("--threads", type=positive, metavar="N", help=THREADS_NOTE)
+    parser.add_argument(
+        "--tp",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="tensor parallelism: shard the model over N ranks, this process serving as rank 0 "
+        "and starting the others, or each started by torchrun (specstate.tools.serve_tp)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
 def _embedded_defaults(args: argparse.Namespace) -> str:
-    """Point ``args`` at the embedded model set when no model is given; the served name."""
+    """Point ``args`` at the embedded model set when no model is given; the served name.
+
+    Idempotent: every rank of ``--tp`` applies it to the same arguments.
+    """
     if args.model is not None or args.worker is not None:
         return str(args.served_model_name or (args.model.name if args.model else args.worker))
     from specstate.reference import embedded
@@ -68,7 +87,8 @@ def _embedded_defaults(args: argparse.Namespace) -> str:
         args.draft = embedded.draft_dir()
     if args.draft is None and args.algorithm == "eagle":
         args.draft = embedded.eagle_dir()
-    return str(args.served_model_name or EMBEDDED_NAME)
+    args.served_model_name = args.served_model_name or EMBEDDED_NAME
+    return str(args.served_model_name)
 
 
 def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
@@ -107,12 +127,16 @@ def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 on bad options or without the ``serve`` extra."""
     try:
-        import uvicorn
-
         from specstate.serving.openai_server import create_app
+        from specstate.serving.uvicorn_server import serve_front_door
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
+    if args.tp > 1 and getattr(args, "tp_leader", None) is None:
+        from specstate.tools.serve_tp import run_serve_tp
+
+        _embedded_defaults(args)  # every rank builds the worker from these arguments
+        return run_serve_tp(args, run)
     try:
         front, model = build(args)
     except (SpecStateError, OSError, ValueError) as exc:
@@ -123,6 +147,6 @@ def run(args: argparse.Namespace) -> int:
         f"specstate serve: {model.name} ({codec}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    app = create_app(front, model, close_on_shutdown=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(front, model)  # the server closes the front door: live requests first
+    serve_front_door(app, front, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -118,6 +118,7 @@ class TimedWaitWorker:
             asynchronous=asynchronous,
             supports_sampling=True,
             prefix_sharing=PrefixSharing.TOKEN,
+            supports_verify_budgets=True,
         )
 
     @property
@@ -137,8 +138,10 @@ class TimedWaitWorker:
 
         It declares ``supports_sampling``: its tokens are a constant whatever a request asks,
         and taking sampled requests lets a benchmark measure the host path of a sampled batch.
-        It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`). The
-        asynchronous device model declares ``asynchronous``: its forward only enqueues.
+        It keeps no state at all, so prefixes may be shared (`PrefixSharing.TOKEN`), and
+        honours verify budgets (``supports_verify_budgets``: a row accepts at most its budget
+        + 1 and reports it verified its budget). The asynchronous device model declares
+        ``asynchronous``: its forward only enqueues.
         """
         return self._capabilities
 
@@ -169,11 +172,17 @@ class TimedWaitWorker:
                 hits = self._rng.random((rows, self._num_steps)) < self._rates
                 runs = 1 + np.cumprod(hits, axis=1).sum(axis=1)
                 accept_lens = torch.from_numpy(runs.astype(np.int64)).to(device)
+            budgets = batch.verify_budgets
+            verified = None
+            if budgets is not None:  # a row verifies at most its budget
+                accept_lens = torch.minimum(accept_lens, budgets + 1)
+                verified = budgets
             new_seq_lens = batch.seq_lens + accept_lens
         else:
             stride = 1
             accept_lens = torch.ones(rows, dtype=torch.int64, device=device)
             new_seq_lens = batch.seq_lens.clone()
+            verified = None
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(
@@ -185,6 +194,7 @@ class TimedWaitWorker:
             new_seq_lens=new_seq_lens,
             next_draft_input=self._relay(rows, device),
             copy_done=copy_done,
+            verified_lens=verified,
         )
 
     def _relay(self, rows: int, device: torch.device) -> RelayPayload:

@@ -48,19 +48,15 @@ from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.eagle3 import Eagle3Worker
 from specstate.reference.workers.frozen_kv_mtp import FrozenKvMtpWorker
+from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.mtp import MtpWorker
-from specstate.reference.workers.ngram import NgramWorker, TokenHistory
+from specstate.reference.workers.ngram import NgramWorker
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
 from specstate.reference.workers.sources import ModelSource
-from specstate.reference.workers.tree import (
-    DraftTree,
-    TreeRoundWorker,
-    TreeShape,
-    TreeVerdict,
-    VerifiedTree,
-    verify_greedy_tree,
-)
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
+from specstate.reference.workers.tree_draft import DraftTree, TreeShape
+from specstate.reference.workers.tree_verify import TreeVerdict, verify_greedy_tree
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,

@@ -32,7 +32,8 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
-from specstate.reference.hybrid import HybridConfig, Lfm2ModelConfig
+from specstate.reference.hybrid.config import HybridConfig
+from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
@@ -44,7 +45,8 @@ from specstate.reference.workers.sources import (
     read_source_config,
 )
 from specstate.reference.workers.target import TargetExtend, TargetRunner
-from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree, tree_capabilities
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
+from specstate.reference.workers.tree_draft import tree_capabilities
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 

@@ -32,7 +32,7 @@ from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["NgramWorker", "TokenHistory"]  # TokenHistory: re-exported from its module
+__all__ = ["NgramWorker"]
 
 
 class NgramWorker(ChainRoundWorker):

@@ -28,17 +28,17 @@ import torch
 from specstate.core.errors import InvalidConfig
 from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.checkpoint import CONFIG_FILE, load_paged_llama, read_model_config
-from specstate.reference.hybrid import (
+from specstate.reference.hybrid.checkpoint import (
     AnyHybridConfig,
     AnyPagedHybrid,
-    HybridConfig,
-    Lfm2ModelConfig,
-    PagedHybrid,
-    PagedLfm2,
     is_hybrid_checkpoint,
     load_paged_hybrid,
     read_hybrid_config,
 )
+from specstate.reference.hybrid.config import HybridConfig
+from specstate.reference.hybrid.lfm2 import PagedLfm2
+from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
+from specstate.reference.hybrid.model import PagedHybrid
 from specstate.reference.model import ModelConfig, PagedLlama
 from specstate.reference.tensor_parallel import shard_state
 

@@ -43,7 +43,8 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.grammar.rows import RowMasks
 from specstate.memory.recurrent_layout import RecurrentStateSpec
-from specstate.reference.hybrid import HybridConfig, Lfm2ModelConfig
+from specstate.reference.hybrid.config import HybridConfig
+from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
 from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput, PagedLlama
 from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows

@@ -63,44 +63,19 @@ from specstate.reference.workers.round import ChainRoundWorker
 from specstate.reference.workers.sampler import contain_logits, token_logprobs
 from specstate.reference.workers.target import TargetRunner
 from specstate.reference.workers.tree_draft import (
-    DraftForward,
     DraftTree,
     TreeShape,
     grow_tree,
-    select_tree,
     tree_attention,
-    tree_capabilities,
 )
 from specstate.reference.workers.tree_verify import (
     TreeVerdict,
     tree_counts,
-    verify_greedy_tree,
-    verify_sampled_tree,
-    verify_tree,
-    verify_tree_targets,
     verify_tree_with_probs,
 )
 from specstate.relay.future_map import RelayPayload
 
-__all__ = [
-    "DraftForward",
-    "DraftTree",
-    "TreeRoundWorker",
-    "TreeShape",
-    "TreeVerdict",
-    "VerifiedTree",
-    "compact_kv",
-    "grow_tree",
-    "select_tree",
-    "tree_attention",
-    "tree_capabilities",
-    "tree_counts",
-    "verify_greedy_tree",
-    "verify_sampled_tree",
-    "verify_tree",
-    "verify_tree_targets",
-    "verify_tree_with_probs",
-]
+__all__ = ["TreeRoundWorker", "VerifiedTree", "compact_kv"]
 
 
 def compact_kv(

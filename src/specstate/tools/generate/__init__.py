@@ -10,6 +10,9 @@ Input, one JSON object per line:
      "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool,
      "grammar"?: {"json_schema": {...}} | {"regex": str} | {"ebnf": str} | {"lark": str}}
 
+``--input -`` reads the lines from standard input; ``--output`` defaults to ``-``, standard
+output, where only the result rows go (the progress bar and the summary are on stderr).
+
 Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths", "cached_tokens"}`` (``cached_tokens``: prompt tokens the prefix cache
 supplied; ``--no-prefix-cache`` turns the cache off), plus ``"text"`` (the output decoded)
@@ -28,13 +31,16 @@ any request runs, naming the file, the line and the field; so does an output pat
 written. Result rows are written in input order as soon as a request and every earlier one have
 ended, so nothing computed is lost if the run stops.
 
-``text`` needs a byte-level checkpoint (`byte_codec`): its ids 0-255 are the UTF-8 bytes, as in
-the embedded model; the prompt is its BOS id (if the config names one) then the text's bytes.
+``text`` needs a ``--model`` that can encode it: a byte-level checkpoint (`byte_codec`: its ids
+0-255 are the UTF-8 bytes, as in the embedded model; the prompt is its BOS id, if the config
+names one, then the text's bytes), or one with a tokenizer beside its weights
+(`specstate.serving.text.load_codec`); otherwise a text line is refused, naming it.
 ``seed`` is the request's own seed (`SamplingParams.seed`): a seeded sampled request emits the
 same tokens whatever else runs; ``--seed`` seeds the worker's generator, which the unseeded
-sampled requests draw from. ``grammar`` constrains the output (`SamplingParams.grammar`): a
-byte-level checkpoint's limits carry its byte vocabulary (`checkpoint_limits`); with another
-checkpoint a grammar request is refused, naming its line.
+sampled requests draw from. ``grammar`` constrains the output (`SamplingParams.grammar`): the
+checkpoint's limits carry its vocabulary as bytes (`checkpoint_limits`: a byte-level
+checkpoint's, or read from a byte-level BPE or SentencePiece-style ``tokenizer.json``); with a
+checkpoint that has neither a grammar request is refused, naming its line.
 
 ``--worker MODULE:FACTORY`` drives a custom worker: ``FACTORY(args)`` receives the parsed
 arguments (an `argparse.Namespace`; ``args.seed`` is ``--seed``, the worker's seed, or None)
@@ -48,7 +54,8 @@ The command is split by owner:
   in `specstate.tools.engine_options`: a new engine flag is one ``add_argument`` and one
   keyword there;
 * `specstate.tools.generate.request_lines` — reading and validating the JSONL requests;
-* `specstate.tools.generate.codec` — text prompts on a byte-level checkpoint;
+* `specstate.serving.byte_codec` — text prompts on a byte-level checkpoint (a tokenizer's
+  codec is `specstate.serving.text.load_codec`);
 * `specstate.tools.generate.workers` — the worker and the engine (`build_worker`,
   ``--worker`` factories, `checkpoint_limits`);
 * `specstate.tools.generate.report` — result rows, the progress bar and the summary;
@@ -59,7 +66,7 @@ None of them imports torch or the engine at import time, so ``--help`` is instan
 
 from __future__ import annotations
 
-from specstate.tools.generate.codec import ByteCodec, byte_codec
+from specstate.serving.byte_codec import ByteCodec, byte_codec
 from specstate.tools.generate.command import run
 from specstate.tools.generate.options import add_arguments
 from specstate.tools.generate.report import RunSummary

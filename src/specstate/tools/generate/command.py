@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import attrs
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
-from specstate.core.request import FinishReason, Req
-from specstate.tools.generate.codec import Codec, byte_codec
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
+from specstate.serving.byte_codec import byte_codec
+from specstate.serving.text import Codec
+from specstate.tools.engine_options import engine_config
 from specstate.tools.generate.kv_memory import resolve_kv_tokens
-from specstate.tools.generate.options import engine_config
+from specstate.tools.generate.options import STDIO
 from specstate.tools.generate.report import Progress, ResultWriter, RunSummary, write_trace
 from specstate.tools.generate.request_lines import RequestLine, read_requests
 from specstate.tools.generate.workers import load_engine, load_factory
@@ -38,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tp > 1 and getattr(args, "tp_leader", None) is None:
         from specstate.tools.generate_tp import run_tp
 
+        if str(args.input) == STDIO and "RANK" not in os.environ:  # spawned ranks: no stdin
+            args = argparse.Namespace(**vars(args), stdin=sys.stdin.read())
         return run_tp(args, run)
     reqs: list[Req] = []
     try:
@@ -64,7 +70,7 @@ def _serve(args: argparse.Namespace) -> list[Req]:
 
     if args.model is None and args.worker is None:
         raise InvalidConfig("--model DIR is required (or --worker MODULE:FACTORY)")
-    requests = read_requests(args.input)
+    requests = read_requests(args.input, stdin=getattr(args, "stdin", None))
     sized = resolve_kv_tokens(args)  # --kv-memory / --kv-fraction: from the config.json
     config = engine_config(args)  # before loading the model: a bad flag fails at once
     if sized is not None and not args.quiet:
@@ -76,6 +82,7 @@ def _serve(args: argparse.Namespace) -> list[Req]:
 
         torch.set_num_threads(args.threads)
     # Every output opens before the model loads: a bad path fails at once.
+    _one_standard_output(args)
     recorder = TraceRecorder() if args.trace or args.perfetto else None
     with ExitStack() as files:
         out = files.enter_context(_open_output(args.output, "--output"))
@@ -155,12 +162,26 @@ def _submit(engine: Engine, line: RequestLine, codec: Codec | None) -> Req:
         raise InvalidRequest(f"{line.where}: {exc}") from None
 
 
+def _one_standard_output(args: argparse.Namespace) -> None:
+    """At most one output goes to standard output (``-``): two would interleave."""
+    flags = {"--output": args.output, "--trace": args.trace, "--perfetto": args.perfetto}
+    flags["--summary-json"] = args.summary_json
+    named = [flag for flag, path in flags.items() if path is not None and str(path) == STDIO]
+    if len(named) > 1:
+        raise InvalidRequest(
+            f"{' and '.join(named)} are both '-': only one output can go to standard output"
+        )
+
+
 def _maybe_open(files: ExitStack, path: Path | None, flag: str) -> IO[str] | None:
     return None if path is None else files.enter_context(_open_output(path, flag))
 
 
-def _open_output(path: Path, flag: str) -> IO[str]:
-    """An output file, opened before any work (a bad path fails at once, nothing lost)."""
+def _open_output(path: Path, flag: str) -> AbstractContextManager[IO[str]]:
+    """An output file, opened before any work (a bad path fails at once, nothing lost);
+    ``-`` is standard output (left open)."""
+    if str(path) == STDIO:
+        return nullcontext(sys.stdout)
     try:
         return path.open("w", encoding="utf-8")
     except OSError as exc:

@@ -3,7 +3,7 @@
 ``--kv-memory 2GiB`` buys the most token slots whose KV caches fit in 2 GiB, and
 ``--kv-fraction 0.5`` half of the memory free on ``--device`` (on a GPU what
 ``torch.cuda.mem_get_info`` reports free; on the CPU what the OS reports available,
-``MemAvailable``), by `specstate.memory.planning`: bytes a token from the checkpoints'
+``MemAvailable``), by `specstate.engine.planning`: bytes a token from the checkpoints'
 ``config.json`` (the target and, for ``draft_model`` / ``eagle``, the drafter's cache), in the
 run's ``--dtype``. A hybrid target or drafter (NemotronH, LFM2) also keeps recurrent state
 rows, whose size does not depend on the pool (`recurrent_state_bytes`: ``--max-running`` and
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 from specstate.core.errors import InvalidConfig
-from specstate.tools.generate.options import DTYPES
+from specstate.tools.engine_options import DTYPES
 
 if TYPE_CHECKING:
-    from specstate.memory.planning import KvLayout
+    from specstate.engine.planning import KvLayout
     from specstate.memory.recurrent_layout import RecurrentStateSpec
 
 __all__ = ["DEFAULT_KV_TOKENS", "check_kv_fits", "free_memory", "resolve_kv_tokens"]
@@ -45,7 +45,7 @@ def resolve_kv_tokens(args: argparse.Namespace) -> str | None:
         if args.kv_tokens is None:
             args.kv_tokens = DEFAULT_KV_TOKENS
         return None
-    from specstate.memory.planning import format_bytes, kv_bytes_for_tokens, kv_tokens_for_budget
+    from specstate.engine.planning import format_bytes, kv_bytes_for_tokens, kv_tokens_for_budget
 
     flag = "--kv-memory" if args.kv_memory is not None else "--kv-fraction"
     if args.model is None:
@@ -86,7 +86,7 @@ def check_kv_fits(args: argparse.Namespace) -> None:
 
     Counts the caches of the reference worker ``args`` names (`kv_layouts`), on ``--device``.
     """
-    from specstate.memory.planning import format_bytes, kv_bytes_for_tokens
+    from specstate.engine.planning import format_bytes, kv_bytes_for_tokens
 
     kv_tokens = DEFAULT_KV_TOKENS if args.kv_tokens is None else args.kv_tokens
     device = getattr(args, "device", "cpu")  # a Namespace a factory built by hand may lack it
@@ -132,7 +132,7 @@ def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ..
     """
     import torch
 
-    from specstate.memory.planning import kv_layouts
+    from specstate.engine.planning import kv_layouts
 
     draft = args.draft if reference and args.algorithm == "draft_model" else None
     eagle = args.draft if reference and args.algorithm in ("eagle", "eagle3") else None
@@ -158,8 +158,8 @@ def _state_bytes(args: argparse.Namespace, *, reference: bool) -> tuple[int, str
     import torch
 
     from specstate.engine.config import EngineConfig
-    from specstate.memory.planning import recurrent_state_bytes
-    from specstate.reference.hybrid import is_hybrid_checkpoint, read_hybrid_config
+    from specstate.engine.planning import recurrent_state_bytes
+    from specstate.reference.hybrid.checkpoint import is_hybrid_checkpoint, read_hybrid_config
 
     dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
     specs: list[RecurrentStateSpec] = []

@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Final
 
 from specstate.tools.engine_options import (
-    ALGORITHMS,
-    DTYPES,
     THREADS_NOTE,
     add_engine_options,
     add_worker_options,
-    engine_config,
-    fraction,
     positive,
 )
 
-__all__ = [
-    "ALGORITHMS",
-    "DTYPES",
-    "THREADS_NOTE",
-    "add_arguments",
-    "engine_config",
-    "fraction",
-    "positive",
-]
+__all__ = ["STDIO", "add_arguments"]
+
+STDIO: Final = "-"
+"""``--input -`` reads the requests from standard input, ``--output -`` (the default) writes the
+results to standard output."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _io_options(parser: argparse.ArgumentParser) -> None:
     """The requests in and the results out."""
-    parser.add_argument("--input", type=Path, required=True, help="requests, JSONL")
-    parser.add_argument("--output", type=Path, required=True, help="results, JSONL")
+    parser.add_argument(
+        "--input", type=Path, required=True, help="requests, JSONL ('-': standard input)"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(STDIO),
+        help="results, JSONL ('-': standard output; progress and summary stay on stderr)",
+    )
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:

@@ -16,12 +16,13 @@ from typing import IO, TYPE_CHECKING, Any, Final
 
 import attrs
 
-from specstate.core.request import FinishReason, Req
+from specstate.core.request import Req
+from specstate.core.status import FinishReason
 
 if TYPE_CHECKING:
     from specstate.engine.engine import Engine
     from specstate.engine.trace import TraceRecorder
-    from specstate.tools.generate.codec import Codec
+    from specstate.serving.text import Codec
 
 __all__ = ["Progress", "ResultWriter", "RunSummary", "write_trace"]
 
@@ -45,6 +46,8 @@ class ResultWriter:
                 "output_ids": list(r.emitted_ids),
                 "finish_reason": None if r.finish is None else r.finish.reason.value,
                 "accept_lengths": list(r.accept_lengths),
+                "verified_lengths": list(r.verified_lengths),
+                "draft_acceptance": [list(pair) for pair in r.draft_acceptance()],
                 "cached_tokens": r.cached_tokens,
             }
             if codec is not None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 
 from specstate.core.errors import InvalidRequest
-from specstate.core.request import SamplingParams
+from specstate.core.params import SamplingParams
 from specstate.grammar.spec import Grammar
+from specstate.tools.generate.options import STDIO
 
 __all__ = ["FIELDS", "RequestLine", "parse_line", "read_requests"]
 
@@ -67,16 +69,24 @@ class RequestLine:
     params: SamplingParams
 
 
-def read_requests(path: Path) -> list[RequestLine]:
-    """Every request line of ``path``; `InvalidRequest` naming the file, line and field."""
+def read_requests(path: Path, *, stdin: str | None = None) -> list[RequestLine]:
+    """Every request line of ``path``; `InvalidRequest` naming the file, line and field.
+
+    ``path`` ``-`` is standard input, read to its end (named ``<stdin>`` in errors); ``stdin``
+    is its text when the caller read it already (a spawned rank has no standard input).
+    """
+    name = "<stdin>" if str(path) == STDIO else str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if str(path) != STDIO:
+            text = path.read_text(encoding="utf-8")
+        else:
+            text = sys.stdin.read() if stdin is None else stdin
     except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"{path}: cannot read the requests ({exc})") from None
+        raise InvalidRequest(f"{name}: cannot read the requests ({exc})") from None
     lines = []
     for number, raw in enumerate(text.splitlines(), start=1):
         if raw.strip():
-            lines.append(parse_line(raw, f"{path}:{number}"))
+            lines.append(parse_line(raw, f"{name}:{number}"))
     return lines
 
 

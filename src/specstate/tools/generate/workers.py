@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
-from specstate.core.request import RequestLimits
+from specstate.core.params import RequestLimits
 from specstate.grammar.spec import GrammarVocabulary
-from specstate.tools.generate.codec import MAX_SPECIAL_IDS, NUM_BYTES
-from specstate.tools.generate.hf_config import read_vocabulary
+from specstate.serving.byte_codec import MAX_SPECIAL_IDS, NUM_BYTES
+from specstate.serving.vocabulary import read_vocabulary
+from specstate.tools.engine_options import DTYPES
 from specstate.tools.generate.kv_memory import check_kv_fits
-from specstate.tools.generate.options import DTYPES
 
 if TYPE_CHECKING:
     import torch
 
-    from specstate.engine.engine import Engine, EngineConfig
+    from specstate.engine.config import EngineConfig
+    from specstate.engine.engine import Engine
     from specstate.engine.trace import TraceRecorder
     from specstate.engine.worker import WorkerProtocol
 
@@ -95,7 +96,7 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
     ``args`` (the reference worker's models go where the engine's memory is, ``device``).
     """
     from specstate.reference.checkpoint import read_model_config
-    from specstate.reference.hybrid import is_hybrid_checkpoint, read_hybrid_config
+    from specstate.reference.hybrid.checkpoint import is_hybrid_checkpoint, read_hybrid_config
     from specstate.reference.workers import default_registry
 
     if args.model is None:
@@ -249,10 +250,9 @@ def load_engine(
         else:
             worker, limits = build_worker(args)
         leader = getattr(args, "tp_leader", None)
-        if leader is not None:  # --tp: rank 0 of a tensor-parallel group
-            from specstate.tools.generate_tp import leader_engine
-
-            return leader_engine(leader, worker, limits=limits, config=config, trace=trace)
+        if leader is not None:  # --tp: rank 0 of a tensor-parallel group (a `TpLeader`)
+            engine: Engine = leader.engine(worker, limits=limits, config=config, trace=trace)
+            return engine
         return Engine(worker, limits=limits, config=config, trace=trace)
     except SpecStateError:
         raise

@@ -1,7 +1,8 @@
-"""The seam through which a multi-rank engine keeps every rank's rounds in agreement.
+"""The capability through which a multi-rank engine keeps every rank's rounds in agreement.
 
-`RoundAgreement` is one hook object that the `RoundPipeline` calls at two points of every
-batch, and whose ``parallel`` group the engine hands to its worker (`WorkerMemory.parallel`)::
+`RoundAgreement` is the protocol a tensor-parallel group implements; `AgreementHook` plugs it into
+the round at two hook points of every batch (`specstate.engine.hooks`), and the engine hands its
+``parallel`` group to the worker (`WorkerMemory.parallel`)::
 
     schedule N ──▶ on_launch(plan, N) ──▶ launch N ──▶ ... wait N ──▶ on_settle(N, ...) ──▶ settle N
     (a step that launches nothing still calls on_launch(None, N - 1))
@@ -18,15 +19,21 @@ step, `on_settle` once per batch, in launch order); a hook that raises leaves th
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 
-from specstate.engine.result_copy import HostResult
-from specstate.engine.scheduler import LaunchPlan
+from specstate.batch.plan import LaunchPlan
+from specstate.core.errors import InvariantViolation
+from specstate.engine.hooks import RoundHook
+from specstate.engine.launch.result_copy import HostResult
 from specstate.engine.worker import ParallelGroup
 
-__all__ = ["AgreementSnapshot", "RoundAgreement"]
+if TYPE_CHECKING:
+    from specstate.engine.hooks import EngineView
+    from specstate.engine.launch.outcome import Collected
+
+__all__ = ["AgreementHook", "AgreementSnapshot", "RoundAgreement"]
 
 
 @attrs.frozen(kw_only=True)
@@ -92,3 +99,43 @@ class RoundAgreement(Protocol):
             RankFailure: the ranks could not be reached.
         """
         ...
+
+
+class AgreementHook(RoundHook):
+    """Plugs a `RoundAgreement` into the round: every launch point, every collected batch.
+
+    Invariant (``rank-agreement``, `check`): after a step the agreement saw the engine's last
+    launch point and agreed on every retired batch before it was settled.
+    """
+
+    def __init__(self, agreement: RoundAgreement) -> None:
+        self.agreement = agreement
+
+    def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:
+        """Every step: the ranks agree on what launches (`RoundAgreement.on_launch`)."""
+        self.agreement.on_launch(plan, batch_id)
+
+    def on_collect(self, flight: Collected, error: BaseException | None) -> BaseException | None:
+        """Every rank settles, or fails, the batch the same way (`RoundAgreement.on_settle`).
+
+        A batch with no result (it failed, or timed out) keeps this rank's own error when the
+        ranks agree it has none to settle.
+        """
+        verdict = self.agreement.on_settle(flight.batch_id, flight.plan, flight.host, error)
+        return verdict if verdict is not None or flight.host is not None else error
+
+    def check(self, view: EngineView) -> None:
+        """``rank-agreement``: every launch point and every retired batch passed the agreement."""
+        snap = self.agreement.snapshot()
+        retired = view.num_retired
+        # An abandoned forward retires the batch queued behind it unsettled (its KV quarantined).
+        settled = snap.last_settled == retired or (
+            snap.last_settled == retired - 1 and bool(view.deferred.held())
+        )
+        if snap.last_launched != view.num_launched or not settled:
+            raise InvariantViolation(
+                "rank-agreement",
+                f"the agreement saw launch point {snap.last_launched} and settled batch "
+                f"{snap.last_settled}; the engine launched {view.num_launched} and retired "
+                f"{retired}",
+            )

@@ -1,16 +1,17 @@
-"""The GrammarTable: the owner of every request's grammar state, and its seams into the round.
+"""The GrammarTable: the owner of every request's grammar state, a capability of the round.
 
 One `GrammarState` per live request that asked for a grammar, from submit to its end. The table
-meets the round at four points, each one call from the owner of that step::
+meets the round at four of its hook points (`specstate.engine.hooks`)::
 
-    submit     compile(req)            intake: a grammar that does not compile is refused with
+    on_submit  compile(req)            a grammar that does not compile is refused with
                                        `InvalidRequest` naming the request and the error
-    launch     attach(plan)            the batch's `GrammarRows` (ForwardBatch.grammar), or none
-    settle     settle(flight, ...)     before the result processor: end the rows whose forward
-                                       met a dead end or broke the grammar contract; advance the
-                                       committed position of the others by exactly the tokens
-                                       the round settles (checked against what the forward kept)
-    end        forget(reqs)            ended requests leave the table
+    on_launch  attach(plan)            the batch's `GrammarRows` (ForwardBatch.grammar), or none
+    on_result  row verdicts            before the result processor: the rows whose forward met
+                                       a dead end or broke the grammar contract fail (the
+                                       round ends them); the committed position of the others
+                                       advances by exactly the tokens the round settles
+                                       (checked against what the forward kept)
+    on_end     forget(reqs)            ended requests leave the table
 
 A batch with no grammar row costs nothing beyond a dictionary lookup per row at launch; an engine
 whose requests never asked for a grammar costs nothing at all. The grammar library (llguidance)
@@ -26,26 +27,27 @@ llguidance's error state only at a recorded dead end (the request ends at its ne
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from specstate.core.errors import GrammarError, InvalidRequest
-from specstate.core.request import Req, ReqStatus, RequestLimits
-from specstate.engine.invariants import InvariantViolation
+from specstate.core.errors import GrammarError, InvalidRequest, InvariantViolation
+from specstate.core.params import RequestLimits
+from specstate.core.request import Req
+from specstate.core.status import ReqStatus
+from specstate.engine.hooks import LiveRows, RoundHook, RowFailure
 from specstate.grammar.rows import GrammarRows
 from specstate.grammar.state import GrammarCompiler, GrammarState
 
 if TYPE_CHECKING:
     import llguidance
 
-    from specstate.engine.engine import Engine
-    from specstate.engine.launch import InFlight
-    from specstate.engine.lifecycle import RequestLifecycle
-    from specstate.engine.outputs import OutputTable
-    from specstate.engine.result_copy import HostResult
-    from specstate.engine.scheduler import LaunchPlan
+    from specstate.batch.plan import LaunchPlan
+    from specstate.engine.config import StepReport
+    from specstate.engine.hooks import EngineView
+    from specstate.engine.launch.outcome import Collected
+    from specstate.engine.launch.result_copy import HostResult
     from specstate.engine.trace import TraceRecorder
 
 __all__ = ["GrammarSnapshot", "GrammarTable"]
@@ -83,13 +85,12 @@ class GrammarSnapshot:
     num_violations: int
 
 
-class GrammarTable:
+class GrammarTable(RoundHook):
     """Owner of the grammar state of every request; see the module docstring.
 
     Args:
         limits: the model's vocabulary size, EOS ids and grammar vocabulary (None: grammars are
             refused at submit).
-        outputs: the output table (read: which rows of a batch are still live at settlement).
         trace: the engine's trace recorder; grammar steps become ``grammar-*`` spans.
         mask_threads: threads of llguidance's parallel mask executor; 1 builds the masks one
             request after the other (each call releases the interpreter lock).
@@ -99,7 +100,6 @@ class GrammarTable:
         self,
         *,
         limits: RequestLimits,
-        outputs: OutputTable,
         trace: TraceRecorder | None = None,
         mask_threads: int = 1,
     ) -> None:
@@ -111,7 +111,6 @@ class GrammarTable:
                 vocabulary, vocab_size=limits.vocab_size, eos_token_ids=limits.eos_token_ids
             )
         )
-        self._outputs = outputs
         self._trace = trace
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
@@ -126,6 +125,10 @@ class GrammarTable:
         self._violations = 0
 
     # ----------------------------------------------------------------- submit
+    def on_submit(self, req: Req) -> None:
+        """Compile ``req``'s grammar (`compile`)."""
+        self.compile(req)
+
     def compile(self, req: Req) -> None:
         """Compile ``req``'s grammar (if any) and keep its state (intake, at submit).
 
@@ -140,13 +143,15 @@ class GrammarTable:
         if self._compiler is None:
             raise InvalidRequest(
                 f"request {rid!r}: a grammar needs the tokenizer's vocabulary "
-                "(RequestLimits(grammar_vocabulary=...)); this engine has none"
+                "(RequestLimits(grammar_vocabulary=...)); this engine has none",
+                fields=("grammar",),
             )
         try:
             text, matcher = self._compiler.compile(grammar)
         except ValueError as exc:
             raise InvalidRequest(
-                f"request {rid!r}: grammar {grammar.describe()} does not compile: {exc}"
+                f"request {rid!r}: grammar {grammar.describe()} does not compile: {exc}",
+                fields=("grammar",),
             ) from None
         self._states[req] = GrammarState(
             request_id=rid, grammar=grammar, text=text, matcher=matcher, compiler=self._compiler
@@ -157,13 +162,13 @@ class GrammarTable:
         return self._states.get(req)
 
     # ----------------------------------------------------------------- launch
-    def attach(self, plan: LaunchPlan) -> None:
+    def on_launch(self, plan: LaunchPlan | None, batch_id: int) -> None:
         """Give ``plan``'s batch its `GrammarRows` when a row samples under a grammar.
 
         A decode round of the same running batch as the previous one (the scheduler keeps it
         persistent) reuses that round's row lists: a steady round costs no per-row work here.
         """
-        if not self._states:
+        if not self._states or plan is None:
             return
         batch = plan.batch
         n_prefill = len(plan.last_chunk)
@@ -217,25 +222,27 @@ class GrammarTable:
         return self._executor
 
     # ----------------------------------------------------------------- settle
-    def settle(self, flight: InFlight, host: HostResult, lifecycle: RequestLifecycle) -> list[Req]:
-        """Before the result processor settles ``flight``: end its grammar rows that failed,
-        commit the others; the requests it ended (see the module docstring)."""
+    def on_result(
+        self, flight: Collected, host: HostResult, live_rows: LiveRows
+    ) -> Sequence[RowFailure]:
+        """Before the result processor settles ``flight``: the grammar rows that fail; commit
+        the others (see the module docstring)."""
         plan = flight.plan
         view = plan.batch.grammar
         if view is None:
-            return []
+            return ()
+        live = live_rows()
         rec = self._trace
         started = 0 if rec is None else rec.now()
-        live = self._outputs.epochs(plan.slots_host) == plan.epochs
         batch = plan.batch
-        failed: list[tuple[int, str]] = []
+        failed: list[RowFailure] = []
         outcomes = view.outcome()
         seen = {out.row for out in outcomes}
         for i in view.batch_rows:
             if live[i] and i not in seen:  # a row the forward never took into account
                 self._violations += 1
                 failed.append(
-                    (
+                    _failure(
                         i,
                         f"request {batch.reqs[i].request_id}: the forward did not use its "
                         "grammar (ForwardBatch.grammar) for this row",
@@ -251,7 +258,7 @@ class GrammarTable:
             if out.failure is None and out.tokens != settled:
                 self._violations += 1
                 failed.append(
-                    (
+                    _failure(
                         i,
                         f"request {req.request_id}: the forward's grammar kept {list(out.tokens)} "
                         f"but the round settles {list(settled)}",
@@ -262,33 +269,17 @@ class GrammarTable:
                     self._dead_ends += 1
                 else:
                     self._violations += 1
-                failed.append((i, out.failure))
+                failed.append(_failure(i, out.failure))
             else:
                 state.num_committed += len(settled)
         self._add_stats(view)
-        ended = self._fail(batch.reqs, batch.incarnations, failed, lifecycle)
         if rec is not None:
             from specstate.engine.trace import FORWARD, HOST
 
             for name, start, end in view.spans:
                 rec.span(FORWARD, name, flight.batch_id, start, end)
             rec.span(HOST, "grammar-settle", flight.batch_id, started, rec.now())
-        return ended
-
-    @staticmethod
-    def _fail(
-        reqs: Sequence[Req],
-        incarnations: Sequence[int],
-        failed: list[tuple[int, str]],
-        lifecycle: RequestLifecycle,
-    ) -> list[Req]:
-        ended: list[Req] = []
-        for i, message in failed:
-            error = GrammarError(message)
-            for req in lifecycle.fail([reqs[i]], [incarnations[i]], error):
-                _log.error("request %s ended: %s", req.request_id, error)
-                ended.append(req)
-        return ended
+        return failed
 
     def _add_stats(self, view: GrammarRows) -> None:
         stats = view.stats()
@@ -296,17 +287,17 @@ class GrammarTable:
             self._counts[name] += getattr(stats, name)
 
     # -------------------------------------------------------------------- end
-    def forget(self, reqs: Iterable[Req]) -> None:
-        """Ended requests leave the table (their matchers are dropped)."""
+    def on_end(self, report: StepReport) -> None:
+        """The step's ended requests leave the table (their matchers are dropped)."""
         if self._states:
-            for req in reqs:
+            for req in report.ended:
                 if self._states.pop(req, None) is not None:
                     self._rows_cache = None  # its rows may name an ended request's state
 
     # ------------------------------------------------------------------ check
-    def check(self, engine: Engine) -> None:
+    def check(self, view: EngineView) -> None:
         """The invariants of the module docstring (`InvariantViolation` names the first broken)."""
-        sched = engine.scheduler
+        sched = view.scheduler
         live = [*sched.waiting, *sched.prefilling, *sched.running]
         with_grammar = {r for r in live if r.sampling.grammar is not None}
         for req in with_grammar - self._states.keys():
@@ -314,7 +305,7 @@ class GrammarTable:
         for req in self._states.keys() - with_grammar:
             if not req.is_finished:
                 _fail_check("grammar-records", f"request {req.request_id}: a state but not live")
-        flight = engine.in_flight
+        flight = view.in_flight
         busy = set() if flight is None else {id(r) for r in flight.plan.batch.reqs}
         for req in [*sched.prefilling, *sched.running]:
             state = self._states.get(req)
@@ -373,6 +364,11 @@ def _grammar_run(run: list[int], state: GrammarState) -> tuple[int, ...]:
         if token in eos:
             return tuple(run[: k + 1])
     return tuple(run)
+
+
+def _failure(row: int, message: str) -> RowFailure:
+    """Row ``row`` fails with a `GrammarError` (logged: the request ends with it)."""
+    return RowFailure(row, GrammarError(message))
 
 
 def _fail_check(invariant: str, message: str) -> None:

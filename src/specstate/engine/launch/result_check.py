@@ -7,7 +7,7 @@ Two halves, so that the launch never reads a device value:
   worker returns, on every device;
 * `check_values` reads host arrays (`HostResult`). On the host CPU it runs right after
   `check_form`, before the launcher publishes or stashes anything; on a device it runs when the
-  host settles the batch, after the result's one copy (see `specstate.engine.result_copy`).
+  host settles the batch, after the result's one copy (see `specstate.engine.launch.result_copy`).
   There the frontier the worker published has already reached the next forward, so the
   launcher relays it *clamped* into ``[seq_lens + 1, seq_lens + max_accept]`` (decode) or to
   ``seq_lens`` (extend): a wrong frontier can only move a row inside its own reservation.
@@ -33,14 +33,20 @@ Always on (a fixed number of array operations per round, whatever the batch size
   extend end) otherwise. A frontier that disagrees with the accept lengths would make the next
   round read and write KV at the wrong positions, possibly in pages another request owns;
 * ``logprobs``, if given, a floating point ``[B * stride]`` tensor whose entries at the accepted
-  positions of valid rows are finite and not above 0.
+  positions of valid rows are finite and not above 0;
+* ``verified_lens``, if given, an integer ``[B]`` tensor with every row in ``[0, stride - 1]``
+  and accepting at most ``verified + 1`` tokens (the frontier rule: accept <= verified + 1);
+* ``draft_confidences``, if given, a floating point ``[B, stride - 1]`` tensor of values in
+  ``[0, 1]``.
 
 At settlement, against the batch's own sampling state (`check_sampling_rows`, a few array
 operations, none when no row uses the controls):
 
 * a row whose request is not speculative (``SamplingParams(speculative=False)``) accepted
   exactly one token in a decode round;
-* the result carries ``logprobs`` when a row of the batch asked for them.
+* the result carries ``logprobs`` when a row of the batch asked for them;
+* a row of a round planned with verify budgets verified at most its budget and accepted at most
+  its budget + 1 (`specstate.batch.budgets`).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ import torch
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.errors import WorkerResultError
-from specstate.engine.result_copy import HostResult
+from specstate.engine.launch.result_copy import HostResult
 
 __all__ = ["check_form", "check_result_type", "check_sampling_rows", "check_values"]
 
@@ -111,6 +117,8 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
             f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
             f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"
         )
+    if result.verified_lens is not None or result.draft_confidences is not None:
+        _check_budget_form(result, b)
     logprobs = result.logprobs
     if logprobs is not None and (
         not logprobs.dtype.is_floating_point or tuple(logprobs.shape) != (b * result.stride,)
@@ -119,6 +127,27 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
             f"worker returned logprobs of dtype {logprobs.dtype} and shape "
             f"{tuple(logprobs.shape)}; it must be a floating point tensor of shape "
             f"({b * result.stride},), aligned with next_token_ids"
+        )
+
+
+def _check_budget_form(result: GenerationBatchResult, b: int) -> None:
+    """``verified_lens`` integer ``[B]``; ``draft_confidences`` floating ``[B, stride - 1]``."""
+    verified = result.verified_lens
+    if verified is not None and (
+        verified.dtype not in _INTEGER_DTYPES or tuple(verified.shape) != (b,)
+    ):
+        raise WorkerResultError(
+            f"worker returned verified_lens of dtype {verified.dtype} and shape "
+            f"{tuple(verified.shape)}; it must be an integer tensor of shape ({b},)"
+        )
+    confidences = result.draft_confidences
+    want = (b, result.stride - 1)
+    if confidences is not None and (
+        not confidences.dtype.is_floating_point or tuple(confidences.shape) != want
+    ):
+        raise WorkerResultError(
+            f"worker returned draft_confidences of dtype {confidences.dtype} and shape "
+            f"{tuple(confidences.shape)}; it must be a floating point tensor of shape {want}"
         )
 
 
@@ -158,6 +187,8 @@ def check_values(
     _check_frontier(host, request_ids, accept, decode)
     if host.logprobs is not None:
         _check_logprobs(host.logprobs, accept, valid, request_ids)
+    if host.verified is not None or host.confidences is not None:
+        _check_verified(host, accept, request_ids)
 
 
 def check_sampling_rows(
@@ -167,6 +198,7 @@ def check_sampling_rows(
     request_ids: tuple[str, ...],
     decode: bool,
     num_draft_steps: int | None = None,
+    budgets: npt.NDArray[np.int64] | None = None,
 ) -> None:
     """Raise `WorkerResultError` unless the result honours the batch's per-row sampling state.
 
@@ -177,6 +209,7 @@ def check_sampling_rows(
         decode: the batch was a decode round.
         num_draft_steps: the drafts the round was launched with (adaptive draft length), or
             None: its accept lengths are then bounded by the worker's window alone.
+        budgets: ``[B]`` the rows' verify budgets of a decode round (host), or None.
     """
     if decode and num_draft_steps is not None and host.batch_size:
         over = host.accept > num_draft_steps + 1
@@ -186,6 +219,8 @@ def check_sampling_rows(
                 f"request {request_ids[row]}: accept length {int(host.accept[row])} in a round "
                 f"launched with {num_draft_steps} draft steps (at most {num_draft_steps + 1})"
             )
+    if decode and budgets is not None and host.batch_size:
+        _check_budgets(host, budgets, request_ids)
     if sampling.logprobs and host.logprobs is None and host.batch_size:
         raise WorkerResultError(
             f"request {request_ids[0]}: the batch asks for logprobs but the worker returned "
@@ -199,6 +234,50 @@ def check_sampling_rows(
             raise WorkerResultError(
                 f"request {request_ids[row]}: accept length {int(host.accept[row])} for a "
                 "request that does not speculate (speculative=False accepts exactly 1)"
+            )
+
+
+def _check_budgets(
+    host: HostResult, budgets: npt.NDArray[np.int64], request_ids: tuple[str, ...]
+) -> None:
+    """Each row verified at most its budget and accepted at most budget + 1 tokens."""
+    verified = host.verified
+    over = host.accept > budgets + 1
+    if verified is not None:
+        over |= verified > budgets
+    if np.count_nonzero(over):
+        row = int(np.flatnonzero(over)[0])
+        got = "" if verified is None else f"verified {int(verified[row])} drafts, "
+        raise WorkerResultError(
+            f"request {request_ids[row]}: {got}accepted {int(host.accept[row])} tokens in a row "
+            f"planned with a verify budget of {int(budgets[row])} (at most {int(budgets[row])} "
+            f"drafts, {int(budgets[row]) + 1} tokens)"
+        )
+
+
+def _check_verified(
+    host: HostResult, accept: npt.NDArray[np.int64], request_ids: tuple[str, ...]
+) -> None:
+    """Verified lengths in ``[0, stride - 1]`` with ``accept <= verified + 1``; confidences in
+    ``[0, 1]``."""
+    verified = host.verified
+    if verified is not None:
+        bad = (verified < 0) | (verified > host.stride - 1) | (accept > verified + 1)
+        if np.count_nonzero(bad):
+            row = int(np.flatnonzero(bad)[0])
+            raise WorkerResultError(
+                f"request {request_ids[row]}: verified {int(verified[row])} drafts and accepted "
+                f"{int(accept[row])} tokens (verified must be in [0, {host.stride - 1}] and the "
+                "accepted run at most verified + 1)"
+            )
+    confidences = host.confidences
+    if confidences is not None:
+        bad_conf = ~((confidences >= 0) & (confidences <= 1))  # NaN fails both
+        if np.count_nonzero(bad_conf):
+            row, col = (int(x) for x in np.argwhere(bad_conf)[0])
+            raise WorkerResultError(
+                f"request {request_ids[row]}: draft confidence {float(confidences[row, col])} "
+                f"at draft position {col} is not a probability in [0, 1]"
             )
 
 

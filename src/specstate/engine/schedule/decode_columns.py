@@ -3,8 +3,8 @@
 `DecodeColumns` is what a decode batch is built from (slots on the host and the device,
 incarnations, the sampling state, output-row epochs, ids); `PlainRows` packs the host values of
 rows that sample with temperature, top-k and top-p only, and `plain_columns` builds the columns
-as views of them. `specstate.engine.row_columns` builds columns for requests;
-`specstate.engine.decode_rows` keeps them from one round to the next.
+as views of them. `specstate.engine.schedule.column_builder` builds columns for requests;
+`specstate.engine.schedule.decode_rows` keeps them from one round to the next.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from specstate.batch.sampling import SamplingInfo
 from specstate.core.request import Req
-from specstate.engine.outputs import IntArray
+from specstate.engine.settle.outputs import IntArray
 
 __all__ = ["DecodeColumns", "FloatArray", "PlainRows", "plain_columns"]
 

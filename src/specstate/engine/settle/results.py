@@ -21,6 +21,8 @@ For a worker with recurrent state the same settle commits the states (`Recurrent
 decode-like rows by their runs, the completed prefills to their lengths.
 A finishing row's detail names its stop token, or its stop sequence.
 
+Settling decides finishes but ends nobody: `Settlement.finished` and `Settlement.finishes` are the
+verdicts, and the engine's lifecycle (`specstate.engine.settle.lifecycle`) ends those requests.
 Python touches a request only when it finishes, or when its last prefill chunk settles.
 
 Invariant: for a settled decode row, ``committed_after - committed_before == accept_len ==
@@ -39,10 +41,11 @@ import torch
 
 from specstate.core.ledger import ResultProcessorLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import FinishReason, FinishState, Req, ReqStatus
-from specstate.engine.finish import abort_finish
-from specstate.engine.outputs import FinishedRows, IntArray, OutputTable
-from specstate.engine.result_copy import HostResult
+from specstate.core.request import Req
+from specstate.core.status import FinishReason, FinishState, ReqStatus
+from specstate.engine.launch.result_copy import HostResult
+from specstate.engine.settle.lifecycle import abort_finish
+from specstate.engine.settle.outputs import FinishedRows, IntArray, OutputTable
 from specstate.memory.recurrent import RecurrentStatePool
 
 __all__ = ["AcceptMetrics", "ResultProcessor", "RowKind", "Settlement"]
@@ -61,12 +64,22 @@ class RowKind:
 
 @attrs.frozen(kw_only=True)
 class Settlement:
-    """What settling one result did."""
+    """What settling one result did, and which requests it found finished.
+
+    Attributes:
+        finished: the requests that reached a stop or their cap, or met a pending abort,
+            in this settlement (verdicts: they are still live until the lifecycle ends them).
+        finishes: the finish of each, in the same order.
+        num_settled_rows: rows whose tokens were settled.
+        num_skipped_rows: rows whose request no longer held the output row launched for.
+        live: per row, whether its request still held that row.
+    """
 
     finished: tuple[Req, ...]
+    finishes: tuple[FinishState, ...]
     num_settled_rows: int
     num_skipped_rows: int
-    live: npt.NDArray[np.bool_]  # per row: its request still held the launched output row
+    live: npt.NDArray[np.bool_]
 
 
 @attrs.frozen(kw_only=True)
@@ -76,14 +89,19 @@ class AcceptMetrics:
     Attributes:
         num_verifies: settled verify rows (one per request per speculative round).
         num_accepted_tokens: tokens those verifies accepted, bonus included.
-        num_proposed_drafts: draft tokens proposed to those verifies.
+        num_proposed_drafts: draft tokens those verifies verified (each row's verify budget
+            or the round's width; fewer where the worker reported it verified fewer).
         histogram: ``(accept_length, count)`` pairs, ascending, nonzero counts only.
+        verified_by_position: per draft position ``j`` (0-based), the verifies that verified
+            draft ``j``; of those, ``sum(n for length, n in histogram if length > j + 1)``
+            accepted it.
     """
 
     num_verifies: int
     num_accepted_tokens: int
     num_proposed_drafts: int
     histogram: tuple[tuple[int, int], ...]
+    verified_by_position: tuple[int, ...] = ()
 
     @property
     def mean_accept_length(self) -> float:
@@ -95,6 +113,11 @@ class AcceptMetrics:
         """Accepted draft tokens: accepted tokens minus one bonus per verify."""
         return self.num_accepted_tokens - self.num_verifies
 
+    @property
+    def num_rejected_drafts(self) -> int:
+        """Drafts verified and rejected: the verify work that bought no token."""
+        return self.num_proposed_drafts - self.num_correct_drafts
+
 
 class ResultProcessor:
     """Settles results; the only committer of ``kv_committed_len`` after prefill.
@@ -103,7 +126,6 @@ class ResultProcessor:
         ledger: the result processor's view of the ledger.
         outputs: the output table (the result processor is its only appender).
         checker: the engine's ownership checker (the processor acts as RESULT_PROCESSOR).
-        num_draft_tokens: verify width D, for the proposed-drafts metric.
         recurrent: a hybrid worker's state records, committed with the KV (None: no state).
     """
 
@@ -113,14 +135,12 @@ class ResultProcessor:
         ledger: ResultProcessorLedgerView,
         outputs: OutputTable,
         checker: OwnershipChecker,
-        num_draft_tokens: int,
         recurrent: RecurrentStatePool | None = None,
     ) -> None:
         self._ledger = ledger
         self._recurrent = recurrent
         self._outputs = outputs
         self._checker = checker
-        self._drafts_per_verify = max(num_draft_tokens - 1, 0)
 
     def accept_lengths(self, req: Req) -> tuple[int, ...]:
         """Accept length of every settled decode round of ``req``, in order."""
@@ -134,8 +154,11 @@ class ResultProcessor:
         return AcceptMetrics(
             num_verifies=verifies,
             num_accepted_tokens=accepted,
-            num_proposed_drafts=verifies * self._drafts_per_verify,
+            num_proposed_drafts=self._outputs.num_verified_drafts,
             histogram=tuple((k, int(v)) for k, v in enumerate(hist.tolist()) if v),
+            verified_by_position=tuple(
+                v for v in self._outputs.verified_by_position().tolist() if v
+            ),
         )
 
     def settle(
@@ -149,6 +172,7 @@ class ResultProcessor:
         result: HostResult,
         abort_reasons: Mapping[Req, str],
         detached: int = -1,
+        budgets: IntArray | None = None,
     ) -> Settlement:
         """Settle one result for the batch rows ``reqs`` (see the module docstring).
 
@@ -162,6 +186,8 @@ class ResultProcessor:
             abort_reasons: pending user aborts, by request.
             detached: `OutputTable.num_detached` when ``epochs`` were current, or -1; while
                 it is unchanged every row is live (no epoch to compare).
+            budgets: ``[B]`` a decode round's verify budgets (what each row verified when the
+                result does not say), or None.
         """
         b = len(reqs)
         n_prefill = len(last_chunk)
@@ -184,18 +210,20 @@ class ResultProcessor:
             if self._recurrent is not None:
                 self._commit_states(self._recurrent, slots_np, accept, decode, firsts)
             rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
+            verified = budgets if result.verified is None else result.verified
             ended = self._append(
-                slots_np, tokens, accept, result.logprobs, rows, verifies, n_prefill
+                slots_np, tokens, accept, result.logprobs, verified, rows, verifies, n_prefill
             )
             for i in firsts:
                 if reqs[i].status is ReqStatus.PREFILL:
                     reqs[i].transition(ReqStatus.RUNNING)
-            finished = self._finish(reqs, ended, rows, tokens, abort_reasons)
+            finished, finishes = self._finished(reqs, ended, rows, abort_reasons)
         chunks = (
             sum(1 for i in range(n_prefill) if live[i] and not last_chunk[i]) if n_prefill else 0
         )
         return Settlement(
             finished=tuple(finished),
+            finishes=tuple(finishes),
             num_settled_rows=num_live - chunks,  # a non-final chunk settles nothing
             num_skipped_rows=b - num_live,
             live=live,
@@ -227,6 +255,7 @@ class ResultProcessor:
         tokens: IntArray,
         accept: IntArray,
         logprobs: npt.NDArray[np.floating[Any]] | None,
+        verified: npt.NDArray[np.integer[Any]] | None,
         rows: IntArray | None,
         verifies: bool,
         n_prefill: int,
@@ -237,38 +266,43 @@ class ResultProcessor:
             slots, tokens, accept = slots[rows], tokens[rows], accept[rows]
             if logprobs is not None:
                 logprobs = logprobs[rows]
+            if verified is not None:
+                verified = verified[rows]
         # Prefill rows append one token and are never verifies; a decode round has none.
         return self._outputs.append_runs(
-            slots, tokens, accept, verifies=verifies and n_prefill == 0, logprobs=logprobs
+            slots,
+            tokens,
+            accept,
+            verifies=verifies and n_prefill == 0,
+            logprobs=logprobs,
+            verified=None if verified is None else verified.astype(np.int64, copy=False),
         )
 
-    def _finish(
+    def _finished(
         self,
         reqs: Sequence[Req],
         ended: FinishedRows | None,
         rows: IntArray | None,
-        tokens: IntArray,
         abort_reasons: Mapping[Req, str],
-    ) -> list[Req]:
-        """End the rows that reached a stop or their cap, and any with a pending abort."""
+    ) -> tuple[list[Req], list[FinishState]]:
+        """The rows that reached a stop or their cap, and any with a pending abort; their
+        finishes (the lifecycle ends them)."""
         finished: list[Req] = []
+        finishes: list[FinishState] = []
         if ended is not None:
             at = ended.rows if rows is None else rows[list(ended.rows)].tolist()
             finished = list(map(reqs.__getitem__, at))
-            Req.end_many(finished, _finish_states(finished, ended))
+            finishes = _finish_states(finished, ended)
         if abort_reasons:  # rare: a user abort that reached a request with a result in flight
             order = range(len(reqs)) if rows is None else rows.tolist()
+            stopped = set(finished)
             for i in order:
                 req = reqs[i]
                 reason = abort_reasons.get(req)
-                if reason is not None and not req.is_finished:
-                    self._end(req, abort_finish(req, reason))
+                if reason is not None and not req.is_finished and req not in stopped:
                     finished.append(req)
-        return finished
-
-    def _end(self, req: Req, finish: FinishState) -> None:
-        target = ReqStatus.ABORTED if finish.reason is FinishReason.ABORT else ReqStatus.FINISHED
-        req.transition(target, finish=finish)
+                    finishes.append(abort_finish(req, reason))
+        return finished, finishes
 
 
 def _finish_states(reqs: Sequence[Req], ended: FinishedRows) -> list[FinishState]:

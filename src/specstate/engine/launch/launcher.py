@@ -30,6 +30,14 @@ A worker exception is caught in the closure and handed to the host with the resu
 stream keeps running later batches; the failed batch's rows get their inputs republished
 unchanged, so a later batch that resolves them reads defined values (its rows for those
 requests are skipped at settlement because the requests ended with an error).
+
+The launcher owns its batches in flight (`_Flight`, written by the stream closure and by the
+host under the flight's lock); the round sees them only as values: `Launcher.collect` waits for
+the oldest one and returns a frozen `Collected` (its result copied and checked, or its error, or
+a timeout with the abandoned stream's drain predicate), and `Launcher.in_flight` a frozen view.
+
+Invariant: batches are collected in launch order, each exactly once; a collected batch's host
+result passed every check of `specstate.engine.launch.result_check`.
 """
 
 from __future__ import annotations
@@ -37,33 +45,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.isolation import ForwardIsolator
+from specstate.batch.plan import LaunchPlan, PrefillPart
+from specstate.batch.relay_inputs import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.batch.result import GenerationBatchResult
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import ForwardTimeout, RelayError
+from specstate.core.errors import ForwardTimeout, RelayError, WorkerResultError
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.engine.result_check import check_form, check_result_type, check_values
-from specstate.engine.result_copy import HostResult, ResultCopy
-from specstate.engine.scheduler import LaunchPlan, PrefillPart
+from specstate.engine.launch.outcome import Collected, InFlightView
+from specstate.engine.launch.result_check import (
+    check_form,
+    check_result_type,
+    check_sampling_rows,
+    check_values,
+)
+from specstate.engine.launch.result_copy import HostResult, ResultCopy
 from specstate.engine.worker import WorkerProtocol
-from specstate.relay.batch_relay import resolve_batch_forward_inputs, resolve_batch_seq_lens
 from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
-from specstate.relay.isolation import ForwardIsolator
 from specstate.relay.streams import Event, Stream, make_stream
 
-__all__ = ["InFlight", "Launcher"]
+__all__ = ["Launcher"]
 
 _log = logging.getLogger("specstate")
 
 
 @attrs.define
-class InFlight:
+class _Flight:
     """A launched batch: its plan, and the result (or error) once the stream has run it."""
 
     plan: LaunchPlan
@@ -142,7 +155,7 @@ class _PublishOnce:
         self,
         future_map: FutureMap,
         indices: torch.Tensor,
-        flight: InFlight,
+        flight: _Flight,
         bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self._future_map = future_map
@@ -192,7 +205,11 @@ class _PublishOnce:
 
 
 class Launcher:
-    """Owner of the FutureMap, the isolator and the forward stream; see the module docstring."""
+    """Owner of the FutureMap, the isolator, the forward stream and the batches in flight.
+
+    See the module docstring. ``traced`` records each forward's clock marks and each collect's
+    wait for the trace (`Collected.marks`, `Collected.wait_ns`).
+    """
 
     def __init__(
         self,
@@ -210,6 +227,7 @@ class Launcher:
         forward_timeout: float | None = None,
         check: bool = False,
         asynchronous: bool = False,
+        traced: bool = False,
     ) -> None:
         self._worker = worker
         self._checker = checker
@@ -218,11 +236,13 @@ class Launcher:
         self._speculative = speculative
         self._max_accept = max_accept
         self._vocab_size = vocab_size
+        self._timeout = forward_timeout
+        self._traced = traced
         self.future_map = FutureMap(max_slots, device=device, debug=debug_relay)
         self.isolator = ForwardIsolator(overlap=overlap, check=check)
         self._device = device
         # On the host CPU a result is checked before anything is relayed; on a device, after
-        # its copy, with the relayed frontier clamped meanwhile (`specstate.engine.result_check`).
+        # its copy, with the relayed frontier clamped meanwhile (`result_check`).
         self._on_host = device == torch.device("cpu")
         # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
         # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a
@@ -233,20 +253,30 @@ class Launcher:
         self._stream: Stream | None = (
             make_stream(device) if on_stream and not self._inline else None
         )
+        self._flights: tuple[_Flight, ...] = ()  # launched, not collected, oldest first
+        self.num_in_flight = 0
+        """Batches launched and not collected (read only)."""
 
-    def launch(self, plan: LaunchPlan, *, batch_id: int, traced: bool = False) -> InFlight:
-        """Run ``plan`` on the stream (overlap) or now; the handle to settle it with.
-
-        ``traced`` records the closure's clock marks on the flight (`InFlight.marks`).
-        """
-        flight = InFlight(plan=plan, batch_id=batch_id, marks=[] if traced else None)
+    # ----------------------------------------------------------------- launch
+    def launch(self, plan: LaunchPlan, *, batch_id: int) -> None:
+        """Run ``plan`` on the stream (overlap, or with a forward timeout) or now."""
+        flight = _Flight(plan=plan, batch_id=batch_id, marks=[] if self._traced else None)
+        self._flights += (flight,)
+        self.num_in_flight += 1
         if self._stream is None:
             self._run(flight)
         else:
             flight.started = threading.Event()
             self._stream.submit(self._run, flight)
             flight.done = self._stream.record_event()
-        return flight
+
+    @property
+    def in_flight(self) -> InFlightView | None:
+        """The newest batch launched and not collected, or None."""
+        if not self._flights:
+            return None
+        flight = self._flights[-1]
+        return InFlightView(plan=flight.plan, batch_id=flight.batch_id, done=flight.done)
 
     def close(self) -> None:
         """Stop the forward stream (runs what was submitted first)."""
@@ -254,13 +284,61 @@ class Launcher:
             self._stream.close()
             self._stream = None
 
-    def abandon(self, flights: Sequence[InFlight]) -> Callable[[], bool]:
-        """Give up on the forward stream: ``flights`` (every batch still on it) are abandoned.
+    # ---------------------------------------------------------------- collect
+    def collect(self) -> Collected:
+        """Wait for the oldest batch in flight; its checked result, its error, or a timeout.
 
-        A fresh stream runs later launches. Returns a predicate that turns true once the old
-        stream has got past everything submitted to it, i.e. once the abandoned forwards can
-        no longer write the KV of their requests (it may never turn true).
+        The batch's result is copied to the host (one copy on a device) and every value is
+        checked against the batch (`check_values`, `check_sampling_rows`): a result that
+        breaks the contract comes back as an error. With a forward timeout, a batch whose
+        forward or result copy is not done in time abandons the forward stream (`_abandon`).
         """
+        flight = self._flights[0]
+        waited = time.perf_counter_ns() if self._traced else 0
+        timeout = self._timeout
+        result, error = flight.wait(timeout)
+        if flight.timed_out and timeout is not None:
+            return self._abandon(timeout, "forward")
+        if self.num_in_flight > 1:
+            # Overlap: the next forward's launch runs on the stream now; let it reach the
+            # worker before this thread's settlement competes with it for the interpreter.
+            self._flights[1].wait_started()
+        # The worker's own copy event, if it keeps one (a no-op when synchronous).
+        if result is not None and not result.wait_copied(timeout):
+            return self._abandon(timeout or 0.0, "result copy")
+        host = None
+        if error is None and result is not None:
+            try:
+                host = self._host_result(flight, timeout)
+            except WorkerResultError as exc:
+                error = exc
+            else:
+                if host is None:
+                    return self._abandon(timeout or 0.0, "result copy")
+        self._flights = self._flights[1:]
+        self.num_in_flight -= 1
+        if host is None and error is None:
+            error = RelayError(f"batch {flight.batch_id} has neither a result nor an error")
+        return Collected(
+            plan=flight.plan,
+            batch_id=flight.batch_id,
+            host=host,
+            error=error,
+            marks=() if flight.marks is None else tuple(flight.marks),
+            publish_ns=flight.publish_ns,
+            wait_ns=(waited, time.perf_counter_ns()) if waited else (0, 0),
+        )
+
+    def _abandon(self, timeout: float, what: str) -> Collected:
+        """Give up on the forward stream: every batch on it is abandoned, a fresh one takes over.
+
+        The oldest batch fails with a `ForwardTimeout`; the batches queued behind it never run
+        (their own `ForwardTimeout`). The returned predicate turns true once the old stream has
+        got past everything submitted to it, i.e. once the abandoned forwards can no longer
+        write the KV of their requests (it may never turn true).
+        """
+        flights = self._flights
+        self._flights, self.num_in_flight = (), 0
         for flight in flights:
             with flight.lock:
                 flight.abandoned = True
@@ -268,15 +346,37 @@ class Launcher:
         if old is None and self._inline:
             # Launched inline: each forward's device work ends with its result's copy event.
             events = [f.result.copy_done for f in flights if f.result is not None]
-            return lambda: all(e is None or e.query() for e in events)
-        if old is None:
-            raise RelayError("no forward stream to abandon (the forward ran inline)")
-        drained = old.record_event()
-        old.abandon()
-        self._stream = make_stream(self._device)
-        return drained.query
 
-    def _run(self, flight: InFlight) -> None:
+            def drained() -> bool:
+                return all(e is None or e.query() for e in events)
+
+        elif old is None:
+            raise RelayError("no forward stream to abandon (the forward ran inline)")
+        else:
+            drained = old.record_event().query
+            old.abandon()
+            self._stream = make_stream(self._device)
+        first, *behind = flights
+        queued = tuple(
+            Collected(
+                plan=f.plan,
+                batch_id=f.batch_id,
+                error=ForwardTimeout(
+                    f"batch {f.batch_id} was queued behind batch {first.batch_id}, whose "
+                    f"{what} timed out; it never ran"
+                ),
+            )
+            for f in behind
+        )
+        return Collected(
+            plan=first.plan,
+            batch_id=first.batch_id,
+            error=first.timeout_error(timeout, what),
+            queued=queued,
+            quarantine=drained,
+        )
+
+    def _run(self, flight: _Flight) -> None:
         marks = flight.marks
         if marks is not None:
             marks.append(time.perf_counter_ns())
@@ -289,7 +389,7 @@ class Launcher:
             if marks is not None:
                 marks.append(time.perf_counter_ns())
 
-    def _launch_on_stream(self, flight: InFlight) -> None:
+    def _launch_on_stream(self, flight: _Flight) -> None:
         batch = flight.plan.batch
         indices = batch.future_indices
         if indices is None:
@@ -341,7 +441,7 @@ class Launcher:
 
     def _accept_result(
         self,
-        flight: InFlight,
+        flight: _Flight,
         result: GenerationBatchResult,
         publish: _PublishOnce,
         indices: torch.Tensor,
@@ -363,21 +463,32 @@ class Launcher:
             self.future_map.stash(indices, result.next_draft_input, host=flight.plan.slots_host)
         flight.result = result
 
-    def host_result(self, flight: InFlight, timeout: float | None) -> HostResult | None:
-        """The settled batch's result as host arrays, value-checked; None if the copy timed out.
+    def _host_result(self, flight: _Flight, timeout: float | None) -> HostResult | None:
+        """The batch's result as host arrays, every value checked; None if the copy timed out.
 
         Raises:
-            WorkerResultError: the values break the forward contract (device path: checked
-                here, after the copy; the host CPU path checked them in the launch).
+            WorkerResultError: the values break the forward contract (on a device they are
+                checked here, after the copy; on the host CPU the launch checked them before
+                relaying), or a row's sampling flags disagree with the batch.
         """
-        if flight.host is not None:
-            return flight.host
-        if flight.copy is None:
-            raise RelayError(f"batch {flight.batch_id} has a result but no copy of it")
-        host = flight.copy.wait(timeout)
-        if host is not None:
+        host = flight.host
+        if host is None:
+            if flight.copy is None:
+                raise RelayError(f"batch {flight.batch_id} has a result but no copy of it")
+            host = flight.copy.wait(timeout)
+            if host is None:
+                return None
             self._check_values(host, flight.plan)
             flight.host = host
+        batch = flight.plan.batch
+        check_sampling_rows(
+            host,
+            batch.sampling_info,
+            request_ids=batch.request_ids,
+            decode=flight.plan.is_decode,
+            num_draft_steps=batch.num_draft_steps,
+            budgets=None if batch.verify_budgets is None else batch.verify_budgets.host,
+        )
         return host
 
     def _check_values(self, host: HostResult, plan: LaunchPlan) -> None:

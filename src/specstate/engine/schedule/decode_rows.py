@@ -47,13 +47,13 @@ import attrs
 import numpy as np
 import torch
 
+from specstate.core.errors import InvariantViolation
 from specstate.core.request import Req
-from specstate.engine.columns import DecodeColumns, PlainRows, plain_columns
-from specstate.engine.invariants import InvariantViolation
-from specstate.engine.outputs import IntArray
-from specstate.relay.future_map import RowPatch
+from specstate.engine.schedule.decode_columns import DecodeColumns, PlainRows, plain_columns
+from specstate.engine.settle.outputs import IntArray
+from specstate.relay.write_log import RowPatch
 
-__all__ = ["DecodeColumns", "DecodeRows", "DecodeRowsSnapshot", "PlainRows", "plain_columns"]
+__all__ = ["DecodeRows", "DecodeRowsSnapshot"]
 
 _T = TypeVar("_T")
 

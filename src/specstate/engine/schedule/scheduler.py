@@ -9,8 +9,8 @@ resolves at forward entry.
 Per iteration: a prefill batch when there is prefill work (the chunked request first, then
 waiting requests FCFS within the token budget, the running-request cap and memory), else one
 decode round for every running request, after retracting under KV pressure. The rows' columns
-(slots, sampling state, epochs) come from `specstate.engine.row_columns`; a decode round's
-persist from round to round in `specstate.engine.decode_rows`.
+(slots, sampling state, epochs) come from `specstate.engine.schedule.column_builder`; a decode
+round's persist from round to round in `specstate.engine.schedule.decode_rows`.
 
 Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
 one; ``committed == prefill progress`` while a request prefills.
@@ -26,23 +26,27 @@ import attrs
 import numpy as np
 import torch
 
+from specstate.batch.budgets import VerifyBudgets
 from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.plan import LaunchPlan, PrefillPart
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.core.errors import KvPoolExhausted
+from specstate.core.errors import InvariantViolation, KvPoolExhausted
 from specstate.core.ledger import SchedulerLedgerView
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req, ReqStatus
-from specstate.engine.decode_rows import DecodeColumns, DecodeRows, DecodeRowsSnapshot
-from specstate.engine.draft_policy import DraftPolicy
-from specstate.engine.invariants import InvariantViolation
-from specstate.engine.outputs import IntArray, OutputTable
-from specstate.engine.row_columns import RowColumns
+from specstate.core.request import Req
+from specstate.core.status import ReqStatus
+from specstate.engine.draft_policy import PlanRound, full_width
+from specstate.engine.schedule.column_builder import RowColumns
+from specstate.engine.schedule.decode_columns import DecodeColumns
+from specstate.engine.schedule.decode_rows import DecodeRows, DecodeRowsSnapshot
+from specstate.engine.settle.outputs import OutputTable
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.host_arrays import IntArray
 from specstate.memory.prefix_cache import PrefixMatch
 from specstate.memory.retraction import RetractionOutcome, retract_for_decode
 from specstate.relay.future_map import Unresolved
 
-__all__ = ["LaunchPlan", "PrefillPart", "Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -56,54 +60,6 @@ class SchedulerConfig:
     mixed_chunk: bool = False
     validate: bool = False
     """Check every patched set of decode rows against a fresh build (``check_invariants``)."""
-
-
-@attrs.frozen(kw_only=True)
-class LaunchPlan:
-    """One batch to launch, with what settlement needs to know about its rows.
-
-    Attributes:
-        batch: the batch; its prefill rows (if any) come first, then the decode-like rows.
-        slots: ``[B]`` host request slots of the rows.
-        epochs: ``[B]`` output-row epochs at scheduling (a changed epoch marks a stale row).
-        last_chunk: one flag per prefill row: its chunk completes the prefill.
-        prefill: the host-known prefill part of a MIXED batch, else None.
-        relay_rows: ``[n]`` device index of the rows whose inputs come from the FutureMap
-            (continuing chunks, running tails), built at scheduling; None when none does.
-    """
-
-    batch: ScheduleBatch
-    slots: torch.Tensor
-    epochs: IntArray
-    last_chunk: tuple[bool, ...] = ()
-    prefill: PrefillPart | None = None
-    relay_rows: torch.Tensor | None = None
-    slots_host: IntArray = attrs.field(
-        default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
-    )
-    """``slots`` as a host array (the same memory)."""
-    detached: int = -1
-    """`OutputTable.num_detached` when ``epochs`` were current (-1: not known): while it is
-    unchanged, no row of the batch went stale, and settlement need not compare epochs."""
-
-    @property
-    def is_decode(self) -> bool:
-        """True for a decode round."""
-        return self.batch.forward_mode is ForwardMode.DECODE
-
-
-@attrs.frozen(kw_only=True)
-class PrefillPart:
-    """The host-known prefill rows of a MIXED batch; its running tails bind at forward entry."""
-
-    input_ids: torch.Tensor
-    out_cache_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: tuple[int, ...]
-    extend_lens: tuple[int, ...]
-    tail_slots: torch.Tensor
-    prefix_lens_device: torch.Tensor  # ``prefix_lens`` on the device
-    positions: torch.Tensor  # the prefill tokens' positions, on the device
 
 
 @attrs.define
@@ -122,8 +78,10 @@ class Scheduler:
         releases_pending: True while some request's KV waits for a launched batch to retire
             (`DeferredReleases.has_pending`). A decode round that does not fit then waits one
             step for those pages instead of retracting or aborting anyone.
-        draft_policy: picks the draft steps of each decode round (adaptive draft length);
-            None drafts the worker's ``num_steps`` every round.
+        plan_round: each decode round's draft steps and its rows' verify budgets (adaptive
+            draft length, verify-budget policies: `round_planner`), asked before the round's
+            reservation, which then covers each row's budget; the default, `full_width`,
+            drafts and verifies the worker's ``num_steps`` every round.
     """
 
     def __init__(
@@ -136,11 +94,11 @@ class Scheduler:
         checker: OwnershipChecker,
         device: torch.device,
         releases_pending: Callable[[], bool] | None = None,
-        draft_policy: DraftPolicy | None = None,
+        plan_round: PlanRound = full_width,
     ) -> None:
         self._config = config
         self._releases_pending = releases_pending
-        self._draft_policy = draft_policy
+        self._plan_round = plan_round
         self._allocator = allocator
         self._ledger = ledger
         self._outputs = outputs
@@ -163,6 +121,10 @@ class Scheduler:
             device,
             reference=self._columns.general if config.validate else None,
         )
+        # Per request slot: the verify budget its last decode round was planned with (the
+        # round that may be in flight when the next is reserved); the full width at first.
+        width = allocator.window.alloc_len_per_decode - 1
+        self._last_budget = np.full(allocator.req_to_token.shape[0], width, dtype=np.int64)
 
     @property
     def running(self) -> list[Req]:
@@ -170,7 +132,7 @@ class Scheduler:
         return list(self._running)
 
     def decode_rows_snapshot(self) -> DecodeRowsSnapshot:
-        """How the persistent decode rows changed so far (`specstate.engine.decode_rows`)."""
+        """How the persistent decode rows changed so far (`DecodeRows.snapshot`)."""
         return self._rows.snapshot()
 
     @property
@@ -441,9 +403,10 @@ class Scheduler:
         if not self._running:
             return None, None
         rows = self._decode_rows()
+        width, budgets = self._plan_round(rows.request_ids)
         outcome = None
         try:
-            self._allocator.reserve_decode_rows(rows.slots_host)
+            self._reserve(rows, budgets)
         except KvPoolExhausted:  # nothing was taken
             if self._releases_pending is not None and self._releases_pending():
                 # Pages of requests that ended under the batch in flight come back when it
@@ -460,7 +423,8 @@ class Scheduler:
             if not outcome.kept:
                 return None, outcome
             rows = self._decode_rows()
-            self._allocator.reserve_decode_rows(rows.slots_host)
+            width, budgets = self._plan_round(rows.request_ids)  # planned again: fewer rows
+            self._reserve(rows, budgets)
         patch = self._rows.relay_patch(rows)
         batch = ScheduleBatch(
             reqs=rows.reqs,
@@ -472,9 +436,8 @@ class Scheduler:
             input_ids=Unresolved(rows.device_slots, patch),
             future_indices=rows.device_slots,
             ids=rows.request_ids,
-            num_draft_steps=(
-                None if self._draft_policy is None else self._draft_policy.choose(len(rows.reqs))
-            ),
+            num_draft_steps=width,
+            verify_budgets=None if budgets is None else VerifyBudgets.of(budgets, self._device),
         )
         if self._config.validate and not np.array_equal(
             self._outputs.epochs(rows.slots_host), rows.epochs
@@ -492,6 +455,16 @@ class Scheduler:
         has_retraction = outcome is not None and (outcome.retracted or outcome.aborted)
         return plan, outcome if has_retraction else None
 
+    def _reserve(self, rows: DecodeColumns, budgets: IntArray | None) -> None:
+        """Reserve a decode round: the window's R for every row, or, with verify budgets, the
+        width of the round that may be in flight plus this round's (each a budget + 1)."""
+        if budgets is None:
+            self._allocator.reserve_decode_rows(rows.slots_host)
+            return
+        slots = rows.slots_host
+        self._allocator.reserve_decode_rows(slots, self._last_budget[slots] + budgets + 2)
+        self._last_budget[slots] = budgets
+
     def _decode_rows(self) -> DecodeColumns:
-        """The persistent running batch (`specstate.engine.decode_rows`)."""
+        """The persistent running batch (`specstate.engine.schedule.decode_rows`)."""
         return self._rows.columns(lambda: tuple(self._running))

@@ -1,8 +1,10 @@
-"""One finish resolver for multi-token runs: abort, then stop token / EOS, then the length cap.
+"""The finish rule for multi-token runs, written plainly: the oracle the engine is tested against.
 
 A speculative round settles several tokens at once, so a stop token can sit in the middle of
-the run and the length cap can fall inside it. Every output path (streamed, final, metrics)
-asks this one function, so they agree on where a request ended:
+the run and the length cap can fall inside it. The engine decides finishes for a whole batch
+with array operations (`OutputTable.append_runs` finds each row's first stop and its cap;
+`ResultProcessor` turns them into `FinishState` verdicts); `resolve_finish` states the same rule
+one request and one token at a time, so a test can compare the two row by row:
 
 1. an abort requested by the user wins;
 2. the first stop in the run ends the request *including* it: a stop token (a
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specstate.core.request import FinishReason, FinishState, Req, SamplingParams
+from specstate.core.params import SamplingParams
+from specstate.core.status import FinishReason, FinishState
 
-__all__ = ["abort_finish", "resolve_finish"]
+__all__ = ["resolve_finish"]
 
 
 def resolve_finish(
@@ -79,9 +82,3 @@ def _sequence_ending(tail: list[int], index: int, params: SamplingParams) -> str
         if n <= index + 1 and n <= len(tail) and tuple(tail[-n:]) == seq:
             return f"stop sequence {seq}"
     return None
-
-
-def abort_finish(req: Req, reason: str) -> FinishState:
-    """The finish of an abort: what ``req`` emitted so far (never past its cap) stays visible."""
-    emitted = min(req.num_outputs, req.sampling.max_new_tokens)
-    return FinishState(reason=FinishReason.ABORT, finished_len=emitted, detail=reason)

@@ -2,7 +2,8 @@
 
 A draft policy is user code called twice a round: `DraftPolicy.choose` at scheduling (the width
 of the next decode round) and `DraftPolicy.observe` after a decode round settled. `DraftGuard`
-wraps the policy an engine is given and is what the scheduler and the round pipeline call:
+wraps the policy an engine is given: the scheduler asks its ``choose`` (`DraftWidth`), and it
+meets the round at the ``on_settled`` hook point (`specstate.engine.hooks`):
 
 * ``choose``'s answer must be an integer (not a bool) in ``[0, max_steps]``; anything else, or
   an exception, is a policy failure;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -33,6 +35,11 @@ import numpy.typing as npt
 
 from specstate.core.errors import InvalidConfig
 from specstate.engine.draft_policy import DraftPolicy
+from specstate.engine.hooks import RoundHook
+
+if TYPE_CHECKING:
+    from specstate.engine.launch.outcome import Collected
+    from specstate.engine.settle.results import Settlement
 
 __all__ = ["DraftGuard", "DraftGuardSnapshot"]
 
@@ -52,7 +59,7 @@ class DraftGuardSnapshot:
     failure: str | None
 
 
-class DraftGuard:
+class DraftGuard(RoundHook):
     """A `DraftPolicy` that contains the one it wraps (module docstring).
 
     Args:
@@ -112,6 +119,23 @@ class DraftGuard:
             )
             return self._num_steps
         return int(steps)
+
+    def on_settled(self, flight: Collected, settlement: Settlement | None) -> None:
+        """Hand the policy a settled decode round once, at the width it was launched with.
+
+        Only rows that drafted count: not rows the worker marked invalid, and not requests
+        with ``speculative=False`` (they accept one token whatever the drafts). The round is
+        settled, its requests ended and their KV released: nothing the policy does changes it.
+        """
+        host, batch = flight.host, flight.plan.batch
+        if settlement is None or host is None or batch.num_draft_steps is None:
+            return
+        drafted = np.ones(host.batch_size, dtype=np.bool_)
+        if host.invalid is not None:
+            drafted &= ~host.invalid
+        if batch.sampling_info.speculative_host is not None:
+            drafted &= batch.sampling_info.speculative_host
+        self.observe(batch.num_draft_steps, host.accept[drafted].astype(np.int64))
 
     def observe(self, num_steps: int, accept_lens: npt.NDArray[np.int64]) -> None:
         """Hand a settled round to the policy; a failure disables it (nothing else changes)."""

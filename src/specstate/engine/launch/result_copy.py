@@ -1,6 +1,6 @@
 """The round's one device-to-host transfer: a worker result, as host arrays the host settles.
 
-Settlement, the value checks of `specstate.engine.result_check` and the finish rules all read
+Settlement, the value checks of `specstate.engine.launch.result_check` and the finish rules all read
 host arrays (`HostResult`). Where they come from depends on where the worker's tensors live:
 
 * on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
@@ -47,6 +47,9 @@ class HostResult:
         seq_lens: ``[B]`` the frontier the forward ran from (what the published one is checked
             against).
         logprobs: ``[B, stride]`` float log-probabilities of the tokens, or None.
+        verified: ``[B]`` drafts each row verified, or None (each verified its budget).
+        confidences: ``[B, stride - 1]`` float predicted acceptance of each draft position,
+            or None.
     """
 
     tokens: npt.NDArray[Any]
@@ -56,6 +59,8 @@ class HostResult:
     invalid: npt.NDArray[np.bool_] | None
     seq_lens: npt.NDArray[np.integer[Any]]
     logprobs: npt.NDArray[np.floating[Any]] | None = None
+    verified: npt.NDArray[np.integer[Any]] | None = None
+    confidences: npt.NDArray[np.floating[Any]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +85,12 @@ class HostResult:
             invalid=None if result.invalid_rows is None else result.invalid_rows.numpy(),
             seq_lens=seq_lens.numpy(),
             logprobs=None if result.logprobs is None else _host_floats(result.logprobs, b),
+            verified=None if result.verified_lens is None else result.verified_lens.numpy(),
+            confidences=(
+                None
+                if result.draft_confidences is None
+                else _host_floats(result.draft_confidences, b)
+            ),
         )
 
 
@@ -98,12 +109,14 @@ class ResultCopy:
         self,
         host: torch.Tensor,
         event: CudaEvent | None,
-        layout: tuple[int, int, bool, bool, bool],
+        layout: tuple[int, int, bool, bool, bool, bool, bool],
         keep: tuple[torch.Tensor, ...],
     ) -> None:
         self._host = host
         self._event = event
-        self._layout = layout  # (batch size, stride, has frontier, invalid rows, logprobs)
+        # (batch size, stride, and whether the copy holds the frontier, the invalid rows, the
+        # logprobs, the verified lengths, the confidences)
+        self._layout = layout
         self._keep = keep  # device tensors the copy reads, alive until it is done
 
     @classmethod
@@ -126,6 +139,10 @@ class ResultCopy:
             parts.append(result.invalid_rows.long())
         if result.logprobs is not None:  # float32 bits, read back as float32 on the host
             parts.append(result.logprobs.float().view(torch.int32).long())
+        if result.verified_lens is not None:
+            parts.append(result.verified_lens.long())
+        if result.draft_confidences is not None:  # float32 bits too
+            parts.append(result.draft_confidences.float().reshape(-1).view(torch.int32).long())
         packed = torch.cat(parts)
         layout = (
             b,
@@ -133,6 +150,8 @@ class ResultCopy:
             frontier is not None,
             result.invalid_rows is not None,
             result.logprobs is not None,
+            result.verified_lens is not None,
+            result.draft_confidences is not None,
         )
         if packed.device.type != "cuda":
             host = torch.empty(packed.shape, dtype=torch.int64)
@@ -157,7 +176,7 @@ class ResultCopy:
             elif not self._event.synchronize_within(timeout):
                 return None
         self._keep = ()
-        b, stride, has_frontier, has_invalid, has_logprobs = self._layout
+        b, stride, has_frontier, has_invalid, has_logprobs, has_verified, has_conf = self._layout
         flat = self._host.numpy()
         accept = flat[:b]
         tokens = flat[b : b + b * stride].reshape(b, stride)
@@ -172,7 +191,14 @@ class ResultCopy:
         logprobs = None
         if has_logprobs:
             bits = flat[at : at + b * stride].astype(np.int32)
-            logprobs = bits.view(np.float32).reshape(b, stride)
+            logprobs, at = bits.view(np.float32).reshape(b, stride), at + b * stride
+        verified = None
+        if has_verified:
+            verified, at = flat[at : at + b], at + b
+        confidences = None
+        if has_conf:
+            n = b * (stride - 1)
+            confidences = flat[at : at + n].astype(np.int32).view(np.float32).reshape(b, -1)
         return HostResult(
             tokens=tokens,
             accept=accept,
@@ -181,6 +207,8 @@ class ResultCopy:
             invalid=invalid,
             seq_lens=seq_lens,
             logprobs=logprobs,
+            verified=verified,
+            confidences=confidences,
         )
 
 

@@ -1,24 +1,22 @@
-"""Text prompts for ``generate``: the codec of a byte-level checkpoint, or why there is none.
+"""The text codec of a byte-level checkpoint (ids 0-255 are UTF-8 bytes), or why there is none.
 
-A checkpoint that is not byte-level may still have a tokenizer: ``generate`` then uses the
-server's codec (`specstate.serving.text.load_codec`); `Codec` names either kind.
+`specstate serve` and `specstate generate` both read text through it. A checkpoint that is not
+byte-level may still have a tokenizer: both then use `specstate.serving.text.load_codec`'s codec
+(`specstate.serving.text.Codec` names either kind).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import Final
 
 import attrs
 
 from specstate.core.errors import InvalidRequest
-from specstate.tools.generate.hf_config import read_vocabulary
+from specstate.serving.vocabulary import read_vocabulary
 
-if TYPE_CHECKING:
-    from specstate.serving.text import TextCodec
-
-__all__ = ["MAX_SPECIAL_IDS", "NUM_BYTES", "ByteCodec", "Codec", "byte_codec"]
+__all__ = ["MAX_SPECIAL_IDS", "NUM_BYTES", "ByteCodec", "byte_codec"]
 
 NUM_BYTES: Final = 256
 MAX_SPECIAL_IDS: Final = 16
@@ -50,7 +48,10 @@ def byte_codec(model: Path | None) -> ByteCodec:
     a tokenizer's vocabulary (GPT-2's 50257 ids, say) is refused with the reason.
     """
     if model is None:
-        raise InvalidRequest('"text" needs --model DIR, a byte-level checkpoint to encode it')
+        raise InvalidRequest(
+            '"text" needs --model DIR, a byte-level checkpoint or one with a tokenizer, to '
+            "encode it"
+        )
     config = read_vocabulary(model)  # any architecture: a --worker may run a non-Llama model
     specials = [*config.eos_token_ids]
     if config.bos_token_id is not None:
@@ -64,7 +65,3 @@ def byte_codec(model: Path | None) -> ByteCodec:
             'send "input_ids" instead'
         )
     return ByteCodec(bos_token_id=config.bos_token_id)
-
-
-Codec: TypeAlias = "ByteCodec | TextCodec"
-"""What turns a request line's ``text`` into ids and the output back into text."""

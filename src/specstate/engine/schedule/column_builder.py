@@ -1,7 +1,7 @@
 """The per-row columns of a set of requests: slots, sampling state, output-row epochs, ids.
 
 `RowColumns` builds them for the scheduler's batches: the extend and mixed plans read `slots`
-and `sampling`, and the persistent decode rows (`specstate.engine.decode_rows`) build the
+and `sampling`, and the persistent decode rows (`specstate.engine.schedule.decode_rows`) build the
 columns of the requests that join with `build` (`plain` when every row samples with
 temperature, top-k and top-p only: two host arrays, no Python call per request; `general`
 otherwise, and as the checking mode's reference).
@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from specstate.batch.sampling import SamplingInfo
-from specstate.core.request import Req, SamplingParams
-from specstate.engine.columns import DecodeColumns, PlainRows, plain_columns
-from specstate.engine.outputs import OutputTable
+from specstate.core.params import SamplingParams
+from specstate.core.request import Req
+from specstate.engine.schedule.decode_columns import DecodeColumns, PlainRows, plain_columns
+from specstate.engine.settle.outputs import OutputTable
 from specstate.memory.allocation import KvAllocator
 
 __all__ = ["RowColumns"]

@@ -18,9 +18,10 @@ retracted::
 Settling a round is a fixed number of array operations for the whole batch (`append_runs`):
 scatter every accepted run, advance the lengths, find the first stop token and the length cap
 per row with masks, record the accept lengths. Stop sequences cost nothing while no open row
-has one (`specstate.engine.stop_sequences`). A stop — token or sequence — counts only when its
-last token is output ``min_new_tokens`` (0-based) or later. Python touches a request only when
-it finishes (`Req.end_many` copies its row back) or when someone reads its ``output_ids``.
+has one (`specstate.engine.settle.stop_sequences`). A stop — token or sequence — counts only
+when its last token is output ``min_new_tokens`` (0-based) or later. Python touches a request
+only when it finishes (`Req.end_many` copies its row back) or when someone reads its
+``output_ids``.
 
 The columns are NumPy arrays: this is host-only state (never read by a device), and on a CPU
 one NumPy operation costs about a microsecond where a torch operation costs three to five, which
@@ -44,7 +45,7 @@ import numpy.typing as npt
 from specstate.core.errors import InvalidConfig, LedgerViolation
 from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.request import Req
-from specstate.engine.stop_sequences import NEVER, NO_STOP, StopSequences
+from specstate.engine.settle.stop_sequences import NEVER, NO_STOP, StopSequences
 
 __all__ = ["FinishedRows", "OutputTable"]
 
@@ -105,9 +106,11 @@ class OutputTable:
         self._checker = checker
         # np.zeros maps untouched pages lazily: a wide table costs only the rows it uses.
         self._output_tokens = np.zeros((size, self._width), dtype=np.int64)
-        # Accept lengths by round, transposed ([round, slot], int16): the rows of a persistent
-        # batch are at similar rounds, so one round's writes land close together.
-        self._accepts = np.zeros((self._width, size), dtype=np.int16)
+        # Per settled verify, by round, transposed ([what, round, slot], int16): the accept
+        # length ([0]) and the drafts verified ([1]); the rows of a persistent batch are at
+        # similar rounds, so one round's writes land close together, and a row's two lists
+        # come out in one slice.
+        self._verifies = np.zeros((2, self._width, size), dtype=np.int16)
         self._output_tokens_flat = self._output_tokens.reshape(
             -1
         )  # views: flat indices are the fast path
@@ -116,6 +119,7 @@ class OutputTable:
         self._caps = np.zeros(size, dtype=np.int64)
         self._stops = np.full((size, max(1, len(self._eos))), NO_STOP, dtype=np.int64)
         self._epochs = np.zeros(size, dtype=np.int64)
+        self._openings = np.zeros(size, dtype=np.int64)  # times each row was opened
         self._output_logprobs = np.zeros((size, self._width), dtype=np.float32)
         self._output_logprobs_flat = self._output_logprobs.reshape(-1)
         self._min_new = np.zeros(size, dtype=np.int64)
@@ -124,6 +128,8 @@ class OutputTable:
         self._holders: list[Req | None] = [None] * size
         self._steps = np.arange(max_run, dtype=np.int64)
         self._histogram = np.zeros(max_run + 1, dtype=np.int64)
+        self._num_verified_drafts = 0  # drafts every settled verify verified, summed
+        self._verified_by_position = np.zeros(max_run, dtype=np.int64)  # verifies per draft j
         self._num_opened = 0  # rows opened so far (`_row_constants` keys on it)
         self._num_detached = 0  # requests that left a row so far (each bumped an epoch)
         self._constants: tuple[IntArray, int, IntArray, IntArray, IntArray] | None = None
@@ -184,6 +190,11 @@ class OutputTable:
         """Settled output counts of every slot, as a new array (slot 0 is padding)."""
         return self._output_lengths.copy()
 
+    def all_openings(self) -> IntArray:
+        """How many times each row was opened, indexed by slot (a copy): a row whose count
+        changed has a new holder, whatever its length says."""
+        return self._openings.copy()
+
     def lengths(self, slots: IntArray) -> IntArray:
         """Settled output counts of ``slots`` as a new array (a finished row keeps its last)."""
         return self._output_lengths[slots]
@@ -199,7 +210,12 @@ class OutputTable:
 
     def read_accept_lengths(self, slot: int) -> list[int]:
         """Accept lengths of the verifies settled in ``slot`` since it opened."""
-        out: list[int] = self._accepts[: int(self._rounds[slot]), slot].tolist()
+        out: list[int] = self._verifies[0, : int(self._rounds[slot]), slot].tolist()
+        return out
+
+    def read_verified_lengths(self, slot: int) -> list[int]:
+        """Drafts verified by each verify settled in ``slot`` since it opened."""
+        out: list[int] = self._verifies[1, : int(self._rounds[slot]), slot].tolist()
         return out
 
     def read_logprobs(self, slot: int) -> list[float]:
@@ -216,6 +232,15 @@ class OutputTable:
     def epochs(self, slots: IntArray) -> IntArray:
         """The current epoch of ``slots`` (a new array): a batch keeps it to detect staleness."""
         return self._epochs[slots]
+
+    @property
+    def num_verified_drafts(self) -> int:
+        """Drafts verified by every verify settled so far (rejected ones included)."""
+        return self._num_verified_drafts
+
+    def verified_by_position(self) -> IntArray:
+        """Per draft position ``j``: settled verifies that verified draft ``j`` (a copy)."""
+        return self._verified_by_position.copy()
 
     @property
     def num_detached(self) -> int:
@@ -277,6 +302,7 @@ class OutputTable:
         self._sequences.open(slot, req.sampling.stop_sequences)
         req.attach_outputs(self, slot)
         self._holders[slot] = req
+        self._openings[slot] += 1
         self._num_opened += 1
 
     def detach(self, slot: int) -> None:
@@ -286,19 +312,20 @@ class OutputTable:
 
     def leave_rows(
         self, slots: list[int], logprobs: list[bool]
-    ) -> tuple[list[list[int]], list[list[int]], list[list[float] | None]]:
+    ) -> tuple[list[list[int]], list[list[list[int]]], list[list[float] | None]]:
         """The requests in ``slots`` (distinct, open) leave them (called by `Req.end_many` and
-        `Req.transition`): their outputs and accept lengths, and the log-probabilities of the
-        rows flagged in ``logprobs``, as Python lists; each slot's epoch is bumped.
+        `Req.transition`): their outputs, their verifies (``[accept lengths, verified
+        lengths]``) and the log-probabilities of the rows flagged in ``logprobs``, as Python
+        lists; each slot's epoch is bumped.
 
         One slice of each row (a row's outputs are contiguous: faster than one gather of every
         row's positions through index arrays, whatever the number of rows).
         """
         s = np.array(slots, dtype=np.int64)
         lengths, rounds = self._output_lengths[s].tolist(), self._rounds[s].tolist()
-        tokens, accepts = self._output_tokens, self._accepts
+        tokens, verifies = self._output_tokens, self._verifies
         outputs = [tokens[k, :n].tolist() for k, n in zip(slots, lengths, strict=True)]
-        accepted = [accepts[:n, k].tolist() for k, n in zip(slots, rounds, strict=True)]
+        settled = [verifies[:, :n, k].tolist() for k, n in zip(slots, rounds, strict=True)]
         chosen: list[list[float] | None] = [None] * len(slots)
         if True in logprobs:  # rare: only requests that asked for them
             for i, wanted in enumerate(logprobs):
@@ -313,7 +340,7 @@ class OutputTable:
             self._min_new[s] = 0
         if self._sequences.num_rows:
             self._sequences.close(s)
-        return outputs, accepted, chosen
+        return outputs, settled, chosen
 
     def append_runs(
         self,
@@ -323,11 +350,13 @@ class OutputTable:
         *,
         verifies: bool,
         logprobs: npt.NDArray[np.floating[Any]] | None = None,
+        verified: IntArray | None = None,
     ) -> FinishedRows | None:
         """Append row ``i``'s run ``tokens[i, :accept[i]]`` to ``slots[i]``; find who finished.
 
         ``tokens`` is ``[n, stride]``; only its first ``max_run`` columns can be accepted.
-        With ``verifies``, each row's accept length is recorded as one settled verify.
+        With ``verifies``, each row's accept length is recorded as one settled verify, with the
+        drafts it verified (``verified``; None: ``stride - 1``, the round's width).
         ``logprobs`` (``[n, stride]``, aligned with ``tokens``) are stored with the tokens.
         Returns None when nobody reached a stop or the cap (the common case), else the rows
         that did, with where their first stop lies.
@@ -348,7 +377,18 @@ class OutputTable:
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
-            self._accepts[rounds, slots] = accept
+            self._verifies[0, rounds, slots] = accept
+            drafts = tokens.shape[1] - 1
+            if verified is None:  # every row verified the round's width
+                self._verifies[1, rounds, slots] = drafts
+                self._num_verified_drafts += drafts * slots.size
+                self._verified_by_position[:drafts] += slots.size
+            else:
+                self._verifies[1, rounds, slots] = verified
+                self._num_verified_drafts += int(verified.sum())
+                self._verified_by_position[:drafts] += (
+                    verified[:, None] > self._steps[:drafts]
+                ).sum(axis=0)
             self._rounds[slots] = rounds + 1
             self._histogram += np.bincount(accept, minlength=self._histogram.size)
         hit = run == stops[:, :1]  # the common case: one stop id (EOS) per row

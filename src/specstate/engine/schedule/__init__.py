@@ -1,0 +1,1 @@
+"""Scheduling: intake checks, admission, chunked prefill, the persistent decode rows, retraction."""

@@ -1,0 +1,1 @@
+"""Settlement: the result processor, the output table and the one place a request ends."""
