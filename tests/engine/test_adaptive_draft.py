@@ -19,6 +19,7 @@ import pytest
 from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import (
+    FAMILIES,
     MIXED_PROMPTS,
     SpecCheckpoints,
     make_partial_drafters,
@@ -42,7 +43,7 @@ from specstate.engine.draft_policy import AcceptanceEma
 from specstate.tools.timed_worker import TimedWaitWorker
 
 NEW_TOKENS = 24
-SPECULATIVE = ("draft_model", "eagle", "ngram")
+SPECULATIVE = ("draft_model", "eagle", "ngram", *FAMILIES)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,14 @@ from collections import Counter
 
 import pytest
 from hf_oracle import greedy
-from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
+from spec_checkpoints import (
+    ALGORITHMS,
+    FAMILIES,
+    MIXED_PROMPTS,
+    SpecCheckpoints,
+    family_options,
+    make_spec_checkpoints,
+)
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.config import EngineConfig
@@ -68,7 +75,7 @@ def _drive(engine: Engine, max_steps: int = 300) -> None:
     [
         (a, o, p, c)
         for a, o, (p, c) in itertools.product(
-            ALGORITHMS, [False, True], [(1, (None, False)), (16, (4, True))]
+            [*ALGORITHMS, *FAMILIES], [False, True], [(1, (None, False)), (16, (4, True))]
         )
     ],
 )
@@ -80,6 +87,8 @@ def test_no_op_mixes_host_and_device_tensors(
     chunking: tuple[int | None, bool],
 ) -> None:
     """Every op keeps to one side; the device-path engine is still exact."""
+    if algorithm in FAMILIES:  # its drafter is built by test code: before the audit starts
+        family_options(ckpt.target, algorithm)
     audit = DeviceAudit()
     config = EngineConfig(
         device="cpu:0",

@@ -15,6 +15,7 @@ from collections import defaultdict
 import pytest
 from hf_oracle import greedy
 from spec_checkpoints import (
+    FAMILIES,
     MIXED_PROMPTS,
     SpecCheckpoints,
 )
@@ -40,10 +41,13 @@ def ckpt(partial_ckpt: SpecCheckpoints) -> SpecCheckpoints:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_streamed_tokens_are_the_emitted_tokens(ckpt: SpecCheckpoints, overlap: bool) -> None:
+@pytest.mark.parametrize("algorithm", ["eagle", *FAMILIES])
+def test_streamed_tokens_are_the_emitted_tokens(
+    ckpt: SpecCheckpoints, algorithm: str, overlap: bool
+) -> None:
     """Each token once, in order; the finish on the last event; retractions and an abort."""
     engine = Engine(
-        ckpt.worker("eagle", agreeing=False),
+        ckpt.worker(algorithm, agreeing=False),
         limits=RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64),
         config=EngineConfig(
             overlap=overlap,

@@ -30,7 +30,7 @@ from grammar_oracle import (
     hf_grammar_scored,
     matches,
 )
-from spec_checkpoints import ALGORITHMS, MIXED_PROMPTS, SpecCheckpoints
+from spec_checkpoints import ALGORITHMS, FAMILIES, MIXED_PROMPTS, SpecCheckpoints
 
 from specstate import Req, RequestLimits, SamplingParams
 from specstate.engine.capabilities.grammar import GrammarSnapshot
@@ -114,10 +114,14 @@ def check_outputs(served: Served, expected: list[list[int]]) -> None:
 
 
 MATRIX = list(itertools.product(ALGORITHMS, [False, True], [1, 16], [(None, False), (4, True)]))
+FAMILY_MATRIX: list[tuple[str, bool, int, tuple[int | None, bool]]] = list(
+    itertools.product(FAMILIES, [False, True], [16], [(4, True)])
+)
+"""The hidden-state drafters: both loops at page 16 with chunked, mixed prefill."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "overlap", "page_size", "chunking"), MATRIX)
+@pytest.mark.parametrize(("algorithm", "overlap", "page_size", "chunking"), MATRIX + FAMILY_MATRIX)
 def test_grammar_lossless_matrix(
     partial_ckpt: SpecCheckpoints,
     expected: list[list[int]],
@@ -142,7 +146,7 @@ def test_grammar_lossless_matrix(
         assert grammar.num_rollbacks > 0 and grammar.num_rolled_back_tokens > 0
     if algorithm == "ngram":
         assert grammar.num_pruned_drafts > 0  # the history proposed what the grammar refuses
-    if algorithm in ("draft_model", "eagle"):
+    if algorithm in ("draft_model", "eagle", *FAMILIES):
         assert any(1 < a < STEPS + 1 for a in served.histogram), served.histogram
 
 

@@ -15,6 +15,7 @@ from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import (
     ALGORITHMS,
+    FAMILIES,
     MIXED_PROMPTS,
     SpecCheckpoints,
 )
@@ -67,7 +68,7 @@ def serve(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, *FAMILIES])
 def test_mixed_batch_is_lossless_and_non_speculative_rows_accept_one(
     ckpt: SpecCheckpoints, expected: list[list[int]], algorithm: str, overlap: bool
 ) -> None:
@@ -87,7 +88,7 @@ def test_mixed_batch_is_lossless_and_non_speculative_rows_accept_one(
         assert any(1 < a < STEPS + 1 for r in speculating for a in r.accept_lengths)
 
 
-@pytest.mark.parametrize("algorithm", ["draft_model", "eagle", "ngram"])
+@pytest.mark.parametrize("algorithm", ["draft_model", "eagle", "ngram", *FAMILIES])
 def test_a_seeded_sampled_request_emits_the_same_tokens_with_or_without_speculation(
     ckpt: SpecCheckpoints, algorithm: str
 ) -> None:

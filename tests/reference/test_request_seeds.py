@@ -14,8 +14,10 @@ from collections.abc import Sequence
 import pytest
 from engine_driver import DriveLog, run_checked
 from spec_checkpoints import (
+    FAMILIES,
     MIXED_PROMPTS,
     SpecCheckpoints,
+    family_options,
 )
 
 from specstate import RequestLimits, SamplingParams
@@ -53,6 +55,8 @@ def worker_of(ckpt: SpecCheckpoints, algorithm: str, *, worker_seed: int = 0) ->
         options["draft"] = ckpt.draft
     if algorithm == "eagle":
         options["eagle"] = ckpt.eagle
+    if algorithm in FAMILIES:
+        options.update(family_options(ckpt.target, algorithm))
     return default_registry().create(algorithm, **options)
 
 
@@ -100,6 +104,11 @@ def test_a_seeded_request_emits_the_same_tokens_whatever_happens_around_it(
             worker_of(ckpt, "eagle"), ckpt, mates, overlap=True, chunked_prefill=3, mixed_chunk=True
         ),
         "ngram, normal": run(worker_of(ckpt, "ngram"), ckpt, mates[2:], overlap=False),
+        "mtp, page 16": run(worker_of(ckpt, "mtp"), ckpt, mates, overlap=True, page_size=16),
+        "eagle3, normal": run(worker_of(ckpt, "eagle3"), ckpt, mates, overlap=False),
+        "frozen_kv_mtp, chunked": run(
+            worker_of(ckpt, "frozen_kv_mtp"), ckpt, mates, overlap=True, chunked_prefill=3
+        ),
         "retracted under KV pressure": run(
             worker_of(ckpt, "draft_model"), ckpt, mates, overlap=True, kv_tokens=120, page_size=4
         ),

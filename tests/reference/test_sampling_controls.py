@@ -14,6 +14,7 @@ from controls_oracle import Controls, hf_greedy
 from engine_driver import DriveLog, run_checked
 from spec_checkpoints import (
     ALGORITHMS,
+    FAMILIES,
     MIXED_PROMPTS,
     SpecCheckpoints,
 )
@@ -124,7 +125,7 @@ def assert_matches(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, *FAMILIES])
 def test_penalties_and_min_new_tokens_equal_hf(
     ckpt: SpecCheckpoints,
     eos: int,

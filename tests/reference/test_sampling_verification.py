@@ -25,6 +25,7 @@ from sampling_oracle import (
     exact_next_token,
     reference_filter,
 )
+from spec_checkpoints import FAMILIES, family_options
 from transformers import LlamaForCausalLM
 
 from specstate import InvalidConfig, RequestLimits, SamplingInfo, SamplingParams
@@ -84,6 +85,8 @@ def make_worker(models: Models, algorithm: str, *, seed: int) -> WorkerProtocol:
         options["draft"] = models.draft
     if algorithm == "eagle":
         options["eagle"] = models.eagle
+    if algorithm in FAMILIES:
+        options.update(family_options(models.target, algorithm))
     return default_registry().create(algorithm, **options)
 
 
@@ -163,6 +166,9 @@ CASES = [
     pytest.param("draft_model", FILTERED, False, id="draft_model-topk-topp-normal"),
     pytest.param("eagle", T1, True, id="eagle-T1-overlap"),
     pytest.param("ngram", FILTERED, True, id="ngram-topk-topp-overlap"),
+    pytest.param("mtp", T1, True, id="mtp-T1-overlap"),
+    pytest.param("eagle3", FILTERED, False, id="eagle3-topk-topp-normal"),
+    pytest.param("frozen_kv_mtp", T1, True, id="frozen_kv_mtp-T1-overlap"),
 ]
 
 

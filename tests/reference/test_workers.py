@@ -431,8 +431,17 @@ def test_ngram_history_drafts_the_continuation_of_the_latest_match() -> None:
 
 
 def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints) -> None:
-    """default_registry holds the four algorithms; each worker satisfies WorkerProtocol."""
-    assert default_registry().names() == ("draft_model", "eagle", "ngram", "none")
+    """default_registry holds every algorithm; each of the four built here satisfies
+    WorkerProtocol (the hidden-state drafters have their own tests)."""
+    assert default_registry().names() == (
+        "draft_model",
+        "eagle",
+        "eagle3",
+        "frozen_kv_mtp",
+        "mtp",
+        "ngram",
+        "none",
+    )
     for algorithm in ALGORITHMS:
         worker = build(algorithm, ckpt)
         assert isinstance(worker, WorkerProtocol)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 from hf_oracle import greedy
-from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
+from spec_checkpoints import FAMILIES, MIXED_PROMPTS, SpecCheckpoints
 from spy_worker import SpyWorker
 
 from specstate import (
@@ -121,6 +121,29 @@ def test_concurrent_streams_emit_hf_greedy_tokens(partial_ckpt: SpecCheckpoints)
     for prompt, (tokens, finish) in zip(MIXED_PROMPTS, outs, strict=True):
         assert tokens == greedy(partial_ckpt.hf, prompt, NEW)
         assert finish.reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("algorithm", FAMILIES)
+def test_every_hidden_state_family_streams_hf_greedy_tokens(
+    partial_ckpt: SpecCheckpoints, algorithm: str
+) -> None:
+    """mtp, eagle3 and frozen_kv_mtp behind the async front: HF's tokens, partial acceptance."""
+
+    async def main() -> list[tuple[list[int], FinishState]]:
+        worker = partial_ckpt.worker(algorithm, num_steps=3, agreeing=False)
+        async with AsyncEngine(spec_engine(partial_ckpt, worker, overlap=True)) as front:
+            streams = [
+                await front.submit(f"r{i}", p, SamplingParams(max_new_tokens=NEW))
+                for i, p in enumerate(MIXED_PROMPTS)
+            ]
+            outs = await asyncio.gather(*(collect(s) for s in streams))
+            accept = [n for s in streams for n in s.accept_lengths]
+            assert 1 < sum(accept) / len(accept) < 4
+            await assert_released(front)
+            return outs
+
+    for prompt, (tokens, _) in zip(MIXED_PROMPTS, run(main()), strict=True):
+        assert tokens == greedy(partial_ckpt.hf, prompt, NEW)
 
 
 def test_generate_yields_tokens_then_the_finish_last(partial_ckpt: SpecCheckpoints) -> None:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import GenerationMixin, LlamaConfig, LlamaForCausalLM
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch intra-op thread inside the block (a module fixture builds before the per-test
+    `one_torch_thread` fixture applies; tiny models on shared cores spin-wait with more)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_checkpoint(

@@ -5,26 +5,37 @@ untested. So besides random drafters, this builds drafters that agree with the t
 
 * ``draft_model`` with the target itself as the drafter (every draft accepted);
 * an EAGLE head equal to a one-layer target (fc passes the embedding; the layer and the norm are
-  the target's), so its drafts are the target's own greedy tokens.
+  the target's), so its drafts are the target's own greedy tokens;
+* for the hidden-state drafter families (``FAMILIES``), built on first use next to the target:
+  two MTP layers derived from the target (`mtp_oracle.derived_mtp_layers`), an EAGLE-3 head
+  reading the target's one layer three times, derived and trained briefly on the standard
+  prompts (`eagle3_oracle`), and a Frozen-KV assistant derived from the target
+  (`frozen_oracle`); each agrees with the target partly.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import attrs
 import torch
-from hf_oracle import make_checkpoint
+from hf_oracle import make_checkpoint, one_thread
 from transformers import LlamaForCausalLM
 
 from specstate.engine.worker import WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
+from specstate.reference.eagle3_head import save_eagle3_head
 from specstate.reference.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
+from specstate.reference.frozen_kv_head import save_frozen_kv_assistant
 from specstate.reference.model import PagedLlama
+from specstate.reference.mtp import save_mtp_layers
 from specstate.reference.workers import default_registry
 
 ALGORITHMS = ("none", "draft_model", "eagle", "ngram")
+FAMILIES = ("mtp", "eagle3", "frozen_kv_mtp")
+"""The hidden-state drafter families (`SpecCheckpoints.worker` builds their drafters lazily)."""
 
 MIXED_PROMPTS = (
     (3, 14, 15, 92, 65, 35, 89),
@@ -68,7 +79,46 @@ class SpecCheckpoints:
             options["draft"] = self.target if agreeing else self.draft
         if algorithm == "eagle":
             options["eagle"] = self.eagle
+        if algorithm in FAMILIES:
+            options.update(family_options(self.target, algorithm))
         return default_registry().create(algorithm, **options)
+
+
+def family_options(target: Path, algorithm: str) -> dict[str, object]:
+    """The options of a hidden-state family's worker on ``target``, its drafter built on first
+    use next to it (a directory that already exists is reused)."""
+    with one_thread():
+        return _family_options(target, algorithm)
+
+
+def _family_options(target: Path, algorithm: str) -> dict[str, object]:
+    from eagle3_oracle import derived_eagle3_head, distill
+    from frozen_oracle import derived_assistant
+    from mtp_oracle import derived_mtp_layers
+
+    root = target.parent
+    paged = load_paged_llama(target, num_token_slots=2)
+    if algorithm == "mtp":
+        directory = root / "with_mtp"
+        if not directory.exists():
+            shutil.copytree(target, directory)
+            save_mtp_layers(derived_mtp_layers(paged, 2, noise=0.1, seed=31), directory)
+        return {"target": directory}
+    if algorithm == "eagle3":
+        directory = root / "eagle3"
+        if not directory.exists():
+            hf = LlamaForCausalLM.from_pretrained(target)
+            head = derived_eagle3_head(
+                paged, (0, 0, 0), draft_vocab_size=paged.config.vocab_size - 9, seed=41
+            )
+            vocab = paged.config.vocab_size
+            prompts = [[t % vocab for t in p] for p in MIXED_PROMPTS]
+            save_eagle3_head(distill(head, hf, prompts), directory)
+        return {"eagle3": directory}
+    directory = root / "assistant"
+    if not directory.exists():
+        save_frozen_kv_assistant(derived_assistant(paged, state_weight=0.3), directory)
+    return {"assistant": directory}
 
 
 def make_spec_checkpoints(

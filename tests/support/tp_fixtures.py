@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hf_oracle import make_checkpoint
 from margin_screen import screen
-from spec_checkpoints import SpecCheckpoints
+from spec_checkpoints import SpecCheckpoints, family_options
 from tp_matrix import NEW_TOKENS, matrix_scenarios
 from tp_programs import LIMITS_VOCAB, healthy_programs
 
@@ -23,8 +23,12 @@ from specstate.distributed import spawn_ranks
 
 @pytest.fixture(scope="session")
 def tp_paths(partial_ckpt: SpecCheckpoints) -> dict[str, str]:
-    """The partly agreeing checkpoints (target, draft, eagle), as paths the ranks load."""
-    return {k: str(getattr(partial_ckpt, k)) for k in ("target", "draft", "eagle")}
+    """The partly agreeing checkpoints (target, draft, eagle; the target with MTP layers, an
+    EAGLE-3 head), as paths the ranks load."""
+    paths = {k: str(getattr(partial_ckpt, k)) for k in ("target", "draft", "eagle")}
+    paths["mtp_target"] = str(family_options(partial_ckpt.target, "mtp")["target"])
+    paths["eagle3"] = str(family_options(partial_ckpt.target, "eagle3")["eagle3"])
+    return paths
 
 
 @pytest.fixture(scope="session")

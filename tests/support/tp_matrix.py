@@ -1,9 +1,9 @@
 """Test-only: the tensor-parallel lossless matrix (`tests/distributed/test_tp_lossless.py`).
 
-Every algorithm (chain and tree) in two configurations (normal loop at page 1; overlap loop at
-page 16 with chunked prefill, mixed chunks and an abort), KV pressure with retraction, and the
-adaptive draft width, each serving the same margin-screened greedy prompts plus a seeded and an
-unseeded sampled request.
+Every algorithm (chain and tree; mtp and eagle3 among them) in two configurations (normal
+loop at page 1; overlap loop at page 16 with chunked prefill, mixed chunks and an abort), KV
+pressure with retraction, and the adaptive draft width, each serving the same margin-screened
+greedy prompts plus a seeded and an unseeded sampled request.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "draft_model_tree": ("draft_model", TREE),
     "eagle": ("eagle", {}),
     "eagle_tree": ("eagle", TREE),
+    "mtp": ("mtp", {}),
+    "eagle3": ("eagle3", {}),
+    "eagle3_tree": ("eagle3", TREE),
 }
 TREE_CAPS = tree_capabilities("eagle", num_steps=3, topk=2, num_draft_tokens=6)
 CHECKED = EngineConfig(check_invariants=True, check_ownership=True, debug_relay=True)

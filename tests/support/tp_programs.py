@@ -220,12 +220,16 @@ class FaultyWorker:
 def reference_worker(ckpt: dict[str, str], algorithm: str, **options: object) -> WorkerProtocol:
     """A reference worker on the test checkpoints (``ckpt``: target, draft, eagle paths)."""
     opts: dict[str, object] = {"target": ckpt["target"], **options}
-    if algorithm in ("draft_model", "eagle", "ngram"):
+    if algorithm in ("draft_model", "eagle", "ngram", "mtp", "eagle3"):
         opts.setdefault("num_steps", 3)
     if algorithm == "draft_model":
         opts.setdefault("draft", ckpt["draft"])
     if algorithm == "eagle":
         opts["eagle"] = ckpt["eagle"]
+    if algorithm == "mtp":
+        opts["target"] = ckpt["mtp_target"]
+    if algorithm == "eagle3":
+        opts["eagle3"] = ckpt["eagle3"]
     return default_registry().create(algorithm, **opts)
 
 

@@ -16,13 +16,23 @@ import attrs
 import pytest
 import torch
 from hf_oracle import greedy
-from spec_checkpoints import ALGORITHMS, SpecCheckpoints, make_spec_checkpoints
+from mtp_oracle import MtpCheckpoints, make_mtp_checkpoints
+from planted_workers import ReadsOnePastTheFrontier, WritesUndeclaredKv, planted
+from spec_checkpoints import (
+    ALGORITHMS,
+    FAMILIES,
+    SpecCheckpoints,
+    make_spec_checkpoints,
+)
 from spy_worker import SpyWorker
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import RelayError
 from specstate.engine.worker import OnPublish, WorkerMemory, WorkerProtocol
+from specstate.reference.workers.mtp import MtpWorker
+from specstate.reference.workers.round import VerifiedRound
+from specstate.relay.future_map import RelayPayload
 from specstate.testing.conformance import assert_worker_conforms, check_worker
 from specstate.testing.kit_workload import DEFAULT_PROMPTS
 
@@ -38,7 +48,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, *FAMILIES])
 def test_the_reference_workers_conform(ckpt: SpecCheckpoints, algorithm: str) -> None:
     """Every configuration, every rule, tokens equal to HF generate."""
     assert_worker_conforms(
@@ -403,3 +413,48 @@ def test_a_checkpoint_with_an_eos_needs_its_eos_ids(ckpt: SpecCheckpoints) -> No
     assert_worker_conforms(factory, vocab_size=97, eos_token_ids={eos}, oracle=goes_on)
     report = check_worker(factory, vocab_size=97, oracle=stops_at_eos)
     assert report.rules() == {"tokens"} and "pass the model's eos_token_ids" in str(report)
+
+
+class _RelaysTheFirstPosition(MtpWorker):
+    """A planted draft-state bug: the relayed hidden chain is the round's first position's,
+    not the last accepted one's (right only when a round accepts one token)."""
+
+    def _commit_round(self, verified: VerifiedRound) -> RelayPayload:
+        payload = super()._commit_round(verified)
+        first = verified.target_hidden[:, 0]
+        hidden = payload.hidden_states
+        assert hidden is not None
+        stale = torch.cat([self.layers.target_hidden(first), hidden[:, first.shape[1] :]], dim=1)
+        return attrs.evolve(payload, hidden_states=stale)
+
+
+@pytest.fixture(scope="module")
+def mtp(tmp_path_factory: pytest.TempPathFactory) -> MtpCheckpoints:
+    """Ernie MoE targets with MTP layers that agree partly and lean on the relayed state."""
+    return make_mtp_checkpoints(tmp_path_factory.mktemp("conformance_mtp"))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_hidden_state_from_the_wrong_position_fails_draft_state(
+    mtp: MtpCheckpoints, broken: bool
+) -> None:
+    """Tokens stay right (lossless), but the accept lengths at one frontier disagree between
+    configurations (mixed chunks and the adaptive widths reach it after other rounds): the kit
+    names draft_state, and only for the broken worker."""
+    kind = _RelaysTheFirstPosition if broken else MtpWorker
+    report = check_worker(
+        lambda: kind(target=mtp.multi),
+        vocab_size=mtp.vocab_size,
+        oracle=lambda prompt, n: greedy(mtp.hf_multi, prompt, n),
+    )
+    assert {f.rule for f in report.findings} == ({"draft_state"} if broken else set()), report
+
+
+def test_kv_reads_past_the_frontier_and_undeclared_writes_fail_their_rules(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """The frontier watch's planted workers (`test_frontier_watch`), through the kit."""
+    read = check_worker(lambda: planted(ckpt, ReadsOnePastTheFrontier), vocab_size=97)
+    assert "frontier" in {f.rule for f in read.findings}, read
+    write = check_worker(lambda: planted(ckpt, WritesUndeclaredKv), vocab_size=97)
+    assert "window" in {f.rule for f in write.findings}, write

@@ -233,6 +233,18 @@ def test_engine_bench_reports_each_batch_size(
         assert row["step_us_per_req"] > 0
 
 
+@pytest.mark.parametrize("algorithm", ["mtp", "eagle3", "frozen_kv_mtp"])
+def test_engine_bench_runs_with_each_drafter_family(
+    algorithm: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench engine --algorithm`: the stand-in has the family's shape; rounds are timed."""
+    argv = ["bench", "engine", "--batch-sizes", "1,4", "--rounds", "5", "--algorithm", algorithm]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["algorithm"] == algorithm
+    assert all(row["step_us"]["median"] > 0 for row in out["results"])
+
+
 def test_engine_bench_table(capsys: pytest.CaptureFixture[str]) -> None:
     """Without --json, one table row per batch size."""
     assert main(["bench", "engine", "--batch-sizes", "2", "--rounds", "3", "--page-size", "1"]) == 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
 from specstate.tools import host_workload as wl
 from specstate.tools.bench_host import HostSettings, host_benchmark
+from specstate.tools.draft_shapes import DRAFT_SHAPES
 
 
 def test_the_steady_workload_keeps_its_documented_draws() -> None:
@@ -90,3 +92,22 @@ def test_device_work_is_modelled_as_launches(monkeypatch: pytest.MonkeyPatch) ->
     assert len(spins) == sum(launches.values())
     assert ReqToTokenPool._store is counted_store
     assert (write_log._gather, write_log._patch_rows) == (counted_gather, counted_patch)
+
+
+@pytest.mark.parametrize("algorithm", sorted(DRAFT_SHAPES))
+def test_every_drafter_family_replays_through_the_same_round(algorithm: str) -> None:
+    """`bench host --algorithm`: the stand-in declares the family and relays its extras; the
+    same requests finish the same way (the workload digest does not depend on the family)."""
+    settings = HostSettings(
+        page_sizes=(16,), batch_sizes=(6,), iters=20, warmup=2, repeats=1, launch_us=0.0,
+        algorithm=algorithm,
+    )  # fmt: skip
+    report = host_benchmark(settings)
+    config = report["config"]
+    assert isinstance(config, dict) and config["algorithm"].startswith(f"{algorithm} chain")
+    results = report["results"]
+    assert isinstance(results, list)
+    eagle = host_benchmark(attrs.evolve(settings, algorithm="eagle"))["results"]
+    assert isinstance(eagle, list)
+    assert results[0]["workload_digest"] == eagle[0]["workload_digest"]
+    assert results[0]["finished_requests"] == eagle[0]["finished_requests"] > 0

@@ -2,7 +2,8 @@
 
 Its attention reads and writes KV only through ``req_to_token`` / ``out_cache_loc``, so any
 bookkeeping error in the scheduling state shows up as wrong tokens. `default_registry` builds
-the workers (``none``, ``draft_model``, ``eagle``, ``ngram``) that implement `WorkerProtocol`.
+the workers (``none``, ``draft_model``, ``eagle``, ``ngram``, and the hidden-state drafters ``mtp``,
+``eagle3`` and ``frozen_kv_mtp``) that implement `WorkerProtocol`.
 """
 
 from __future__ import annotations

@@ -13,10 +13,15 @@ Accepted ``config.json`` dialects: transformers >= 5 writes ``rope_parameters``
 ``rope_theta`` / ``rope_scaling`` and ``torch_dtype``. Only default RoPE is supported. Written
 configs carry both dialects so either transformers major version reads them.
 
+An Ernie 4.5 MoE checkpoint (``model_type`` ``ernie4_5_moe``: a Llama with interleaved RoPE and
+sparse MLP layers) reads into the same `PagedLlama`; `specstate.reference.ernie` owns that
+dialect.
+
 Tensor policy: every expected tensor must be present with its exact shape; tensors this model
 has no place for are rejected (they mean an architecture it would silently compute wrong, such
 as projection biases), except two HF itself ignores: ``*.rotary_emb.inv_freq`` buffers of old
-checkpoints and ``lm_head.weight`` when ``tie_word_embeddings`` is true.
+checkpoints and ``lm_head.weight`` when ``tie_word_embeddings`` is true; and the ``mtp.*``
+tensors of a target's multi-token-prediction layers, which `specstate.reference.mtp` reads.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specstate.core.errors import InvalidConfig
+from specstate.reference.ernie import (
+    ERNIE_MOE_MODEL_TYPE,
+    ernie_config_fields,
+    moe_mlp_shapes,
+    read_moe_config,
+)
 from specstate.reference.model import ModelConfig, PagedLlama
 from specstate.reference.tensor_parallel import shard_state
 
@@ -45,6 +56,7 @@ __all__ = [
     "INDEX_FILE",
     "WEIGHTS_FILE",
     "from_hf_config",
+    "layer_shapes",
     "load_paged_llama",
     "read_config_json",
     "read_float_field",
@@ -60,6 +72,7 @@ WEIGHTS_FILE: Final = "model.safetensors"
 INDEX_FILE: Final = "model.safetensors.index.json"
 DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _IGNORED_SUFFIX: Final = ".rotary_emb.inv_freq"
+_MTP_PREFIX: Final = "mtp."
 _DEFAULT_ROPE_KEYS: Final = frozenset({"rope_type", "type", "rope_theta"})
 
 StrPath = str | os.PathLike[str]
@@ -123,10 +136,10 @@ def _check_llama_shaped(raw: Mapping[str, object], path: StrPath) -> None:
     """Rejects configs that are not a plain Llama (other model types, biases, activations)."""
     architectures = raw.get("architectures")
     is_llama_arch = isinstance(architectures, list) and "LlamaForCausalLM" in architectures
-    if raw.get("model_type") != "llama" and not is_llama_arch:
+    if raw.get("model_type") not in ("llama", ERNIE_MOE_MODEL_TYPE) and not is_llama_arch:
         raise InvalidConfig(
             f"{path}: field 'model_type' is {raw.get('model_type')!r} (architectures"
-            f" {architectures!r}); expected 'llama' or LlamaForCausalLM"
+            f" {architectures!r}); expected 'llama' ({ERNIE_MOE_MODEL_TYPE!r}) or LlamaForCausalLM"
         )
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidConfig(f"{path}: field 'hidden_act' is {raw['hidden_act']!r}; need 'silu'")
@@ -155,6 +168,8 @@ def from_hf_config(raw: Mapping[str, object], path: StrPath) -> ModelConfig:
     bos = _token_ids(raw, "bos_token_id", path)
     if len(bos) > 1:
         raise InvalidConfig(f"{path}: field 'bos_token_id' must be null or one id, got {bos}")
+    ernie = raw.get("model_type") == ERNIE_MOE_MODEL_TYPE  # ties its embeddings by default
+    moe = read_moe_config(raw, path) if ernie else None
     try:
         return ModelConfig(
             vocab_size=read_int_field(raw, "vocab_size", path),
@@ -169,19 +184,23 @@ def from_hf_config(raw: Mapping[str, object], path: StrPath) -> ModelConfig:
             max_position_embeddings=read_int_field(
                 raw, "max_position_embeddings", path, default=2048
             ),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False) is True,
+            tie_word_embeddings=raw.get("tie_word_embeddings", ernie) is True,
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=_token_ids(raw, "eos_token_id", path),
             dtype=DTYPES[dtype_name],
+            moe=moe,
+            rope_interleaved=ernie,
         )
     except InvalidConfig as error:
         raise InvalidConfig(f"{path}: {error}") from None
 
 
 def to_hf_config(config: ModelConfig) -> dict[str, object]:
-    """Returns the ``config.json`` object transformers' ``LlamaForCausalLM`` loads (4.x and 5.x)."""
+    """Returns the ``config.json`` object transformers' ``LlamaForCausalLM`` loads (4.x and 5.x),
+    or its ``Ernie4_5_MoeForCausalLM`` for a config with sparse layers."""
     dtype_name = str(config.dtype).removeprefix("torch.")
     eos = config.eos_token_ids
+    ernie = ernie_config_fields(config) if config.moe is not None else {}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -204,6 +223,7 @@ def to_hf_config(config: ModelConfig) -> dict[str, object]:
         "eos_token_id": None if not eos else eos[0] if len(eos) == 1 else list(eos),
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
+        **ernie,
     }
 
 
@@ -238,9 +258,9 @@ def read_model_config(directory: StrPath) -> ModelConfig:
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a checkpoint of ``config``."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows = config.num_attention_heads * config.head_dim
-    kv_rows = config.num_key_value_heads * config.head_dim
+    hidden, _inter = config.hidden_size, config.intermediate_size
+    config.num_attention_heads * config.head_dim
+    config.num_key_value_heads * config.head_dim
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
         "model.norm.weight": (hidden,),
@@ -248,19 +268,30 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        shapes |= {
-            layer + "self_attn.q_proj.weight": (q_rows, hidden),
-            layer + "self_attn.k_proj.weight": (kv_rows, hidden),
-            layer + "self_attn.v_proj.weight": (kv_rows, hidden),
-            layer + "self_attn.o_proj.weight": (hidden, q_rows),
-            layer + "mlp.gate_proj.weight": (inter, hidden),
-            layer + "mlp.up_proj.weight": (inter, hidden),
-            layer + "mlp.down_proj.weight": (hidden, inter),
-            layer + "input_layernorm.weight": (hidden,),
-            layer + "post_attention_layernorm.weight": (hidden,),
-        }
+        shapes |= layer_shapes(f"model.layers.{i}.", config, i)
     return shapes
+
+
+def layer_shapes(prefix: str, config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of decoder layer ``layer`` of ``config``, names under ``prefix``."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    shapes = {
+        prefix + "self_attn.q_proj.weight": (q_rows, hidden),
+        prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
+        prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
+        prefix + "self_attn.o_proj.weight": (hidden, q_rows),
+        prefix + "input_layernorm.weight": (hidden,),
+        prefix + "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.moe is not None and config.moe.is_sparse(layer):
+        return shapes | moe_mlp_shapes(prefix + "mlp.", config)
+    return shapes | {
+        prefix + "mlp.gate_proj.weight": (inter, hidden),
+        prefix + "mlp.up_proj.weight": (inter, hidden),
+        prefix + "mlp.down_proj.weight": (hidden, inter),
+    }
 
 
 def _tensor_files(root: Path) -> tuple[Path, dict[str, Path]]:
@@ -284,8 +315,10 @@ def _tensor_files(root: Path) -> tuple[Path, dict[str, Path]]:
 
 def _is_ignored(name: str, config: ModelConfig) -> bool:
     """True for tensors HF itself ignores (see the module docstring)."""
-    return name.endswith(_IGNORED_SUFFIX) or (
-        config.tie_word_embeddings and name == "lm_head.weight"
+    return (
+        name.endswith(_IGNORED_SUFFIX)
+        or name.startswith(_MTP_PREFIX)
+        or (config.tie_word_embeddings and name == "lm_head.weight")
     )
 
 

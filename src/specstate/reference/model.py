@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
+from specstate.reference.moe import MoeBlock, MoeConfig
 
 if TYPE_CHECKING:
     from specstate.engine.worker import ParallelGroup
@@ -49,12 +50,14 @@ __all__ = [
     "DecoderLayer",
     "ForwardPlan",
     "KvCache",
+    "KvObserver",
     "ModelConfig",
     "ModelOutput",
     "PagedLlama",
     "RMSNorm",
     "TreeAttentionBatch",
     "TreeMask",
+    "apply_rope",
     "paged_attention",
     "plan_forward",
     "shard_config",
@@ -64,6 +67,10 @@ __all__ = [
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """The shape and numerics of a Llama-architecture model (HF ``LlamaConfig``, default RoPE).
+
+    Two variations serve Ernie 4.5 MoE (HF ``Ernie4_5_MoeConfig``): ``moe`` makes some layers'
+    MLP a `MoeBlock`, and ``rope_interleaved`` rotates adjacent pairs ``(2i, 2i + 1)`` instead of
+    the halves ``(i, i + head_dim / 2)``.
 
     Invariant: every size is >= 1, ``num_attention_heads % num_key_value_heads == 0``,
     ``head_dim`` is even (RoPE rotates halves), ``rms_norm_eps > 0`` and ``rope_theta > 0``.
@@ -84,6 +91,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    moe: MoeConfig | None = None
+    rope_interleaved: bool = False
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(type(self)):
@@ -121,6 +130,8 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.moe is not None:
+        sizes["moe.intermediate_size"] = config.moe.intermediate_size
     for name, size in sizes.items():
         if world_size < 1 or size % world_size:
             raise InvalidConfig(
@@ -132,7 +143,22 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // world_size,
         num_key_value_heads=config.num_key_value_heads // world_size,
         intermediate_size=config.intermediate_size // world_size,
+        moe=None
+        if config.moe is None
+        else attrs.evolve(config.moe, intermediate_size=config.moe.intermediate_size // world_size),
     )
+
+
+class KvObserver(Protocol):
+    """Told of every access to a `KvCache` it observes (a test's watch, `KvCache.observe`)."""
+
+    def kv_written(self, cache: KvCache, slots: torch.Tensor) -> None:
+        """``slots`` (any shape) were just written."""
+        ...
+
+    def kv_read(self, cache: KvCache, slots: torch.Tensor) -> None:
+        """``slots`` (any shape) are being read."""
+        ...
 
 
 @attrs.define
@@ -141,11 +167,18 @@ class KvCache:
 
     Invariant: every buffer is ``[num_token_slots, num_kv_heads, head_dim]``; slot 0 is the
     padding slot, so padding rows may write there and no real token is ever stored there.
-    Buffers change only through `write`; `gather` returns copies.
+    Buffers change only through `write`; `gather` returns copies. Observers (`observe`) are told
+    of every write and read, in order, on the thread that makes it.
     """
 
     _keys: list[torch.Tensor]
     _values: list[torch.Tensor]
+    _observers: list[KvObserver] = attrs.field(factory=list)
+
+    def observe(self, observer: KvObserver) -> Callable[[], None]:
+        """Tell ``observer`` of every access from now on; returns the call that stops it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     @classmethod
     def allocate(
@@ -189,9 +222,13 @@ class KvCache:
         """
         self._keys[layer].index_copy_(0, loc, k)
         self._values[layer].index_copy_(0, loc, v)
+        for observer in self._observers:
+            observer.kv_written(self, loc)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns copies of the K and V of ``layer`` at ``slots`` (any shape; adds 2 dims)."""
+        for observer in self._observers:
+            observer.kv_read(self, slots)
         return self._keys[layer][slots], self._values[layer][slots]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -202,9 +239,13 @@ class KvCache:
         for padding slot 0, as in `write`.
         """
         src, dst = src.long(), dst.long()
+        for observer in self._observers:
+            observer.kv_read(self, src)
         for keys, values in zip(self._keys, self._values, strict=True):
             keys.index_copy_(0, dst, keys.index_select(0, src))
             values.index_copy_(0, dst, values.index_select(0, src))
+        for observer in self._observers:
+            observer.kv_written(self, dst)
 
 
 @attrs.frozen(kw_only=True)
@@ -307,7 +348,8 @@ class ModelOutput:
         logits: ``[T, vocab]`` float32, or ``[R, vocab]`` for the ``R`` rows selected by
             ``logit_rows`` at forward.
         hidden_states: ``[T, hidden]`` — the last decoder layer's output *before* the final
-            RMSNorm (the residual stream EAGLE-style draft heads consume), always all rows.
+            RMSNorm (the residual stream EAGLE-style draft heads consume), always all rows; or,
+            when a forward names ``feature_layers``, those layers' outputs side by side.
     """
 
     logits: torch.Tensor
@@ -325,6 +367,7 @@ class ForwardPlan:
     token_offset: torch.Tensor  # [T] i: the token's index within its request's extend
     kv_slots: torch.Tensor  # [B, max_kv] token slots each request reads, 0 past its kv_len
     mask: torch.Tensor  # [B, 1, max_ext, max_kv] True where query i may attend column j
+    rope_interleaved: bool = False  # rotate pairs (2i, 2i+1), not halves (ModelConfig)
 
 
 def _check_lengths(batch: AttentionBatch) -> int:
@@ -379,7 +422,9 @@ def plan_forward(batch: AttentionBatch, config: ModelConfig, num_token_slots: in
         mask = _tree_mask(batch.tree, token_req, token_offset, ext, cols, max_ext)[:, None]
     cos, sin = _rope(batch.positions, config)
     out_cache_loc = batch.out_cache_loc.long()
-    return ForwardPlan(cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask)
+    return ForwardPlan(
+        cos, sin, out_cache_loc, token_req, token_offset, kv_slots, mask, config.rope_interleaved
+    )
 
 
 def _tree_mask(
@@ -410,19 +455,40 @@ def _tree_mask(
 
 
 def _rope(positions: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default-RoPE cos/sin ``[T, 1, head_dim]`` in float32 (HF's computation)."""
+    """Default-RoPE cos/sin ``[T, 1, head_dim]`` in float32 (HF's computation).
+
+    Rotate-half layout: angle ``i`` at columns ``i`` and ``i + head_dim / 2``; interleaved
+    (``config.rope_interleaved``): at columns ``2i`` and ``2i + 1``.
+    """
     exponents = torch.arange(0, config.head_dim, 2, device=positions.device).float()
     inv_freq = 1.0 / (config.rope_theta ** (exponents / config.head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if config.rope_interleaved:
+        emb = freqs.repeat_interleave(2, dim=-1)[:, None, :]
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos(), emb.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, head_dim]`` by the positions' angles (rotate-half layout)."""
+def _apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotates ``x`` ``[T, heads, head_dim]`` by the positions' angles (see `_rope`).
+
+    Interleaved, HF Ernie's computation: in float32, cast back to ``x``'s dtype.
+    """
+    if interleaved:
+        pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        return (x.float() * cos + pairs.float() * sin).to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    """``x`` ``[T, heads, head_dim]`` (queries or keys of the plan's tokens) rotated to their
+    positions, in the plan's RoPE layout: what every attention layer of the model does."""
+    return _apply_rope(x, plan.cos, plan.sin, interleaved=plan.rope_interleaved)
 
 
 class RMSNorm(nn.Module):
@@ -456,8 +522,8 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: ForwardPlan, cache: KvCache) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens = x.shape[0]
-        q = _apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan.cos, plan.sin)
-        k = _apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan.cos, plan.sin)
+        q = apply_rope(self.q_proj(x).view(num_tokens, heads, dim), plan)
+        k = apply_rope(self.k_proj(x).view(num_tokens, kv_heads, dim), plan)
         v = self.v_proj(x).view(num_tokens, kv_heads, dim)
         projected: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
         return projected
@@ -507,7 +573,7 @@ class _Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP.
+    """Pre-norm residual block: attention then MLP (a `MoeBlock` where ``config.moe`` says so).
 
     With ``reduce`` (tensor parallelism: this rank holds some heads and some of the MLP), the
     outputs of ``o_proj`` and ``down_proj`` are partial sums that ``reduce`` sums over the ranks
@@ -523,7 +589,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = _Attention(config, layer)
-        self.mlp = _Mlp(config)
+        moe = config.moe
+        self.mlp: nn.Module
+        if moe is not None and moe.is_sparse(layer):
+            self.mlp = MoeBlock(moe, config.hidden_size, width=moe.intermediate_size, reduce=reduce)
+            self._mlp_reduces = False  # the block reduces its own partial sums
+        else:
+            self.mlp = _Mlp(config)
+            self._mlp_reduces = reduce is not None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._reduce = reduce
@@ -534,7 +607,7 @@ class DecoderLayer(nn.Module):
             attended = self._reduce(attended)
         x = x + attended
         mixed = self.mlp(self.post_attention_layernorm(x))
-        if self._reduce is not None:
+        if self._reduce is not None and self._mlp_reduces:
             mixed = self._reduce(mixed)
         out: torch.Tensor = x + mixed
         return out
@@ -594,7 +667,11 @@ class PagedLlama(nn.Module):
         return self._kv_cache
 
     def forward(
-        self, batch: AttentionBatch, *, logit_rows: torch.Tensor | None = None
+        self,
+        batch: AttentionBatch,
+        *,
+        logit_rows: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> ModelOutput:
         """Runs one extend forward: writes the new tokens' K/V, returns logits and hidden states.
 
@@ -602,16 +679,29 @@ class PagedLlama(nn.Module):
             batch: Tokens and slot tables; see `AttentionBatch` for the invariants.
             logit_rows: Optional ``[R]`` indices into the ``T`` new tokens; only those rows get
                 logits (e.g. the last token of each prefill chunk).
+            feature_layers: return as ``hidden_states`` the outputs (residual stream) of these
+                decoder layers, concatenated ``[T, len(feature_layers) * hidden]`` (the
+                auxiliary hidden states an EAGLE-3 head reads), instead of the last layer's.
 
         Raises:
-            InvalidConfig: The batch is inconsistent with itself or with the KV cache size.
+            InvalidConfig: The batch is inconsistent with itself or with the KV cache size, or a
+                feature layer is outside ``[0, num_hidden_layers)``.
         """
+        wanted = () if feature_layers is None else feature_layers
+        if any(not 0 <= i < self.config.num_hidden_layers for i in wanted):
+            raise InvalidConfig(
+                f"PagedLlama: feature layers {list(wanted)} outside [0, "
+                f"{self.config.num_hidden_layers})"
+            )
         with torch.no_grad():
             plan = plan_forward(batch, self.config, self._kv_cache.num_token_slots)
             x: torch.Tensor = self.embed_tokens(batch.input_ids)
+            outputs: list[torch.Tensor] = []
             for layer in self.layers:
                 x = layer(x, plan, self._kv_cache)
+                outputs.append(x)
             normed = self.norm(x if logit_rows is None else x[logit_rows])
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(normed, head).float()
-        return ModelOutput(logits=logits, hidden_states=x)
+        hidden = x if feature_layers is None else torch.cat([outputs[i] for i in wanted], -1)
+        return ModelOutput(logits=logits, hidden_states=hidden)

@@ -13,6 +13,9 @@ rank ``r`` holds::
     down_proj              row-parallel      cols [r·I/N,    (r+1)·I/N)       then all-reduce
     embed_tokens, norms,   replicated
     lm_head
+    a sparse layer (MoE):  the router replicated; every expert's and the shared experts'
+                           gate/up column-parallel and down row-parallel by their widths
+                           (``I_e / N``, ``S · I_e / N``); one all-reduce of their sum
 
 Query head ``h`` reads KV head ``h // (H/KV)`` as without parallelism: both splits are
 contiguous and ``H/N`` is a multiple of ``H/KV``, so a rank's query heads read only its own KV
@@ -25,6 +28,7 @@ every rank of ``g``, computes the model of ``config`` (up to float summation ord
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -41,18 +45,32 @@ _COLUMN: Final = {
     "self_attn.v_proj.weight": "kv_heads",
     "mlp.gate_proj.weight": "mlp",
     "mlp.up_proj.weight": "mlp",
+    "mlp.experts.*.gate_proj.weight": "expert",
+    "mlp.experts.*.up_proj.weight": "expert",
+    "mlp.shared_experts.gate_proj.weight": "shared",
+    "mlp.shared_experts.up_proj.weight": "shared",
 }
-"""Column-parallel weights (``[out, in]``): this rank's output rows, by what they split."""
-_ROW: Final = {"self_attn.o_proj.weight": "heads", "mlp.down_proj.weight": "mlp"}
+"""Column-parallel weights (``[out, in]``): this rank's output rows, by what they split
+(an expert's index is ``*``)."""
+_ROW: Final = {
+    "self_attn.o_proj.weight": "heads",
+    "mlp.down_proj.weight": "mlp",
+    "mlp.experts.*.down_proj.weight": "expert",
+    "mlp.shared_experts.down_proj.weight": "shared",
+}
 """Row-parallel weights: this rank's input columns."""
+_EXPERT: Final = re.compile(r"experts\.\d+\.")
 
 
 def _widths(local: ModelConfig) -> dict[str, int]:
     """Rows (or columns) one rank holds of each kind of split."""
+    expert = 0 if local.moe is None else local.moe.intermediate_size
     return {
         "heads": local.num_attention_heads * local.head_dim,
         "kv_heads": local.num_key_value_heads * local.head_dim,
         "mlp": local.intermediate_size,
+        "expert": expert,
+        "shared": expert * (0 if local.moe is None else local.moe.num_shared_experts),
     }
 
 
@@ -74,6 +92,7 @@ def shard_state(
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         suffix = name.split(".", 2)[-1] if name.startswith("layers.") else ""
+        suffix = _EXPERT.sub("experts.*.", suffix)
         if suffix in _COLUMN:
             width = widths[_COLUMN[suffix]]
             out[name] = tensor[rank * width : (rank + 1) * width].contiguous()

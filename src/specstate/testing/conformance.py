@@ -33,6 +33,13 @@ It returns a `ConformanceReport` whose findings each name the broken rule:
                     given) or between configurations (the same requests must emit the
                     same tokens in every loop, page size and chunking)
 ``unfinished``      a request that did not end by length or stop
+``draft_state``     (a worker that shares prefixes, when no other rule broke) a relayed hidden
+                    state or a decode round's accept length that disagrees with another
+                    forward's at the same greedy request and frontier: the draft state must
+                    depend only on the committed tokens (`specstate.testing.draft_state`)
+``frontier``        (a worker exposing ``kv_caches()``) a KV slot at or past a row's frontier
+                    read before the forward wrote it (`specstate.testing.frontier_watch`)
+``window``          (the same) a KV write outside the window the capabilities reserve
 ``recurrent``       (a worker with recurrent state) the committed state is not the
                     checkpoint of the accepted run (`specstate.testing.recurrent_conformance`)
 ``rank``            (``world_size > 1``) ranks diverged, failed or emitted different tokens
@@ -64,6 +71,14 @@ from specstate.core.status import FinishReason
 from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerCapabilities, WorkerProtocol
+from specstate.memory.prefix_cache import PrefixSharing
+from specstate.testing.draft_state import (
+    DecodeRound,
+    RelayedState,
+    RoundRecorder,
+    draft_state_problems,
+)
+from specstate.testing.frontier_watch import FrontierWatch, WatchableWorker
 from specstate.testing.kit_findings import (
     ConfigRun,
     ConformanceReport,
@@ -184,11 +199,20 @@ def check_worker(
     findings = FindingLog()
     seen: dict[str, tuple[tuple[int, ...], str]] = {}  # job -> first tokens, configuration
     runs = []
+    rounds: dict[str, list[DecodeRound]] = {}
+    relays: dict[str, list[RelayedState]] = {}
     configs = _configs(caps, jobs)
     with _kept_log(passthrough=log) as records:
         for kit in configs:
-            runs.append(_run_config(factory, kit, jobs, limits, findings))
+            run, reqs, recorder = _run_config(factory, kit, jobs, limits, findings)
+            rounds[kit.name], relays[kit.name] = recorder.rounds(), recorder.relays()
+            runs.append((run, reqs))
             _judge(kit, jobs, runs[-1], findings, seen, oracle, eos)
+        # Judged last, and only when every other rule held: a forward that broke the contract
+        # relayed something the engine refused (or never used), so its state says nothing.
+        if caps.prefix_sharing is not PrefixSharing.NONE and not findings.all():
+            for name, detail, rid in draft_state_problems(rounds, caps.num_steps, relays):
+                findings.add("draft_state", name, detail, rid)
         more, scenarios = check_recurrent_state(
             factory,
             vocab_size=vocab_size,
@@ -259,17 +283,23 @@ def _run_config(
     jobs: Sequence[Job],
     limits: RequestLimits,
     findings: FindingLog,
-) -> tuple[ConfigRun, dict[str, Req]]:
-    """Serve the jobs in one configuration; its run and its requests by job id."""
+) -> tuple[ConfigRun, dict[str, Req], RoundRecorder]:
+    """Serve the jobs in one configuration; its run, its requests by job id, what it relayed
+    and accepted."""
     steps = retracted = 0
     reqs: dict[str, Req] = {}
+    frontier: FrontierWatch | None = None
     try:
-        worker = WatchedWorker(factory(), watch_table=not kit.config.overlap)
+        inner = factory()
+        if isinstance(inner, WatchableWorker):  # its KV caches can be watched
+            inner = frontier = FrontierWatch(inner, page_size=kit.config.page_size)
+        worker = WatchedWorker(inner, watch_table=not kit.config.overlap)
         policy = _CyclingWidths(worker.capabilities.num_steps) if kit.adaptive else None
         engine = Engine(worker, limits=limits, config=kit.config, draft_policy=policy)
     except Exception as exc:  # NOTE: a finding, not a crash of the kit
         findings.add(rule_of_error(exc), kit.name, f"building the engine: {described(exc)}")
-        return ConfigRun(name=kit.name, steps=0, retracted=0, aborted=()), reqs
+        empty = RoundRecorder(0)
+        return ConfigRun(name=kit.name, steps=0, retracted=0, aborted=()), reqs, empty
     target = jobs[0].request_id if kit.abort else None
     try:
         with engine:
@@ -290,12 +320,13 @@ def _run_config(
     except Exception as exc:  # NOTE: a finding, not a crash of the kit
         findings.add(rule_of_error(exc), kit.name, described(exc))
         reqs = {}
-    for rule, detail in worker.take():
+    for rule, detail in worker.take() + ([] if frontier is None else frontier.take()):
         findings.add(rule, kit.name, detail)
     aborted = tuple(
         rid for rid, r in reqs.items() if r.finish and r.finish.reason is FinishReason.ABORT
     )
-    return ConfigRun(name=kit.name, steps=steps, retracted=retracted, aborted=aborted), reqs
+    run = ConfigRun(name=kit.name, steps=steps, retracted=retracted, aborted=aborted)
+    return run, reqs, worker.rounds
 
 
 def _judge(

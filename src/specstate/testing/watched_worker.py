@@ -9,7 +9,10 @@ each forward it records the rules a worker can break without the engine noticing
   hands it on to the engine's, which refuses it too);
 * ``ownership``: a write to ``req_to_token``, found by comparing the table before and after the
   forward — only where nothing else writes it meanwhile (the normal loop: ``watch_table``);
-* ``capabilities``: capabilities that change during the worker's life.
+* ``capabilities``: capabilities that change during the worker's life;
+
+and it keeps every decode round's accept lengths of greedy rows (`RoundRecorder`) for the
+kit's ``draft_state`` rule (`specstate.testing.draft_state`).
 
 Findings are kept as ``(rule, detail)`` pairs, each rule once, until the kit reads them.
 
@@ -26,6 +29,7 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.testing.draft_state import RoundRecorder
 
 __all__ = ["WatchedWorker"]
 
@@ -69,6 +73,7 @@ class WatchedWorker:
         self._forwards = 0
         self._lock = threading.Lock()
         self._found: dict[str, str] = {}  # rule -> first detail
+        self.rounds = RoundRecorder(inner.capabilities.num_steps)
 
     @property
     def capabilities(self) -> WorkerCapabilities:
@@ -89,7 +94,9 @@ class WatchedWorker:
         before = table.clone() if self._watch_table and table is not None else None
         watch = None if on_publish is None else _PublishWatch(self, on_publish, self._forwards)
         try:
-            return self._inner.forward_batch_generation(batch, on_publish=watch)
+            result = self._inner.forward_batch_generation(batch, on_publish=watch)
+            self.rounds.record(batch, result)
+            return result
         finally:
             if watch is not None:
                 watch.returned = True

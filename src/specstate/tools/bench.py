@@ -96,6 +96,19 @@ def _device_model_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _algorithm_option(parser: argparse.ArgumentParser, *, default: str | None) -> None:
+    from specstate.tools.draft_shapes import DRAFT_SHAPES
+
+    parser.add_argument(
+        "--algorithm",
+        choices=tuple(DRAFT_SHAPES),
+        default=default,
+        help="the drafter family whose capabilities and relay payload the stand-in worker "
+        "declares (specstate.tools.draft_shapes)"
+        + ("" if default else "; default: a bonus-only relay"),
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
@@ -139,6 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256 << 20,
         help="glibc M_TRIM_THRESHOLD set at start, bytes (256 MiB)",
     )
+    _algorithm_option(host, default="eagle")
     host.add_argument("--json", action="store_true", help="print the JSON report, not a table")
     host.add_argument("--output", type=Path, metavar="FILE", help="also write the JSON report")
     compare = benches.add_parser(
@@ -166,6 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _device_model_option(engine)
     _accept_option(engine)
+    _algorithm_option(engine, default=None)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
     overlap = benches.add_parser(
         "overlap", help="overlap efficiency against a timed device", formatter_class=shown

@@ -56,18 +56,25 @@ def _decode_step_seconds(
     device_seconds: float,
     asynchronous: bool = False,
     accept_rates: Sequence[float] | None = None,
+    algorithm: str | None = None,
 ) -> list[float]:
-    """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests.
+    """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests
+    (``algorithm``: the stand-in declares and relays that family's shape,
+    `specstate.tools.draft_shapes`).
 
     Raises:
         RuntimeError: the batch never decoded whole, or a request finished in the window
             (the sizing below is meant to prevent both).
     """
     from specstate import Engine, RequestLimits, SamplingParams
+    from specstate.tools.draft_shapes import DRAFT_SHAPES
     from specstate.tools.timed_worker import TimedWaitWorker
 
     worker = TimedWaitWorker(
-        device_seconds=device_seconds, asynchronous=asynchronous, accept_rates=accept_rates
+        device_seconds=device_seconds,
+        asynchronous=asynchronous,
+        accept_rates=accept_rates,
+        draft_shape=None if algorithm is None else DRAFT_SHAPES[algorithm],
     )
     # Every round before and in the window, plus slack for the overlap loop's lookahead.
     max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
@@ -130,6 +137,7 @@ def _engine_row(args: argparse.Namespace, bs: int) -> _EngineRow:
             device_seconds=0.0,
             asynchronous=args.device_model == "async",
             accept_rates=args.accept_rates,
+            algorithm=args.algorithm,
         )
 
     if not args.both_loops:
@@ -163,11 +171,13 @@ def run_engine(args: argparse.Namespace) -> int:
             "overlap": "both" if args.both_loops else args.overlap,
             "device_model": args.device_model,
             "prompt_len": _PROMPT_LEN,
+            "algorithm": args.algorithm,
         }
         report = {**header("engine"), "config": config, "results": [attrs.asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
-    worker = f"{args.device_model} zero-cost worker"
+    shaped = "" if args.algorithm is None else f" shaped as {args.algorithm}"
+    worker = f"{args.device_model} zero-cost worker{shaped}"
     if args.both_loops:
         print(
             f"Engine.step per steady decode round, µs (page {args.page_size}, {worker}; "

@@ -34,7 +34,7 @@ __all__ = [
     "positive",
 ]
 
-ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram")
+ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram", "mtp", "eagle3", "frozen_kv_mtp")
 DTYPES: Final = ("float32", "bfloat16", "float16")
 """The ``--dtype`` names that are torch dtypes (``checkpoint`` keeps the saved one)."""
 
@@ -68,14 +68,20 @@ def add_worker_options(parser: argparse.ArgumentParser, *, model_help: str) -> N
     ``model_help`` says what ``--model`` defaults to for this command.
     """
     parser.add_argument("--model", type=Path, help=model_help)
-    parser.add_argument("--draft", type=Path, help="draft checkpoint (draft_model) or head (eagle)")
+    parser.add_argument(
+        "--draft",
+        type=Path,
+        help="the drafter: a draft checkpoint (draft_model), a head (eagle, eagle3) or an "
+        "assistant (frozen_kv_mtp); mtp drafts with the MTP layers inside --model",
+    )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
     parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
     parser.add_argument(
         "--topk",
         type=positive,
         default=1,
-        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle)",
+        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle, "
+        "eagle3)",
     )
     parser.add_argument(
         "--num-draft-tokens",

@@ -47,10 +47,13 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.relay.future_map import RelayPayload
 from specstate.relay.streams import Stream
+from specstate.tools.draft_shapes import DraftShape
 
 __all__ = ["DeadlineEvent", "TimedWaitWorker"]
 
 _TOKEN_ID: Final = 7
+_HIDDEN: Final = 256
+"""The model width of a relayed hidden state (``draft_shape``), as `specstate bench host`'s."""
 """The token every forward samples; any id below the vocabulary size would do."""
 
 
@@ -66,6 +69,9 @@ class TimedWaitWorker:
         accept_rates: synthetic acceptance, one probability per draft position (``num_steps``
             of them, each in ``[0, 1]``); ``accept`` is then ignored.
         seed: seeds the synthetic acceptance.
+        draft_shape: declare a drafter family's name and draft KV and relay its payload extras
+            (`specstate.tools.draft_shapes`; zeros, built once per batch size and never
+            written); None: ``timed_wait`` with draft KV, relaying the bonus tokens only.
 
     Raises:
         InvalidConfig: a negative wait, fewer than one draft step, ``accept`` outside
@@ -81,6 +87,7 @@ class TimedWaitWorker:
         asynchronous: bool = False,
         accept_rates: Sequence[float] | None = None,
         seed: int = 0,
+        draft_shape: DraftShape | None = None,
     ) -> None:
         if not device_seconds >= 0.0:  # also rejects NaN
             raise InvalidConfig(f"device_seconds must be >= 0, got {device_seconds}")
@@ -101,7 +108,11 @@ class TimedWaitWorker:
         self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
         self._num_steps = num_steps
         self._accept = accept
-        chain = WorkerCapabilities.chain("timed_wait", num_steps=num_steps, keeps_draft_kv=True)
+        self._shape = draft_shape
+        self._extras: dict[int, RelayPayload] = {}  # batch size -> the payload's extras
+        name = "timed_wait" if draft_shape is None else draft_shape.algorithm
+        keeps = True if draft_shape is None else draft_shape.keeps_draft_kv
+        chain = WorkerCapabilities.chain(name, num_steps=num_steps, keeps_draft_kv=keeps)
         self._capabilities = attrs.evolve(
             chain,
             asynchronous=asynchronous,
@@ -181,12 +192,29 @@ class TimedWaitWorker:
             accept_lens=accept_lens,
             stride=stride,
             new_seq_lens=new_seq_lens,
-            next_draft_input=RelayPayload(
-                bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64, device=device)
-            ),
+            next_draft_input=self._relay(rows, device),
             copy_done=copy_done,
             verified_lens=verified,
         )
+
+    def _relay(self, rows: int, device: torch.device) -> RelayPayload:
+        """The bonus tokens and, with a draft shape, its extras (built once per size)."""
+        bonus = torch.full((rows,), _TOKEN_ID, dtype=torch.int64, device=device)
+        shape = self._shape
+        if shape is None:
+            return RelayPayload(bonus_tokens=bonus)
+        extras = self._extras.get(rows)
+        if extras is None:
+            width = _HIDDEN * shape.hidden_multiple
+            top = torch.zeros((rows, 1), device=device) if shape.topk else None
+            extras = RelayPayload(
+                bonus_tokens=bonus,
+                topk_p=top,
+                topk_index=None if top is None else top.long(),
+                hidden_states=torch.zeros((rows, width), dtype=torch.bfloat16, device=device),
+            )
+            self._extras[rows] = extras
+        return attrs.evolve(extras, bonus_tokens=bonus)
 
 
 class DeadlineEvent:

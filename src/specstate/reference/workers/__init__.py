@@ -7,15 +7,6 @@
     worker.attach(memory)            # builds the models with memory.num_token_slots KV slots
     result = worker.forward_batch_generation(batch, on_publish=publish)
 
-``none``       `PlainWorker`: ``target``, ``device``, ``dtype``, ``seed``
-``draft_model``  `DraftModelWorker`: ``target``, ``draft``, ``num_steps``, ``topk``,
-               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
-``eagle``      `EagleWorker`: ``target``, ``eagle``, ``num_steps``, ``topk``,
-               ``num_draft_tokens``, ``device``, ``dtype``, ``seed``
-``ngram``      `NgramWorker`: ``target``, ``num_steps``, ``max_ngram``, ``device``, ``dtype``,
-               ``seed``, ``draft_without_match``
-=============  ==========================================================================
-=======
 Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 
 | name | class | options |
@@ -24,13 +15,16 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``draft_model`` | `DraftModelWorker` | ``draft``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``eagle`` | `EagleWorker` | ``eagle``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
+| ``mtp`` | `MtpWorker` | ``mtp``, ``num_steps`` (default: the checkpoint's MTP layers) |
+| ``eagle3`` | `Eagle3Worker` | ``eagle3``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
+| ``frozen_kv_mtp`` | `FrozenKvMtpWorker` | ``assistant``, ``num_steps`` |
 
-``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
-verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
-matching path, sampled rows recursive rejection sampling over each node's children; each node
-sees the penalties and ``min_new_tokens`` state of its own path, seeded rows verify against
-their seeded draws, and logprobs and ``speculative=False`` work as on a chain. Trees do not
-take an adaptive draft length.
+``topk > 1`` makes ``draft_model``, ``eagle`` and ``eagle3`` draft a tree of
+``num_draft_tokens`` nodes and verify it in one forward (`specstate.reference.workers.tree`):
+greedy rows take the longest matching path, sampled rows recursive rejection sampling over each
+node's children; each node sees the penalties and ``min_new_tokens`` state of its own path,
+seeded rows verify against their seeded draws, and logprobs and ``speculative=False`` work as
+on a chain. Trees do not take an adaptive draft length.
 
 ``target`` / ``draft`` are Hugging Face Llama or NemotronH checkpoint directories, or in-memory
 `PagedLlama` / `PagedHybrid` models; ``eagle`` is a directory in the
@@ -52,7 +46,10 @@ from __future__ import annotations
 from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
+from specstate.reference.workers.eagle3 import Eagle3Worker
+from specstate.reference.workers.frozen_kv_mtp import FrozenKvMtpWorker
 from specstate.reference.workers.history import TokenHistory
+from specstate.reference.workers.mtp import MtpWorker
 from specstate.reference.workers.ngram import NgramWorker
 from specstate.reference.workers.round import ChainRoundWorker, PlainWorker, VerifiedRound
 from specstate.reference.workers.sampler import TokenChoice, TokenSampler, filtered_probs
@@ -73,8 +70,11 @@ __all__ = [
     "DraftChain",
     "DraftModelWorker",
     "DraftTree",
+    "Eagle3Worker",
     "EagleWorker",
+    "FrozenKvMtpWorker",
     "ModelSource",
+    "MtpWorker",
     "NgramWorker",
     "PlainWorker",
     "TokenChoice",
@@ -94,10 +94,14 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle`` and ``ngram``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, ``mtp``, ``eagle3`` and
+    ``frozen_kv_mtp``."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
     registry.register("eagle", EagleWorker)
     registry.register("ngram", NgramWorker)
+    registry.register("mtp", MtpWorker)
+    registry.register("eagle3", Eagle3Worker)
+    registry.register("frozen_kv_mtp", FrozenKvMtpWorker)
     return registry

@@ -34,7 +34,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.hybrid.config import HybridConfig
 from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
-from specstate.reference.model import AttentionBatch, ModelOutput
+from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import (
@@ -116,6 +116,9 @@ class DraftModelWorker(TreeRoundWorker):
         if self._drafter is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
         return self._drafter
+
+    def _draft_kv_caches(self) -> dict[str, KvCache]:
+        return {"draft": self.draft_model.kv_cache}
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         self._drafter = build_model(

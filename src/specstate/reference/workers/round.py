@@ -47,7 +47,7 @@ from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.memory.prefix_cache import PrefixSharing
-from specstate.reference.model import PagedLlama
+from specstate.reference.model import KvCache, PagedLlama
 from specstate.reference.workers.layout import (
     decode_result,
     decode_roots,
@@ -165,6 +165,15 @@ class ChainRoundWorker(abc.ABC):
     def target_model(self) -> PagedLlama:
         """The target model (after attach)."""
         return self._target.model
+
+    def kv_caches(self) -> dict[str, KvCache]:
+        """The KV caches this worker's forwards touch, by owner (``target`` first), after
+        attach: what a test's watch observes (`specstate.testing.frontier_watch`)."""
+        return {"target": self.target_network.kv_cache, **self._draft_kv_caches()}
+
+    def _draft_kv_caches(self) -> dict[str, KvCache]:
+        """The drafter's own KV caches (none by default)."""
+        return {}
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""

@@ -45,7 +45,7 @@ from specstate.grammar.rows import RowMasks
 from specstate.memory.recurrent_layout import RecurrentStateSpec
 from specstate.reference.hybrid.config import HybridConfig
 from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
-from specstate.reference.model import AttentionBatch, PagedLlama
+from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput, PagedLlama
 from specstate.reference.workers.history import TokenHistory
 from specstate.reference.workers.layout import chain_attention, extend_attention, last_token_rows
 from specstate.reference.workers.sampler import (
@@ -62,6 +62,7 @@ from specstate.reference.workers.sources import (
     SourceModel,
     build_model,
     read_source_config,
+    source_label,
 )
 from specstate.reference.workers.verify import (
     ChainVerdict,
@@ -132,9 +133,13 @@ class TargetRunner:
         source: checkpoint directory or in-memory model (copied at attach).
         device: where the model lives; None means the engine's ``memory.device``.
         dtype: parameter and KV dtype; None keeps the checkpoint's.
+        feature_layers: the decoder layers whose outputs, side by side, are the features every
+            forward returns (``hidden_states``; an EAGLE-3 head's auxiliary hidden states);
+            None: the last layer's output. A Llama target only.
 
     Raises:
-        InvalidConfig: ``source`` is not a readable Llama checkpoint (the loader's error).
+        InvalidConfig: ``source`` is not a readable Llama checkpoint (the loader's error), or
+            ``feature_layers`` names a layer the target lacks or is set for a hybrid target.
     """
 
     def __init__(
@@ -143,11 +148,21 @@ class TargetRunner:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> None:
         self._source = source
         self._device = device
         self._dtype = dtype
+        self._feature_layers = feature_layers
         self.config: SourceConfig = read_source_config(source, dtype=dtype)
+        if feature_layers is not None:
+            config = self.config
+            layers = config.num_hidden_layers if isinstance(config, ModelConfig) else 0
+            if not layers or any(not 0 <= i < layers for i in feature_layers):
+                raise InvalidConfig(
+                    f"target {source_label(source)}: feature layers {list(feature_layers)} need a "
+                    f"Llama target with layers [0, {layers})"
+                )
         self._model: SourceModel | None = None
         self._memory: WorkerMemory | None = None
         self._history: TokenHistory | None = None
@@ -190,6 +205,19 @@ class TargetRunner:
                 f"the target is a hybrid model ({type(model).__name__}), not a PagedLlama"
             )
         return model
+
+    def forward(
+        self, attention: AttentionBatch, *, logit_rows: torch.Tensor | None = None
+    ) -> ModelOutput:
+        """The target's forward over ``attention``; ``hidden_states`` are the features."""
+        network = self.network
+        if self._feature_layers is None:
+            out: ModelOutput = network(attention, logit_rows=logit_rows)
+            return out
+        features: ModelOutput = self.model(
+            attention, logit_rows=logit_rows, feature_layers=self._feature_layers
+        )
+        return features
 
     @property
     def network(self) -> SourceModel:
@@ -253,7 +281,7 @@ class TargetRunner:
         """Runs the EXTEND / MIXED forward and chooses the token after each row's last one."""
         attention = extend_attention(batch, self.req_to_token)
         last_rows = last_token_rows(attention.extend_lens)
-        out = self.network(attention, logit_rows=last_rows)
+        out = self.forward(attention, logit_rows=last_rows)
         invalid = _mask_non_finite(out.logits)
         sampling = batch.sampling_info
         last = attention.positions.index_select(0, last_rows)
@@ -317,7 +345,7 @@ class TargetRunner:
         ``grammar_masks``: the grammar bitmask of every chain position (after the controls)."""
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
-        out = self.network(attention)
+        out = self.forward(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)

@@ -220,7 +220,7 @@ class TreeRoundWorker(ChainRoundWorker):
             shape,
         )
         target = self._target.model
-        out = target(tree_attention(batch.req_pool_indices, table, start, tree))
+        out = self._target.forward(tree_attention(batch.req_pool_indices, table, start, tree))
         num_rows, width = tree.tokens.shape
         logits = out.logits.view(num_rows, width, -1)
         invalid = _mask_non_finite(logits)

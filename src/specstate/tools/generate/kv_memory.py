@@ -135,9 +135,15 @@ def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ..
     from specstate.engine.planning import kv_layouts
 
     draft = args.draft if reference and args.algorithm == "draft_model" else None
-    eagle = args.draft if reference and args.algorithm == "eagle" else None
+    eagle = args.draft if reference and args.algorithm in ("eagle", "eagle3") else None
     dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
-    return kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+    layouts = kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+    if reference and args.algorithm == "mtp":  # L layers, each the target's KV geometry
+        from specstate.reference.mtp import read_mtp_spec
+
+        count = read_mtp_spec(args.model).num_layers
+        layouts = (*layouts, attrs.evolve(layouts[0], num_layers=count, name="mtp"))
+    return layouts
 
 
 def _state_bytes(args: argparse.Namespace, *, reference: bool) -> tuple[int, str]:

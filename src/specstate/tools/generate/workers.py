@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from specstate.core.errors import InvalidConfig, InvalidRequest, SpecStateError
 from specstate.core.params import RequestLimits
@@ -115,26 +115,38 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         ) from None
     check_kv_fits(args)
     limits = checkpoint_limits(args.model)
-    if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
-        raise InvalidRequest(f"--draft is used by draft_model and eagle, not {args.algorithm}")
+    drafter = _DRAFTER_OPTION.get(args.algorithm)
+    if args.draft is not None and drafter is None:
+        raise InvalidRequest(
+            f"--draft is used by {', '.join(_DRAFTER_OPTION)}, not {args.algorithm}"
+        )
     options: dict[str, object] = {"target": args.model, "dtype": torch_dtype(args.dtype)}
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps
     if args.topk != 1 or args.num_draft_tokens is not None:
-        if args.algorithm not in ("draft_model", "eagle"):
+        if args.algorithm not in ("draft_model", "eagle", "eagle3"):
             raise InvalidRequest(
-                f"--topk and --num-draft-tokens grow a draft tree (draft_model, eagle), not "
-                f"{args.algorithm}"
+                f"--topk and --num-draft-tokens grow a draft tree (draft_model, eagle, eagle3), "
+                f"not {args.algorithm}"
             )
         options["topk"] = args.topk
         options["num_draft_tokens"] = args.num_draft_tokens
-    if args.algorithm in ("draft_model", "eagle"):
+    if drafter is not None:
         if args.draft is None:
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
-        options["draft" if args.algorithm == "draft_model" else "eagle"] = args.draft
+        options[drafter] = args.draft
     return default_registry().create(args.algorithm, **options), limits
+
+
+_DRAFTER_OPTION: Final = {
+    "draft_model": "draft",
+    "eagle": "eagle",
+    "eagle3": "eagle3",
+    "frozen_kv_mtp": "assistant",
+}
+"""The worker option ``--draft`` fills, by algorithm (``mtp``'s layers are in ``--model``)."""
 
 
 def _describe(exc: BaseException) -> str:

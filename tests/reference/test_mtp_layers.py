@@ -1,0 +1,114 @@
+"""MTP layers on disk: a checkpoint whose layers are absent, missing, extra or duplicated is
+refused (before an engine is built where the config shows it, else at attach), naming the file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from mtp_oracle import make_mtp_target
+from safetensors.torch import load_file, save_file
+
+from specstate.core.errors import InvalidConfig
+from specstate.reference.checkpoint import load_paged_llama
+from specstate.reference.mtp import load_mtp_layers, read_mtp_spec
+from specstate.reference.workers import default_registry
+
+Tensors = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer Ernie MoE target with two MTP layers."""
+    root = tmp_path_factory.mktemp("mtp_multi")
+    make_mtp_target(root, num_mtp_layers=2, layers=2)
+    return root
+
+
+def edited(
+    source: Path, target: Path, edit: Callable[[Tensors], Tensors], **config: object
+) -> Path:
+    """A copy of ``source`` with its tensors passed through ``edit`` and ``config`` merged in."""
+    shutil.copytree(source, target)
+    tensors = edit(load_file(target / "model.safetensors"))
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**raw, **config}))
+    return target
+
+
+def layer(tensors: Tensors, k: int) -> Tensors:
+    """MTP layer ``k``'s tensors, names relative to the layer."""
+    prefix = f"mtp.layers.{k}."
+    return {n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)}
+
+
+def load(root: Path) -> object:
+    """Load ``root``'s MTP layers for its target."""
+    return load_mtp_layers(root, load_paged_llama(root, num_token_slots=8))
+
+
+def test_spec_reads_the_declared_layers(multi: Path) -> None:
+    """``num_mtp_layers`` (or its alias ``num_nextn_predict_layers``) sets L."""
+    assert read_mtp_spec(multi).num_layers == 2
+    worker = default_registry().create("mtp", target=multi)
+    assert worker.capabilities.num_steps == 2 and worker.capabilities.keeps_draft_kv
+    layers = load(multi)
+    assert len(layers.layers) == 2  # type: ignore[attr-defined]
+
+
+def test_a_target_without_mtp_layers_is_refused_at_construction(
+    multi: Path, tmp_path: Path
+) -> None:
+    """The #36536 class: a target that ships none fails when the worker is made, not later."""
+    root = edited(multi, tmp_path / "none", lambda t: t, num_mtp_layers=0)
+    with pytest.raises(InvalidConfig, match=r"config\.json: declares no MTP layers"):
+        default_registry().create("mtp", target=root)
+
+
+def test_a_missing_layer_is_refused(multi: Path, tmp_path: Path) -> None:
+    """Layer 1 absent though two are declared: the error names the layer and the count."""
+    root = edited(
+        multi,
+        tmp_path / "missing",
+        lambda t: {n: v for n, v in t.items() if "mtp.layers.1." not in n},
+    )
+    with pytest.raises(InvalidConfig, match=r"MTP layer 1 of the 2 the config declares is missing"):
+        load(root)
+
+
+def test_a_layer_past_the_declared_count_is_refused(multi: Path, tmp_path: Path) -> None:
+    """Three layers on disk but two declared: the extra one is named, not silently dropped."""
+
+    def add_third(t: Tensors) -> Tensors:
+        return t | {f"mtp.layers.2.{n}": v.clone() for n, v in layer(t, 1).items()}
+
+    root = edited(multi, tmp_path / "extra", add_third)
+    with pytest.raises(InvalidConfig, match=r"unexpected MTP tensor 'mtp\.layers\.2\..*declares 2"):
+        load(root)
+
+
+def test_duplicated_layers_are_refused(multi: Path, tmp_path: Path) -> None:
+    """The #25368 class: layer 0 copied into layer 1 would make every step run the same layer."""
+
+    def duplicate(t: Tensors) -> Tensors:
+        return t | {f"mtp.layers.1.{n}": v.clone() for n, v in layer(t, 0).items()}
+
+    root = edited(multi, tmp_path / "dup", duplicate)
+    with pytest.raises(InvalidConfig, match=r"MTP layers 0 and 1 of 2 hold identical weights"):
+        load(root)
+
+
+def test_bad_options_are_refused(multi: Path) -> None:
+    """num_steps < 1 and an in-memory target without a checkpoint for its layers."""
+    with pytest.raises(InvalidConfig, match=r"num_steps >= 1, got 0"):
+        default_registry().create("mtp", target=multi, num_steps=0)
+    in_memory = load_paged_llama(multi, num_token_slots=8)
+    with pytest.raises(InvalidConfig, match=r"in-memory target needs mtp="):
+        default_registry().create("mtp", target=in_memory)
+    worker = default_registry().create("mtp", target=in_memory, mtp=multi, num_steps=3)
+    assert worker.capabilities.num_steps == 3 and worker.capabilities.num_draft_tokens == 4
