@@ -52,7 +52,8 @@ from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.target import TargetExtend, TargetRunner
-from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree, tree_capabilities
+from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
+from specstate.reference.workers.tree_draft import tree_capabilities
 from specstate.reference.workers.verify import DraftChain
 from specstate.relay.future_map import RelayPayload
 
