@@ -70,6 +70,18 @@ def test_speculating_runs_accept_partly(ranks: list[dict[str, dict[str, Any]]]) 
         assert any(1 < a < top for a in accepts), (name, accepts)
 
 
+def test_ragged_budgets_take_rank_0s_plan(ranks: list[dict[str, dict[str, Any]]]) -> None:
+    """Each rank's own policy plans differently; the rounds run rank 0's budgets on both (the
+    plan digests agree, the run is clean), ragged and including 0, and the tokens are none's."""
+    first, second = ranks
+    run = first["eagle/budgets"]
+    assert run["error"] is None and run["checked"] > 0
+    assert run["outputs"] == second["eagle/budgets"]["outputs"]
+    assert run["verified"] == second["eagle/budgets"]["verified"]
+    verified = {v for lengths in run["verified"].values() for v in lengths}
+    assert 0 in verified and len(verified) > 2, verified
+
+
 def test_pressure_retracts_and_aborts_land(ranks: list[dict[str, dict[str, Any]]]) -> None:
     """The small pool made requests retract; the aborted request ended as aborted everywhere."""
     runs = ranks[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,14 +14,19 @@ import pytest
 
 from specstate.core.errors import InvalidConfig
 from specstate.engine.budgets import (
+    STAND_IN_PROFILE,
+    BatchSizeSchedule,
     BudgetRows,
     ConfidenceBudget,
     CostProfile,
+    FixedBudget,
     GoodputBudget,
     SettledBudgets,
     best_prefix,
+    budget_policy,
 )
 from specstate.engine.capabilities.budgets import BudgetGuard
+from specstate.engine.config import EngineConfig
 
 TABLE = CostProfile((1, 16), ((1.0, 1.1, 1.2, 1.3, 1.4), (2.0, 2.4, 2.8, 3.2, 3.6)))
 """Batch 1: each draft costs a tenth of a plain step; batch 16: a fifth."""
@@ -167,3 +173,43 @@ def test_a_failing_policy_is_disabled_and_the_round_verifies_its_width(
     snap = guard.snapshot()
     assert not snap.enabled and snap.failure is not None and snap.num_planned_rounds == 0
     assert len([r for r in caplog.records if "disabled" in r.getMessage()]) == 1
+
+
+def test_a_shipped_policy_is_built_by_name(tmp_path: Path) -> None:
+    """`budget_policy` (`EngineConfig.verify_budget`, ``--verify-budget``): each name gives its
+    policy, a schedule plans by batch size, and a profile file is the one the policy uses."""
+    assert isinstance(budget_policy("fixed"), FixedBudget)
+    schedule = budget_policy("schedule:2=3, 4=1,beyond=0")
+    assert isinstance(schedule, BatchSizeSchedule)
+    for size, drafts in [(1, 3), (2, 3), (3, 1), (4, 1), (5, 0)]:
+        rows = BudgetRows(request_ids=tuple(f"r{i}" for i in range(size)), width=4)
+        assert schedule.plan(rows).tolist() == [drafts] * size
+    costly = CostProfile((1,), ((1.0, 3.0, 5.0, 7.0, 9.0),))  # a draft costs two steps
+    (tmp_path / "costly.json").write_text(json.dumps(costly.to_json()))
+    rows = BudgetRows(request_ids=("a",), width=4)
+    # the stand-in profile (a draft costs 15% of a step) speculates at the prior...
+    stand_in = budget_policy("goodput").plan(rows).tolist()
+    assert stand_in == GoodputBudget(STAND_IN_PROFILE).plan(rows).tolist() and stand_in[0] > 0
+    # ...a profile where drafts cost more than they can return turns speculation off
+    assert budget_policy("goodput", str(tmp_path / "costly.json")).plan(rows).tolist() == [0]
+    assert isinstance(budget_policy("confidence"), ConfidenceBudget)
+
+
+@pytest.mark.parametrize(
+    ("spec", "profile", "message"),
+    [
+        ("fixd", None, "verify_budget 'fixd': expected fixed"),
+        ("fixed:3", None, "verify_budget 'fixed:3': expected fixed"),
+        ("schedule:8=four", None, "a schedule is SIZE=DRAFTS pairs"),
+        ("schedule:8=-1", None, "schedule"),
+        ("goodput", "missing.json", "cost profile missing.json"),
+        ("fixed", "p.json", "cost_profile 'p.json' is used only by the goodput and confidence"),
+        (None, "p.json", "got verify_budget=None"),
+    ],
+)
+def test_a_bad_policy_name_is_refused_by_the_config(
+    spec: str | None, profile: str | None, message: str
+) -> None:
+    """`EngineConfig` refuses a policy name it cannot build, or a profile no policy reads."""
+    with pytest.raises(InvalidConfig, match="EngineConfig: .*" + re.escape(message)):
+        EngineConfig(verify_budget=spec, cost_profile=profile)

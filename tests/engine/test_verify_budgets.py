@@ -26,7 +26,7 @@ from specstate.engine.budgets import (
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import OnPublish
 from specstate.memory.host_arrays import IntArray
-from specstate.reference.embedded import target_dir
+from specstate.reference.embedded import draft_dir, target_dir
 from specstate.reference.workers import default_registry
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -160,8 +160,16 @@ def test_a_worker_that_exceeds_a_budget_fails_its_batch() -> None:
 
 
 def test_a_worker_without_budget_support_is_refused() -> None:
-    """The reference n-gram worker does not declare budgets: InvalidConfig at construction."""
-    worker = default_registry().create("ngram", target=target_dir(), num_steps=3)
+    """A reference tree worker does not declare budgets: InvalidConfig at construction."""
+    worker = default_registry().create(
+        "draft_model",
+        target=target_dir(),
+        draft=draft_dir(),
+        num_steps=2,
+        topk=2,
+        num_draft_tokens=4,
+    )
+    assert not worker.capabilities.supports_verify_budgets
     with pytest.raises(InvalidConfig, match="does not support per-row verify budgets"):
         Engine(
             worker,

@@ -42,6 +42,7 @@ from specstate.reference.workers import (
     verify_sampled_chain,
 )
 from specstate.reference.workers import target as target_runner
+from specstate.reference.workers.verify import truncate_to_budgets
 
 VOCAB = 16
 PROMPT = (3, 1, 4, 1, 5)
@@ -365,3 +366,45 @@ def test_filtered_probs_match_the_definition() -> None:
             got[row].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
         )
     assert int((got[1] > 0).sum()) == 3
+
+
+R = torch.tensor([0.25, 0.25, 0.25, 0.25])
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2])
+def test_a_budget_cut_emits_exactly_p_at_every_position(budget: int) -> None:
+    """Drafts from q at two positions, a row budget of 0, 1 or 2: the first emitted token follows
+    p_0, a second one (after an accepted first draft) p_1, and nothing past the budget + 1."""
+    gen = torch.Generator().manual_seed(budget)
+    drafts = torch.multinomial(Q, ROWS * 2, replacement=True, generator=gen).view(ROWS, 2)
+    p = torch.stack([P, R, Q]).expand(ROWS, -1, -1)
+    sampler = TokenSampler(7 + budget)
+    verdict = verify_sampled_chain(drafts, Q.expand(ROWS, 2, -1), p, sampler)
+    budgets = torch.full((ROWS,), budget, dtype=torch.int64)
+    cut = truncate_to_budgets(verdict, p, budgets, sampler)
+    assert int(cut.accept_lens.max()) <= budget + 1
+    assert bool(
+        (cut.bonus_tokens == cut.run_tokens.gather(1, (cut.accept_lens - 1)[:, None])[:, 0]).all()
+    )
+    fit_ = chi_square(Counter(cut.run_tokens[:, 0].tolist()), P.tolist())
+    assert fit_.p_value > STRICT, fit_
+    if budget >= 1:  # rows that accepted their first draft: the second token follows p_1
+        second = cut.run_tokens[cut.accept_lens >= 2, 1]
+        fit_ = chi_square(Counter(second.tolist()), R.tolist())
+        assert fit_.p_value > STRICT, fit_
+        assert 1 < float(cut.accept_lens.float().mean()) < budget + 1  # runs end inside it
+
+
+def test_the_same_harness_rejects_a_cut_that_draws_the_boundary_from_the_drafter() -> None:
+    """Budget 1: a cut that takes the token at the budget from q (the drafter), not p_1, fails."""
+    gen = torch.Generator().manual_seed(5)
+    drafts = torch.multinomial(Q, ROWS * 2, replacement=True, generator=gen).view(ROWS, 2)
+    p = torch.stack([P, R, Q]).expand(ROWS, -1, -1)
+    q = torch.stack([Q, Q]).expand(ROWS, -1, -1)
+    sampler = TokenSampler(11)
+    verdict = verify_sampled_chain(drafts, q, p, sampler)
+    wrong = torch.stack([P, Q, Q]).expand(ROWS, -1, -1)  # q where p_1 belongs
+    cut = truncate_to_budgets(verdict, wrong, torch.ones(ROWS, dtype=torch.int64), sampler)
+    second = cut.run_tokens[cut.accept_lens >= 2, 1]
+    fit_ = chi_square(Counter(second.tolist()), R.tolist())
+    assert fit_.p_value < BROKEN, fit_

@@ -66,8 +66,8 @@ def pressure_tokens(
 
 
 def matrix_scenarios(screened: dict[tuple[int, ...], list[int]]) -> list[dict[str, Any]]:
-    """Every algorithm in both configurations (aborts in the overlap one), two pressure runs
-    and an adaptive one, all serving `matrix_requests`."""
+    """Every algorithm in both configurations (aborts in the overlap one), two pressure runs,
+    an adaptive one and one with ragged verify budgets, all serving `matrix_requests`."""
     requests = matrix_requests(screened)
     out = []
     for config_name, config in CONFIGS.items():
@@ -101,6 +101,16 @@ def matrix_scenarios(screened: dict[tuple[int, ...], list[int]]) -> list[dict[st
             "options": {},
             "config": attrs.evolve(CONFIGS["overlap-p16-chunked"], adaptive_draft=True),
             "requests": requests,
+        }
+    )
+    out.append(  # ragged verify budgets, rank 0's plan broadcast (and digested) every round
+        {
+            "name": "eagle/budgets",
+            "algorithm": "eagle",
+            "options": {},
+            "config": CONFIGS["overlap-p16-chunked"],
+            "requests": requests,
+            "budgets": True,
         }
     )
     return out

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from specstate.batch.forward_batch import ForwardBatch
@@ -21,8 +23,10 @@ from specstate.core.errors import InvalidConfig
 from specstate.core.params import RequestLimits, SamplingParams
 from specstate.distributed.engine import DistributedEngine
 from specstate.distributed.groups import RankGroup
+from specstate.engine.budgets import BudgetRows, SettledBudgets, VerifyBudgetPolicy
 from specstate.engine.config import EngineConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory, WorkerProtocol
+from specstate.memory.host_arrays import IntArray
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.model import AttentionBatch, TreeAttentionBatch, TreeMask
 from specstate.reference.workers import default_registry
@@ -241,18 +245,26 @@ def serve(
     *,
     check: bool = True,
     aborts: tuple[tuple[int, str], ...] = (),
+    verify_budget: VerifyBudgetPolicy | None = None,
 ) -> dict[str, object]:
     """Serve ``requests`` on every rank (rank 0 leads); what each request did, and any error.
 
-    ``aborts``: ``(step, request id)`` pairs rank 0 aborts before that step.
+    ``aborts``: ``(step, request id)`` pairs rank 0 aborts before that step; ``verify_budget``:
+    the engines' verify-budget policy (rank 0's plans are broadcast).
     """
     started = time.monotonic()
     error: tuple[str, str] | None = None
     retracted = steps = 0
     limits = RequestLimits(vocab_size=LIMITS_VOCAB, max_context_len=256)
     outputs: dict[str, tuple[tuple[int, ...], str | None, str, tuple[int, ...]]] = {}
+    verified: dict[str, tuple[int, ...]] = {}
     with DistributedEngine(
-        worker, group=group, limits=limits, config=config, check_agreement=check
+        worker,
+        group=group,
+        limits=limits,
+        config=config,
+        check_agreement=check,
+        verify_budget=verify_budget,
     ) as engine:
         try:
             if engine.is_leader:
@@ -278,12 +290,14 @@ def serve(
                 "" if finish is None else finish.detail,
                 req.accept_lengths,
             )
+            verified[rid] = req.verified_lengths
         checked = engine.agreement.num_checked
         snap = engine.snapshot()
         balanced = snap.num_open_slots == 0 and snap.num_free_pages == snap.num_pages
     return {
         "balanced": balanced,
         "outputs": outputs,
+        "verified": verified,
         "error": error,
         "seconds": time.monotonic() - started,
         "retracted": retracted,
@@ -372,8 +386,31 @@ def lossless_matrix(
             config,
             scenario["requests"],
             aborts=scenario.get("aborts", ()),
+            verify_budget=RankSkewedBudgets(group.rank) if scenario.get("budgets") else None,
         )
     return results
+
+
+class RankSkewedBudgets:
+    """Ragged budgets that differ on every rank (the rank is mixed in): only rank 0's plan may
+    reach the rounds, which the plan digests then show to be the same everywhere."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._rounds = 0
+
+    def plan(self, rows: BudgetRows) -> IntArray:
+        self._rounds += 1
+        return np.array(
+            [(i + self._rounds + self._rank) % (rows.width + 1) for i in range(rows.batch_size)],
+            dtype=np.int64,
+        )
+
+    def observe(self, settled: SettledBudgets) -> None:
+        """Nothing to learn."""
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Nothing kept."""
 
 
 def skewed_worker(ckpt: dict[str, str]) -> WorkerProtocol:

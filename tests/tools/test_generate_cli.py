@@ -746,3 +746,47 @@ def test_tree_flags_need_a_tree_drafter(tmp_path: Path, capsys: pytest.CaptureFi
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram", "--topk", "2"]
     assert main([*argv, "--input", str(requests), "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "grow a draft tree (draft_model, eagle, eagle3), not ngram" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+def test_a_verify_budget_from_the_command_line(tmp_path: Path, overlap: str) -> None:
+    """``--verify-budget schedule:1=1,beyond=2``: a lone request verifies one draft a round,
+    the batch of three two; the tokens stay HF's greedy ones."""
+    hf = make_checkpoint(tmp_path / "ckpt")
+    prompts = {"alone": [7, 8, 9, 7, 8, 9, 7, 8]}
+    for group, batch in [("alone", prompts), ("three", PROMPTS)]:
+        lines = [
+            json.dumps({"id": k, "input_ids": v, "max_new_tokens": 9}) for k, v in batch.items()
+        ]
+        (tmp_path / f"{group}.jsonl").write_text("\n".join(lines) + "\n")
+        argv = [
+            "generate",
+            "--model", str(tmp_path / "ckpt"),
+            "--algorithm", "ngram",
+            "--num-steps", "3",
+            overlap,
+            "--verify-budget", "schedule:1=1,beyond=2",
+            "--check-invariants",
+            "--input", str(tmp_path / f"{group}.jsonl"),
+            "--output", str(tmp_path / f"{group}.out.jsonl"),
+        ]  # fmt: skip
+        assert main(argv) == 0
+        rows = [json.loads(x) for x in (tmp_path / f"{group}.out.jsonl").read_text().splitlines()]
+        for row in rows:
+            assert row["output_ids"] == greedy(hf, batch[row["id"]], 9)
+            decode = row["verified_lengths"][1:]  # the prefill round verifies nothing
+            assert decode and max(decode) <= (1 if group == "alone" else 2)
+            pairs = zip(row["accept_lengths"], row["verified_lengths"], strict=True)
+            assert all(a <= v + 1 for a, v in pairs)
+        if group == "alone":
+            assert max(rows[0]["verified_lengths"]) == 1
+
+
+def test_a_bad_verify_budget_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown policy name exits 2 naming it; no checkpoint is read."""
+    argv = ["generate", "--model", str(tmp_path / "no-model"), "--verify-budget", "bestest"]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
+    assert main([*argv, "--input", str(tmp_path / "in.jsonl")]) == 2
+    assert "verify_budget 'bestest'" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from specstate.core.params import RequestLimits, SamplingParams
 from specstate.core.request import Req
 from specstate.distributed.agreement import LeaderBudgetPolicy, LeaderDraftPolicy, RankAgreement
 from specstate.distributed.groups import RankGroup
-from specstate.engine.budgets import VerifyBudgetPolicy
+from specstate.engine.budgets import VerifyBudgetPolicy, budget_policy
 from specstate.engine.config import EngineConfig, StepReport
 from specstate.engine.draft_policy import AcceptanceEma, DraftPolicy
 from specstate.engine.engine import Engine
@@ -91,6 +91,8 @@ class DistributedEngine(Engine):
             draft_policy = AcceptanceEma(caps.num_steps)
         if draft_policy is not None:
             draft_policy = LeaderDraftPolicy(draft_policy, group.control)
+        if verify_budget is None and config.verify_budget is not None:
+            verify_budget = budget_policy(config.verify_budget, config.cost_profile)
         if verify_budget is not None:  # every rank takes rank 0's budgets
             verify_budget = LeaderBudgetPolicy(verify_budget, group.control)
         self.group = group

@@ -53,6 +53,7 @@ __all__ = [
     "SettledBudgets",
     "VerifyBudgetPolicy",
     "best_prefix",
+    "budget_policy",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -405,3 +406,46 @@ class ConfidenceBudget:
         """Drop the ended requests' confidences."""
         for rid in request_ids:
             self._last.pop(rid, None)
+
+
+STAND_IN_PROFILE = CostProfile.linear(per_draft=0.15)
+"""The cost profile of `budget_policy` without a file: each draft costs 15% of a plain step."""
+
+
+def budget_policy(spec: str, cost_profile: str | None = None) -> VerifyBudgetPolicy:
+    """A shipped policy by name (`EngineConfig.verify_budget`): ``fixed``, ``goodput``,
+    ``confidence``, or ``schedule:SIZE=DRAFTS,...[,beyond=DRAFTS]``; ``cost_profile`` is the
+    JSON file of the profile the goodput and confidence policies use.
+
+    Raises:
+        InvalidConfig: an unknown name, a malformed schedule, or an unreadable profile.
+    """
+    name, _, rest = spec.partition(":")
+    if name == "fixed" and not rest:
+        return FixedBudget()
+    if name == "schedule":
+        return _schedule(spec, rest)
+    if name in ("goodput", "confidence") and not rest:
+        profile = STAND_IN_PROFILE if cost_profile is None else CostProfile.from_json(cost_profile)
+        return GoodputBudget(profile) if name == "goodput" else ConfidenceBudget(profile)
+    raise InvalidConfig(
+        f"verify_budget {spec!r}: expected fixed, goodput, confidence or "
+        "schedule:SIZE=DRAFTS,...[,beyond=DRAFTS]"
+    )
+
+
+def _schedule(spec: str, rest: str) -> BatchSizeSchedule:
+    schedule: dict[int, int] = {}
+    beyond = 0
+    try:
+        for item in filter(None, rest.split(",")):
+            key, _, value = item.partition("=")
+            if key.strip() == "beyond":
+                beyond = int(value)
+            else:
+                schedule[int(key)] = int(value)
+    except ValueError:
+        raise InvalidConfig(
+            f"verify_budget {spec!r}: a schedule is SIZE=DRAFTS pairs, e.g. schedule:8=4,64=2"
+        ) from None
+    return BatchSizeSchedule(schedule, beyond=beyond)

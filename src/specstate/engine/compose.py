@@ -22,7 +22,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.core.ledger import KvLedger, LedgerViews
 from specstate.core.ownership import OwnershipChecker
 from specstate.core.params import RequestLimits
-from specstate.engine.budgets import ConfidenceBudget, VerifyBudgetPolicy
+from specstate.engine.budgets import ConfidenceBudget, VerifyBudgetPolicy, budget_policy
 from specstate.engine.capabilities.agreement import AgreementHook, RoundAgreement
 from specstate.engine.capabilities.budgets import BudgetGuard, round_planner
 from specstate.engine.capabilities.delivery import Deliveries
@@ -82,6 +82,8 @@ def compose(
     """
     caps = worker.capabilities
     guard = _draft_guard(caps, config, draft_policy)
+    if verify_budget is None and config.verify_budget is not None:
+        verify_budget = budget_policy(config.verify_budget, config.cost_profile)
     budgets = _budget_guard(caps, verify_budget)
     if config.overlap and not caps.supports_overlap:
         raise InvalidConfig(f"worker {caps.algorithm!r} does not support the overlap loop")

@@ -14,7 +14,7 @@ import attrs
 
 from specstate.core.errors import InvalidConfig
 from specstate.core.request import Req
-from specstate.engine.budgets import BudgetGuardSnapshot
+from specstate.engine.budgets import BudgetGuardSnapshot, budget_policy
 from specstate.engine.device_check import device_problems
 from specstate.engine.settle.results import AcceptMetrics
 from specstate.memory.prefix_cache import PrefixCacheSnapshot
@@ -62,6 +62,14 @@ class EngineConfig:
             earlier one's maps that KV and prefills only the rest. Used only with a worker
             that declares ``WorkerCapabilities.prefix_sharing`` (TOKEN or BIGRAM); with any
             other worker, or False, nothing is shared.
+        verify_budget: a shipped verify-budget policy by name (docs/engine.md, "Verify
+            budgets"): ``"fixed"``, ``"goodput"``, ``"confidence"``, or ``"schedule:8=4,64=2"``
+            (drafts up to each batch size; ``beyond=N`` for larger batches, default 0). None:
+            every row verifies the round's width. ``Engine(verify_budget=...)`` takes a policy
+            of your own instead. Needs a worker that declares ``supports_verify_budgets``.
+        cost_profile: the JSON file of the `CostProfile` the goodput and confidence policies
+            use (`CostProfile.to_json`'s format), or None: a stand-in where each draft costs
+            15% of a plain step.
     """
 
     overlap: bool = True
@@ -80,6 +88,8 @@ class EngineConfig:
     adaptive_draft: bool = False
     grammar_mask_threads: int = 1
     prefix_cache: bool = True
+    verify_budget: str | None = None
+    cost_profile: str | None = None
 
     def __attrs_post_init__(self) -> None:
         """Refuse wrong types and sizes at once, naming every field that is wrong."""
@@ -129,6 +139,19 @@ class EngineConfig:
                 f"chunked_prefill must be None or an integer >= 1, got {self.chunked_prefill!r}"
             )
         problems.extend(device_problems(self.device))
+        if self.verify_budget is not None:
+            try:
+                budget_policy(self.verify_budget, self.cost_profile)
+            except InvalidConfig as exc:
+                problems.append(str(exc))
+        if self.cost_profile is not None and (self.verify_budget or "").partition(":")[0] not in (
+            "goodput",
+            "confidence",
+        ):
+            problems.append(
+                f"cost_profile {self.cost_profile!r} is used only by the goodput and confidence "
+                f"verify budgets, got verify_budget={self.verify_budget!r}"
+            )
         if problems:
             raise InvalidConfig("EngineConfig: " + "; ".join(problems))
 

@@ -120,6 +120,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "off when drafts are rarely accepted, and back on after a probe)",
     )
     parser.add_argument(
+        "--verify-budget",
+        default=None,
+        metavar="POLICY",
+        help="plan each row's verify budget: fixed, goodput, confidence, or "
+        "schedule:SIZE=DRAFTS,...[,beyond=DRAFTS] (docs/engine.md, 'Verify budgets')",
+    )
+    parser.add_argument(
+        "--cost-profile",
+        default=None,
+        metavar="FILE",
+        help="the JSON cost profile of the goodput and confidence policies (default: each "
+        "draft costs 15%% of a plain step)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="where the engine's tensors and the reference worker's model and KV live: cpu, "
@@ -190,4 +204,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adaptive_draft=args.adaptive,
         prefix_cache=args.prefix_cache,
         device=args.device,
+        verify_budget=args.verify_budget,
+        cost_profile=args.cost_profile,
     )

@@ -35,7 +35,7 @@ from specstate.engine.worker import WorkerMemory
 from specstate.reference.hybrid.config import HybridConfig
 from specstate.reference.hybrid.lfm2_config import Lfm2ModelConfig
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
-from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import (
     ModelSource,
@@ -136,9 +136,11 @@ class DraftModelWorker(TreeRoundWorker):
 
     def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
         table = self._target.req_to_token
-        tokens, steps = roots, []
+        tokens, steps, end = roots, [], budget_end(batch, start)
         for step in range(batch.draft_steps(self.capabilities.num_steps)):
-            chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
+            chain = chain_attention(
+                batch.req_pool_indices, table, start + step, tokens[:, None], end=end
+            )
             choice = self._sampler.choose(self.draft_model(chain).logits, batch.sampling_info)
             tokens = choice.tokens
             steps.append(choice)
@@ -152,6 +154,7 @@ class DraftModelWorker(TreeRoundWorker):
             self._target.req_to_token,
             verified.start,
             verified.chain,
+            end=budget_end(verified.batch, verified.start),
         )
         self.draft_model(chain, logit_rows=_no_rows(verified.chain.device))
         return RelayPayload(bonus_tokens=verified.verdict.bonus_tokens)

@@ -49,7 +49,7 @@ from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
-from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
@@ -229,9 +229,11 @@ class FeatureHeadWorker(TreeRoundWorker, Generic[HeadT]):
             return DraftChain(tokens=roots[:, None][:, :0])
         relayed = self._relayed_features(batch, torch.ones_like(start, dtype=torch.bool))
         features = self._project(relayed)
-        tokens, steps = roots, []
+        tokens, steps, end = roots, [], budget_end(batch, start)
         for step in range(steps_wanted):
-            chain = chain_attention(batch.req_pool_indices, table, start + step, tokens[:, None])
+            chain = chain_attention(
+                batch.req_pool_indices, table, start + step, tokens[:, None], end=end
+            )
             out = self._run_head(chain, features)
             choice = self._sampler.choose(out.logits, batch.sampling_info)
             tokens, features = choice.tokens, out.hidden_states
@@ -243,7 +245,11 @@ class FeatureHeadWorker(TreeRoundWorker, Generic[HeadT]):
         first = self._relayed_features(batch, torch.ones_like(verified.start, dtype=torch.bool))
         true_features = torch.cat([first[:, None].to(hidden.dtype), hidden[:, :-1]], dim=1)
         chain = chain_attention(
-            batch.req_pool_indices, self._target.req_to_token, verified.start, verified.chain
+            batch.req_pool_indices,
+            self._target.req_to_token,
+            verified.start,
+            verified.chain,
+            end=budget_end(batch, verified.start),
         )
         self._run_head(
             chain,

@@ -28,6 +28,7 @@ from specstate.reference.model import AttentionBatch
 from specstate.relay.future_map import RelayPayload
 
 __all__ = [
+    "budget_end",
     "chain_attention",
     "decode_result",
     "decode_roots",
@@ -79,17 +80,25 @@ def chain_attention(
     req_to_token: torch.Tensor,
     start: torch.Tensor,
     tokens: torch.Tensor,
+    *,
+    end: torch.Tensor | None = None,
 ) -> AttentionBatch:
     """``tokens`` ``[B, w]`` of row ``b`` at positions ``start[b] .. start[b] + w - 1``.
 
     Writes their KV at ``req_to_token[slot_b, start[b] + j]``; attends to the prefix
-    ``[0, start[b])`` plus the chain itself (causally).
+    ``[0, start[b])`` plus the chain itself (causally). With ``end`` (a row's verify budget:
+    its frontier + budget + 1), positions at or past ``end[b]`` write to the padding slot
+    instead: the row's reservation covers only its budget, and what lies beyond it (a draft it
+    does not verify) is never read as a result.
     """
     num_rows, width = tokens.shape
     offsets = torch.arange(width, dtype=torch.int64, device=tokens.device)
     positions = start.long()[:, None] + offsets[None, :]
     slots = req_pool_indices.long().to(req_to_token.device)
     out_cache_loc = req_to_token[slots[:, None], positions.to(req_to_token.device)]
+    if end is not None:  # NOTE: slot 0 (page 0) is padding: written harmlessly, never read
+        past = positions.to(req_to_token.device) >= end.long().to(req_to_token.device)[:, None]
+        out_cache_loc = out_cache_loc.masked_fill(past, 0)
     return AttentionBatch(
         input_ids=tokens.reshape(-1),
         positions=positions.reshape(-1),
@@ -99,6 +108,13 @@ def chain_attention(
         prefix_lens=start.long(),
         extend_lens=torch.full((num_rows,), width, dtype=torch.int64, device=tokens.device),
     )
+
+
+def budget_end(batch: ForwardBatch, start: torch.Tensor) -> torch.Tensor | None:
+    """The first position each row of a DECODE round may not write (its frontier + verify
+    budget + 1; `chain_attention`'s ``end``), or None without budgets."""
+    budgets = batch.verify_budgets
+    return None if budgets is None else start.long() + budgets.to(start.device).long() + 1
 
 
 def decode_roots(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

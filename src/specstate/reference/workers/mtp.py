@@ -42,7 +42,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory
 from specstate.reference.model import AttentionBatch, KvCache, ModelConfig, ModelOutput
 from specstate.reference.mtp import MtpLayers, MtpSpec, load_mtp_layers, read_mtp_spec
-from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -201,16 +201,17 @@ class MtpWorker(ChainRoundWorker):
         relayed, layers, table = self._relayed_chain(batch), self.layers, self._target.req_to_token
         last = self._spec.num_layers - 1
         tokens, previous, choices = roots[:, None], relayed[0][:, None], []
+        end = budget_end(batch, start)
         for j in range(1, steps + 1):
             if j - 1 <= last:  # layer j-1 over the span [S, S + j - 1]
                 layer, width = j - 1, j
                 hidden = torch.cat([relayed[layer][:, None], previous[:, : j - 1]], dim=1)
-                attention = chain_attention(batch.req_pool_indices, table, start, tokens)
+                attention = chain_attention(batch.req_pool_indices, table, start, tokens, end=end)
             else:  # the last layer again, one position: S + j - 1
                 layer, width = last, 1
                 hidden = previous[:, -1:]
                 attention = chain_attention(
-                    batch.req_pool_indices, table, start + j - 1, tokens[:, -1:]
+                    batch.req_pool_indices, table, start + j - 1, tokens[:, -1:], end=end
                 )
             rows = torch.arange(tokens.shape[0], device=tokens.device) * width + width - 1
             out = layers(layer, attention, hidden.reshape(-1, hidden.shape[2]), logit_rows=rows)
@@ -226,7 +227,11 @@ class MtpWorker(ChainRoundWorker):
         relayed = self._relayed_chain(batch)
         rows, width = verified.chain.shape
         attention = chain_attention(
-            batch.req_pool_indices, self._target.req_to_token, verified.start, verified.chain
+            batch.req_pool_indices,
+            self._target.req_to_token,
+            verified.start,
+            verified.chain,
+            end=budget_end(batch, verified.start),
         )
         current = layers.target_hidden(verified.target_hidden.reshape(rows * width, -1))
         current = current.view(rows, width, -1)

@@ -5,6 +5,7 @@ only how it drafts and what it commits after a verify. Per scheduler-level mode:
 
     EXTEND / MIXED   target extend ─▶ on_publish(seq_lens) ─▶ draft prefill (drafter KV, history)
     DECODE           propose d1..dK ─▶ target verify [x0, d1..dK] at S..S+K ─▶ accept a
+                     (with a verify budget b: only d1..db verified, no KV past S+b)
                      ─▶ on_publish(S + a) ─▶ commit round (draft-extend, history) ─▶ result
     IDLE             on_publish(empty) ─▶ empty result
 
@@ -148,6 +149,7 @@ class ChainRoundWorker(abc.ABC):
                 with_sampling_controls(capabilities),
                 supports_adaptive_steps=True,
                 supports_grammar=True,
+                supports_verify_budgets=capabilities.speculative,
             )
         self._sampler = TokenSampler(seed)
 
@@ -229,6 +231,7 @@ class ChainRoundWorker(abc.ABC):
             sampler=self._sampler,
             counts=counts,
             grammar_masks=None if grammar is None else grammar.verify_masks(drafts.tokens),
+            budgets=batch.verify_budgets,
         )
         verdict, hidden = checked.verdict, checked.hidden_states
         new_seq_lens = start + verdict.accept_lens

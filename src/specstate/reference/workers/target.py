@@ -67,6 +67,7 @@ from specstate.reference.workers.sources import (
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
+    truncate_to_budgets,
     verify_chain_targets,
     verify_sampled_chain,
 )
@@ -339,12 +340,17 @@ class TargetRunner:
         sampler: TokenSampler,
         counts: TokenCounts | None = None,
         grammar_masks: RowMasks | None = None,
+        budgets: torch.Tensor | None = None,
     ) -> TargetVerify:
         """`verify`, with the run's logprobs; ``counts``: the state at ``S`` if already built
         (`begin_round`), else it is built here when the batch has logit controls;
-        ``grammar_masks``: the grammar bitmask of every chain position (after the controls)."""
+        ``grammar_masks``: the grammar bitmask of every chain position (after the controls);
+        ``budgets``: each row's verify budget (``ForwardBatch.verify_budgets``): it verifies
+        only its first ``b`` drafts and writes no KV past ``S + b`` (the rest go to the
+        padding slot)."""
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
-        attention = chain_attention(req_pool_indices, self.req_to_token, start, chain)
+        end = None if budgets is None else start + budgets.to(start.device) + 1
+        attention = chain_attention(req_pool_indices, self.req_to_token, start, chain, end=end)
         out = self.forward(attention)
         num_rows, width = chain.shape
         logits = out.logits.view(num_rows, width, -1)
@@ -357,7 +363,7 @@ class TargetRunner:
             invalid = invalid | unusable
         if grammar_masks is not None:  # position j: the grammar after d1 .. dj
             logits = grammar_masks.apply(logits)
-        verdict, probs = _verify(drafts, logits, sampling, sampler, start)
+        verdict, probs = _verify(drafts, logits, sampling, sampler, start, budgets)
         logprobs = None
         if sampling.logprobs:
             logprobs = token_logprobs(logits, probs, sampling, verdict.run_tokens)
@@ -375,17 +381,19 @@ def _verify(
     sampling: SamplingInfo,
     sampler: TokenSampler,
     start: torch.Tensor,
+    budgets: torch.Tensor | None = None,
 ) -> tuple[ChainVerdict, torch.Tensor | None]:
     """The verdict of every row, and the filtered distributions (None: all greedy).
 
     Greedy rows verify by argmax (bit-identical to an all-greedy batch); seeded sampled rows
     against their seeded draws; other sampled rows by speculative sampling. A row that does not
-    speculate accepts exactly ``y_0`` (drawn from ``p_0`` when it samples without a seed).
+    speculate accepts exactly ``y_0`` (drawn from ``p_0`` when it samples without a seed); a row
+    with a verify budget ``b`` verifies only its first ``b`` drafts (`truncate_to_budgets`).
     """
     speculative = sampling.speculative
     targets = logits.argmax(-1)
     if sampling.is_all_greedy:
-        return verify_chain_targets(drafts.tokens, targets, speculative), None
+        return verify_chain_targets(drafts.tokens, targets, speculative, budgets), None
     probs = filtered_probs(logits, sampling)
     fixed_rows = (sampling.temperatures == 0).to(logits.device)
     if sampling.seeds is not None:
@@ -394,8 +402,10 @@ def _verify(
         seeded = (sampling.seeds.to(logits.device) >= 0) & ~fixed_rows
         targets = torch.where(seeded[:, None], sample_with_uniforms(probs, uniforms), targets)
         fixed_rows = fixed_rows | seeded
-    fixed = verify_chain_targets(drafts.tokens, targets, speculative)
+    fixed = verify_chain_targets(drafts.tokens, targets, speculative, budgets)
     sampled = verify_sampled_chain(drafts.tokens, drafts.probs, probs, sampler)
+    if budgets is not None:
+        sampled = truncate_to_budgets(sampled, probs, budgets, sampler)
     if speculative is not None:  # a single token drawn from p_0 itself, not the residual
         single = ~speculative.to(logits.device)
         first = sampler.sample(probs[:, 0])

@@ -37,6 +37,7 @@ from specstate.reference.workers.sampler import TokenChoice, TokenSampler
 __all__ = [
     "ChainVerdict",
     "DraftChain",
+    "truncate_to_budgets",
     "verify_chain_targets",
     "verify_greedy_chain",
     "verify_sampled_chain",
@@ -113,22 +114,57 @@ def verify_greedy_chain(
 
 
 def verify_chain_targets(
-    drafts: torch.Tensor, targets: torch.Tensor, speculative: torch.Tensor | None = None
+    drafts: torch.Tensor,
+    targets: torch.Tensor,
+    speculative: torch.Tensor | None = None,
+    budgets: torch.Tensor | None = None,
 ) -> ChainVerdict:
     """Verification against the target's own token ``targets[:, j]`` at every chain position.
 
     The target's token at a position is fixed before the drafts are compared (the argmax, or a
     seeded row's draw ``F_p^-1(u)``, which depends only on the seed, the position and ``p``):
     drafts are accepted while they equal it, and the run is ``targets[:, :a]``. A row with
-    ``speculative`` False accepts exactly one token.
+    ``speculative`` False accepts exactly one token; a row with a verify budget ``b``
+    (``budgets``) compares only its first ``b`` drafts, so its run is at most ``b + 1``.
     """
     num_steps = drafts.shape[1]
     matched = (drafts == targets[:, :num_steps]).long()
     if speculative is not None:
         matched = matched * speculative.to(matched.device)[:, None].long()
+    if budgets is not None:
+        steps = torch.arange(num_steps, device=matched.device)
+        matched = matched * (steps[None, :] < budgets.to(matched.device)[:, None]).long()
     accept_lens = matched.cumprod(1).sum(1) + 1  # the first mismatch ends the run
     bonus = targets.gather(1, (accept_lens - 1)[:, None]).squeeze(1)
     return ChainVerdict(run_tokens=targets, accept_lens=accept_lens, bonus_tokens=bonus)
+
+
+def truncate_to_budgets(
+    verdict: ChainVerdict,
+    target_probs: torch.Tensor,
+    budgets: torch.Tensor,
+    sampler: TokenSampler,
+) -> ChainVerdict:
+    """A speculatively sampled verdict cut to each row's verify budget ``b``.
+
+    A row whose first ``b`` drafts were all accepted (its run reached position ``b``) would, in
+    a chain of ``b`` drafts, take its token at ``b`` from ``p_b`` itself (the bonus), not from
+    the residual of the draft beyond its budget: that token is drawn afresh here, and the run
+    ends there. A row rejected earlier is unchanged. With ``b = 0`` this is the plain draw from
+    ``p_0`` of a row that does not speculate. No host read.
+    """
+    num_rows = budgets.shape[0]
+    device = target_probs.device
+    b = budgets.to(device).long()
+    over = verdict.accept_lens.to(device) > b  # drafts 0 .. b-1 accepted
+    fresh = sampler.sample(target_probs[torch.arange(num_rows, device=device), b])
+    positions = torch.arange(verdict.run_tokens.shape[1], device=device)[None, :]
+    at_budget = over[:, None] & (positions == b[:, None])
+    return ChainVerdict(
+        run_tokens=torch.where(at_budget, fresh[:, None], verdict.run_tokens),
+        accept_lens=torch.where(over, b + 1, verdict.accept_lens),
+        bonus_tokens=torch.where(over, fresh, verdict.bonus_tokens),
+    )
 
 
 def _replacement_probs(
