@@ -24,6 +24,8 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``draft_model`` | `DraftModelWorker` | ``draft``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``eagle`` | `EagleWorker` | ``eagle``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``ngram`` | `NgramWorker` | ``num_steps``, ``max_ngram``, ``draft_without_match`` |
+| ``dflash`` | `DFlashWorker` | ``assistant``, ``num_steps``, ``check_commit_order`` |
+| ``uno`` | `UnoWorker` | ``adapter``, ``noise_token_id``, the step and tree options of ``eagle`` |
 
 ``topk > 1`` makes ``draft_model`` and ``eagle`` draft a tree of ``num_draft_tokens`` nodes and
 verify it in one forward (`specstate.reference.workers.tree`): greedy rows take the longest
@@ -50,6 +52,7 @@ fresh seed at attach.
 from __future__ import annotations
 
 from specstate.engine.worker import AlgorithmRegistry
+from specstate.reference.workers.dflash import DFlashWorker
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.history import TokenHistory
@@ -60,6 +63,7 @@ from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
 from specstate.reference.workers.tree_draft import DraftTree, TreeShape
 from specstate.reference.workers.tree_verify import TreeVerdict, verify_greedy_tree
+from specstate.reference.workers.uno import UnoWorker
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
@@ -70,6 +74,7 @@ from specstate.reference.workers.verify import (
 __all__ = [
     "ChainRoundWorker",
     "ChainVerdict",
+    "DFlashWorker",
     "DraftChain",
     "DraftModelWorker",
     "DraftTree",
@@ -83,6 +88,7 @@ __all__ = [
     "TreeRoundWorker",
     "TreeShape",
     "TreeVerdict",
+    "UnoWorker",
     "VerifiedRound",
     "VerifiedTree",
     "default_registry",
@@ -94,10 +100,12 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle`` and ``ngram``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram`` and the block drafters."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
     registry.register("eagle", EagleWorker)
     registry.register("ngram", NgramWorker)
+    registry.register("dflash", DFlashWorker)
+    registry.register("uno", UnoWorker)
     return registry
