@@ -90,10 +90,18 @@ def test_a_request_with_speculation_off_decodes_plainly(block_ckpt: BlockCheckpo
         params=params,
         overlap=True,
     )
+    pairs = load_pairs(block_ckpt.adapter)
     for i, prompt in enumerate(MIXED_PROMPTS):
         assert served.outputs[i] == greedy(block_ckpt.hf, prompt, NEW_TOKENS)
         lens = {r.accept_len for r in served.rounds[f"p{i}"]}
         assert lens == {1} if i % 2 == 0 else min(lens) >= 2, (i, lens)
+        # What each row drafted shows where the adapter went: nowhere for the plain rows.
+        settled = list(prompt) + served.outputs[i]
+        row = served.rounds[f"p{i}"][2]
+        sequence = settled[: row.start] + [row.bonus] + [NOISE_TOKEN] * (UNO_STEPS - 1)
+        routed = pairs if i % 2 == 1 else {}
+        logits = pathway_logits(block_ckpt.hf, routed, 2.0, sequence, row.start + 1)
+        assert row.proposed == tuple(logits[row.start :].argmax(-1).tolist()), f"p{i}"
 
 
 def test_a_worker_without_an_adapter_decodes_plainly(block_ckpt: BlockCheckpoints) -> None:

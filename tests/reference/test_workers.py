@@ -431,7 +431,7 @@ def test_ngram_history_drafts_the_continuation_of_the_latest_match() -> None:
 
 
 def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints) -> None:
-    """default_registry holds every algorithm (the block drafters too); each worker satisfies WorkerProtocol."""
+    """default_registry holds every algorithm; each worker satisfies WorkerProtocol."""
     assert default_registry().names() == ("dflash", "draft_model", "eagle", "ngram", "none", "uno")
     for algorithm in ALGORITHMS:
         worker = build(algorithm, ckpt)
