@@ -17,25 +17,21 @@ it).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 from block_checkpoints import BLOCK_FAMILIES, BlockCheckpoints
 from engine_driver import run_checked
 from hf_oracle import greedy
+from late_commit import MaterializesLate
 from spec_checkpoints import MIXED_PROMPTS
 
 from specstate import RequestLimits, SamplingParams
-from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.status import FinishReason
 from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
 from specstate.engine.launch import launcher as launch
 from specstate.engine.worker import WorkerProtocol
-from specstate.reference.workers.dflash import DFlashWorker
-from specstate.reference.workers.verify import DraftChain
 from specstate.relay.streams import CpuStream, Stream
 
 NEW_TOKENS = 12
@@ -83,41 +79,12 @@ def test_block_drafters_follow_stream_order_on_a_jittery_stream(
         assert list(req.emitted_ids) == greedy(block_ckpt.hf, prompt, NEW_TOKENS)
 
 
-class _MaterializesLate(DFlashWorker):
-    """A broken port: a decode round's materialization runs after the next block draft."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._late: list[Callable[[], None]] = []
-
-    def _materialize(
-        self,
-        context: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        accepted: torch.Tensor | None,
-    ) -> None:
-        if accepted is None:  # prefill chunks stay in order
-            super()._materialize(context, positions, slots, accepted)
-            return
-        commit = super()._materialize
-        self._late.append(lambda: commit(context, positions, slots, accepted))
-
-    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
-        try:
-            return super()._propose(batch, start, roots)
-        finally:  # the commits of the previous forward, now that this one has read
-            late, self._late = self._late, []
-            for commit in late:
-                commit()
-
-
 @pytest.mark.usefixtures("jittery_stream")
 def test_the_checker_catches_a_materialization_after_the_next_read(
     block_ckpt: BlockCheckpoints,
 ) -> None:
     """The late commit leaves the next draft reading stale KV: its batch fails, naming it."""
-    worker = _MaterializesLate(
+    worker = MaterializesLate(
         target=block_ckpt.target, assistant=block_ckpt.assistant, check_commit_order=True
     )
     reqs = _serve(worker)
