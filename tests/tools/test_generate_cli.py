@@ -153,7 +153,7 @@ def test_draft_with_an_algorithm_that_has_none_is_refused(
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--draft", str(tmp_path / "ckpt")]
     argv += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
     assert main(argv) == 2
-    assert "--draft is used by draft_model and eagle, not none" in capsys.readouterr().err
+    assert "--draft is used by draft_model, eagle, dflash, uno, not none" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--requests", "--max-new-tokens", "--num-steps", "--page-size"])
@@ -702,4 +702,4 @@ def test_tree_flags_need_a_tree_drafter(tmp_path: Path, capsys: pytest.CaptureFi
     requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]})
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram", "--topk", "2"]
     assert main([*argv, "--input", str(requests), "--output", str(tmp_path / "o.jsonl")]) == 2
-    assert "grow a draft tree (draft_model, eagle), not ngram" in capsys.readouterr().err
+    assert "grow a draft tree (draft_model, eagle, uno), not ngram" in capsys.readouterr().err

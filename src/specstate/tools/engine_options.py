@@ -34,7 +34,7 @@ __all__ = [
     "positive",
 ]
 
-ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram")
+ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram", "dflash", "uno")
 DTYPES: Final = ("float32", "bfloat16", "float16")
 """The ``--dtype`` names that are torch dtypes (``checkpoint`` keeps the saved one)."""
 
@@ -68,14 +68,25 @@ def add_worker_options(parser: argparse.ArgumentParser, *, model_help: str) -> N
     ``model_help`` says what ``--model`` defaults to for this command.
     """
     parser.add_argument("--model", type=Path, help=model_help)
-    parser.add_argument("--draft", type=Path, help="draft checkpoint (draft_model) or head (eagle)")
+    parser.add_argument(
+        "--draft",
+        type=Path,
+        help="the drafter: a draft checkpoint (draft_model), an EAGLE head (eagle), a DFlash "
+        "assistant (dflash) or a PEFT LoRA adapter (uno)",
+    )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
-    parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
+    parser.add_argument(
+        "--num-steps",
+        type=int,
+        default=4,
+        help="draft steps per round (dflash: at most the assistant's block_size - 1, which a "
+        "larger value takes; uno: the first output token and num_steps - 1 drafts)",
+    )
     parser.add_argument(
         "--topk",
         type=positive,
         default=1,
-        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle)",
+        help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle, uno)",
     )
     parser.add_argument(
         "--num-draft-tokens",

@@ -132,12 +132,17 @@ def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ..
     """
     import torch
 
-    from specstate.engine.planning import kv_layouts
+    from specstate.engine.planning import KvLayout, kv_layouts
 
     draft = args.draft if reference and args.algorithm == "draft_model" else None
     eagle = args.draft if reference and args.algorithm == "eagle" else None
     dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else None
-    return kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+    layouts = kv_layouts(args.model, draft=draft, eagle=eagle, dtype=dtype)
+    if reference and args.algorithm == "dflash" and args.draft is not None:
+        # The assistant keeps a KV cache per token slot too, in the target's dtype.
+        assistant = KvLayout.from_config(args.draft, name="assistant")
+        layouts += (attrs.evolve(assistant, dtype_bytes=layouts[0].dtype_bytes),)
+    return layouts
 
 
 def _state_bytes(args: argparse.Namespace, *, reference: bool) -> tuple[int, str]:

@@ -41,6 +41,11 @@ __all__ = [
     "torch_dtype",
 ]
 
+_DRAFT_OPTION = {"draft_model": "draft", "eagle": "eagle", "dflash": "assistant", "uno": "adapter"}
+"""The worker option ``--draft`` sets, per algorithm that has a drafter."""
+_TREES = ("draft_model", "eagle", "uno")
+"""The algorithms that grow a draft tree with ``--topk`` above 1."""
+
 WorkerFactory = Callable[[argparse.Namespace], "tuple[WorkerProtocol, RequestLimits]"]
 """``--worker MODULE:FACTORY``: parsed arguments in, ``(worker, limits)`` out."""
 
@@ -115,25 +120,30 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         ) from None
     check_kv_fits(args)
     limits = checkpoint_limits(args.model)
-    if args.draft is not None and args.algorithm not in ("draft_model", "eagle"):
-        raise InvalidRequest(f"--draft is used by draft_model and eagle, not {args.algorithm}")
+    if args.draft is not None and args.algorithm not in _DRAFT_OPTION:
+        raise InvalidRequest(f"--draft is used by {', '.join(_DRAFT_OPTION)}, not {args.algorithm}")
     options: dict[str, object] = {"target": args.model, "dtype": torch_dtype(args.dtype)}
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps
     if args.topk != 1 or args.num_draft_tokens is not None:
-        if args.algorithm not in ("draft_model", "eagle"):
+        if args.algorithm not in _TREES:
             raise InvalidRequest(
-                f"--topk and --num-draft-tokens grow a draft tree (draft_model, eagle), not "
+                f"--topk and --num-draft-tokens grow a draft tree ({', '.join(_TREES)}), not "
                 f"{args.algorithm}"
             )
         options["topk"] = args.topk
         options["num_draft_tokens"] = args.num_draft_tokens
-    if args.algorithm in ("draft_model", "eagle"):
-        if args.draft is None:
+    if args.algorithm in _DRAFT_OPTION:
+        if args.draft is None and args.algorithm != "uno":  # uno without one decodes plainly
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
-        options["draft" if args.algorithm == "draft_model" else "eagle"] = args.draft
+        options[_DRAFT_OPTION[args.algorithm]] = args.draft
+    if args.algorithm == "dflash":  # the verified drafts fit the assistant's block
+        from specstate.reference.dflash_checkpoint import read_dflash_config
+
+        block = read_dflash_config(args.draft).block_size
+        options["num_steps"] = min(args.num_steps, block - 1)
     return default_registry().create(args.algorithm, **options), limits
 
 
