@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 from specstate.tools import bench_grammar, bench_recurrent, bench_reports, bench_step, bench_tp
+from specstate.tools.bench_families import FAMILIES
 from specstate.tools.bench_reports import fail, header, progress
 from specstate.tools.cli_types import count, milliseconds, positive_ints
 
@@ -96,6 +97,17 @@ def _device_model_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _family_option(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument(
+        "--algorithm",
+        choices=FAMILIES,
+        default=default,
+        help="the drafter family the worker declares and relays for, at one width: 3 "
+        "proposals, a verify of 4 (specstate.tools.bench_families)"
+        + ("" if default else "; default: a plain timed-wait chain of that width"),
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments: one subcommand per measurement."""
     parser.description = "Measure the engine's host time per round; compare with a peer."
@@ -116,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument(
         "--steady", dest="workload", action="store_const", const="steady", help="nobody finishes"
     )
+    _family_option(host, "eagle")
     _list_option(host, "--page-sizes", positive_ints, (1, 16), "KV page sizes")
     _list_option(host, "--batch-sizes", positive_ints, _BATCH_SIZES, "batch sizes")
     host.add_argument("--iters", type=count(1), default=300, help="timed rounds per run (300)")
@@ -166,6 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _device_model_option(engine)
     _accept_option(engine)
+    _family_option(engine, None)
     engine.add_argument("--json", action="store_true", help="print JSON, not a table")
     overlap = benches.add_parser(
         "overlap", help="overlap efficiency against a timed device", formatter_class=shown

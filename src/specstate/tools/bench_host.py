@@ -54,8 +54,15 @@ from specstate.memory.host_arrays import IntArray
 from specstate.memory.slots import ReqToTokenPool
 from specstate.relay.future_map import RelayPayload
 from specstate.tools import host_workload as wl
+from specstate.tools.bench_families import family_capabilities
 
 __all__ = ["HostSettings", "host_benchmark"]
+
+_FAMILY_SHAPES = {
+    "eagle": "chain, 3 steps, 4 draft tokens, relays top-1 and a hidden state",
+    "dflash": "block of 4 (3 drafts), 4 draft tokens, relays the bonus",
+    "uno": "root + 2 drafts, 4 draft tokens, relays the bonus",
+}
 
 STEPS = 3
 DRAFT_TOKENS = 4
@@ -79,6 +86,7 @@ class HostSettings:
     launch_us: float = 5.0
     mmap_threshold: int = 64 << 20
     trim_threshold: int = 256 << 20
+    algorithm: str = "eagle"
 
 
 def set_allocator(settings: HostSettings) -> bool:
@@ -125,21 +133,21 @@ def _spin(ns: int) -> None:
 class _ReplayWorker:
     """Returns precomputed results: per-slot accept lengths and runs set between rounds."""
 
-    def __init__(self, max_slots: int, bs: int) -> None:
+    def __init__(self, max_slots: int, bs: int, family: str = "eagle") -> None:
         self.accept = np.ones(max_slots, dtype=np.int64)
         self.tokens = np.full((max_slots, DRAFT_TOKENS), wl.FILLER, dtype=np.int64)
         self._accept_t = torch.from_numpy(self.accept)
         self._tokens_t = torch.from_numpy(self.tokens)
         gen = torch.Generator().manual_seed(9012)
-        self._payloads = [_payload(max(bs, 1), gen) for _ in range(PAYLOAD_SETS)]
+        self._payloads = [_payload(max(bs, 1), gen, family) for _ in range(PAYLOAD_SETS)]
         self._round = 0
         self.spent = [0, 0]  # wall and CPU ns inside forwards since the loop reset it
+        # Every family at the same width: D = 4, L = 4, R = 8 (`bench_families`).
+        self._capabilities = family_capabilities(family)
 
     @property
     def capabilities(self) -> WorkerCapabilities:
-        return WorkerCapabilities(
-            algorithm="eagle", num_steps=STEPS, num_draft_tokens=DRAFT_TOKENS, keeps_draft_kv=True
-        )
+        return self._capabilities
 
     def attach(self, memory: WorkerMemory) -> None:
         """Nothing to build."""
@@ -180,7 +188,9 @@ class _ReplayWorker:
         )
 
 
-def _payload(b: int, gen: torch.Generator) -> RelayPayload:
+def _payload(b: int, gen: torch.Generator, family: str) -> RelayPayload:
+    if family != "eagle":  # a block drafter relays the bonus alone (`bench_families`)
+        return RelayPayload(bonus_tokens=torch.full((b,), wl.FILLER, dtype=torch.int64))
     return RelayPayload(
         bonus_tokens=torch.full((b,), wl.FILLER, dtype=torch.int64),
         topk_p=torch.rand((b, 1), generator=gen),
@@ -190,12 +200,14 @@ def _payload(b: int, gen: torch.Generator) -> RelayPayload:
 
 
 def _rows(p: RelayPayload, b: int) -> RelayPayload:
-    assert p.topk_p is not None and p.topk_index is not None and p.hidden_states is not None
+    def first(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:b].clone()
+
     return RelayPayload(
         bonus_tokens=p.bonus_tokens[:b].clone(),
-        topk_p=p.topk_p[:b].clone(),
-        topk_index=p.topk_index[:b].clone(),
-        hidden_states=p.hidden_states[:b].clone(),
+        topk_p=first(p.topk_p),
+        topk_index=first(p.topk_index),
+        hidden_states=first(p.hidden_states),
     )
 
 
@@ -223,7 +235,7 @@ class _Replay:
             max_prefill_tokens=bs * wl.PROMPT_RANGE[1] + 1,
             prefix_cache=False,  # as on the peers' side (`specstate bench prefix` times it)
         )
-        self.worker = _ReplayWorker(2 * bs + 2, bs)
+        self.worker = _ReplayWorker(2 * bs + 2, bs, settings.algorithm)
         limits = RequestLimits(vocab_size=wl.VOCAB, max_context_len=CONTEXT, eos_token_ids={wl.EOS})
         self.engine = Engine(self.worker, limits=limits, config=config)
         self.draws = wl.Draws(bs)
@@ -399,7 +411,8 @@ def host_benchmark(
         "python": platform.python_version(),
         "config": {
             **attrs.asdict(settings),
-            "algorithm": "eagle chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
+            "algorithm": f"{settings.algorithm}: {_FAMILY_SHAPES[settings.algorithm]} "
+            "(L = 4, R = 8)",
             "timed": "Engine.step of a decode round (normal loop) but the forward, "
             "+ the streaming read; req_to_token writes and the relay's payload gathers "
             "modelled as device launches",

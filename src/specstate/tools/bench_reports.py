@@ -133,6 +133,7 @@ def run_host(args: argparse.Namespace) -> int:
         launch_us=args.launch_us,
         mmap_threshold=args.malloc_mmap_threshold,
         trim_threshold=args.malloc_trim_threshold,
+        algorithm=args.algorithm,
     )
     report: dict[str, object] = bench_host.host_benchmark(settings, progress=progress)
     text = json.dumps(report, indent=2)

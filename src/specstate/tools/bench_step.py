@@ -56,6 +56,7 @@ def _decode_step_seconds(
     device_seconds: float,
     asynchronous: bool = False,
     accept_rates: Sequence[float] | None = None,
+    family: str | None = None,
 ) -> list[float]:
     """Wall time of each of ``rounds`` steady decode steps of ``batch_size`` requests.
 
@@ -67,7 +68,10 @@ def _decode_step_seconds(
     from specstate.tools.timed_worker import TimedWaitWorker
 
     worker = TimedWaitWorker(
-        device_seconds=device_seconds, asynchronous=asynchronous, accept_rates=accept_rates
+        device_seconds=device_seconds,
+        asynchronous=asynchronous,
+        accept_rates=accept_rates,
+        family=family,
     )
     # Every round before and in the window, plus slack for the overlap loop's lookahead.
     max_new = worker.accept * (rounds + _WARMUP_DECODE_ROUNDS + 8)
@@ -130,6 +134,7 @@ def _engine_row(args: argparse.Namespace, bs: int) -> _EngineRow:
             device_seconds=0.0,
             asynchronous=args.device_model == "async",
             accept_rates=args.accept_rates,
+            family=args.algorithm,
         )
 
     if not args.both_loops:
@@ -163,11 +168,12 @@ def run_engine(args: argparse.Namespace) -> int:
             "overlap": "both" if args.both_loops else args.overlap,
             "device_model": args.device_model,
             "prompt_len": _PROMPT_LEN,
+            "algorithm": args.algorithm or "timed_wait",
         }
         report = {**header("engine"), "config": config, "results": [attrs.asdict(r) for r in rows]}
         print(json.dumps(report, indent=2))
         return 0
-    worker = f"{args.device_model} zero-cost worker"
+    worker = f"{args.device_model} zero-cost {args.algorithm or 'timed_wait'} worker"
     if args.both_loops:
         print(
             f"Engine.step per steady decode round, µs (page {args.page_size}, {worker}; "

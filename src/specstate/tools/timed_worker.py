@@ -47,6 +47,7 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.relay.future_map import RelayPayload
 from specstate.relay.streams import Stream
+from specstate.tools.bench_families import family_capabilities, family_payload
 
 __all__ = ["DeadlineEvent", "TimedWaitWorker"]
 
@@ -66,6 +67,9 @@ class TimedWaitWorker:
         accept_rates: synthetic acceptance, one probability per draft position (``num_steps``
             of them, each in ``[0, 1]``); ``accept`` is then ignored.
         seed: seeds the synthetic acceptance.
+        family: declare and relay as this drafter family does at the width of 3 steps
+            (`specstate.tools.bench_families`: ``eagle``, ``dflash``, ``uno``); None: a plain
+            chain relaying the bonus (``timed_wait``).
 
     Raises:
         InvalidConfig: a negative wait, fewer than one draft step, ``accept`` outside
@@ -81,6 +85,7 @@ class TimedWaitWorker:
         asynchronous: bool = False,
         accept_rates: Sequence[float] | None = None,
         seed: int = 0,
+        family: str | None = None,
     ) -> None:
         if not device_seconds >= 0.0:  # also rejects NaN
             raise InvalidConfig(f"device_seconds must be >= 0, got {device_seconds}")
@@ -101,7 +106,14 @@ class TimedWaitWorker:
         self._device_free_at = 0.0  # asynchronous: when the device finishes its queued work
         self._num_steps = num_steps
         self._accept = accept
-        chain = WorkerCapabilities.chain("timed_wait", num_steps=num_steps, keeps_draft_kv=True)
+        self._family = family
+        chain = (
+            WorkerCapabilities.chain("timed_wait", num_steps=num_steps, keeps_draft_kv=True)
+            if family is None
+            else family_capabilities(family)
+        )
+        if chain.num_steps != num_steps:
+            raise InvalidConfig(f"family {family} drafts {chain.num_steps} steps, not {num_steps}")
         self._capabilities = attrs.evolve(
             chain,
             asynchronous=asynchronous,
@@ -172,11 +184,16 @@ class TimedWaitWorker:
             accept_lens=accept_lens,
             stride=stride,
             new_seq_lens=new_seq_lens,
-            next_draft_input=RelayPayload(
-                bonus_tokens=torch.full((rows,), _TOKEN_ID, dtype=torch.int64, device=device)
+            next_draft_input=self._payload(
+                torch.full((rows,), _TOKEN_ID, dtype=torch.int64, device=device)
             ),
             copy_done=copy_done,
         )
+
+    def _payload(self, bonus: torch.Tensor) -> RelayPayload:
+        if self._family is None:
+            return RelayPayload(bonus_tokens=bonus)
+        return family_payload(self._family, bonus)
 
 
 class DeadlineEvent:
