@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from spec_checkpoints import MIXED_PROMPTS
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantModel
 
-from specstate import InvalidConfig
+from specstate import InvalidConfig, SamplingParams
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.dflash_checkpoint import load_dflash_assistant
 from specstate.reference.layer_tap import LayerTap
@@ -174,3 +174,23 @@ def test_num_steps_outside_the_block_and_a_missing_tensor_are_refused(
     target = load_paged_llama(block_ckpt.target, num_token_slots=8)
     with pytest.raises(InvalidConfig, match="missing tensor 'encoder.fc.weight'"):
         load_dflash_assistant(broken, target)
+
+
+def test_a_request_with_speculation_off_decodes_plainly(block_ckpt: BlockCheckpoints) -> None:
+    """speculative=False rows share rounds with drafting ones: one exact token each round."""
+    params = [
+        SamplingParams(max_new_tokens=NEW_TOKENS, speculative=i % 2 == 1)
+        for i in range(len(MIXED_PROMPTS))
+    ]
+    served = serve_recorded(
+        block_ckpt.worker("dflash", check_commit_order=True),
+        MIXED_PROMPTS,
+        vocab_size=97,
+        max_new_tokens=NEW_TOKENS,
+        params=params,
+        overlap=True,
+    )
+    for i, prompt in enumerate(MIXED_PROMPTS):
+        assert served.outputs[i] == greedy(block_ckpt.hf, prompt, NEW_TOKENS)
+        lens = {r.accept_len for r in served.rounds[f"p{i}"]}
+        assert lens == {1} if i % 2 == 0 else max(lens) > 1, (i, lens)

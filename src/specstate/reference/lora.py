@@ -42,7 +42,13 @@ from torch import nn
 from specstate.core.errors import InvalidConfig
 from specstate.reference.model import PagedLlama
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "LoraAdapter", "LoraConfig"]
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "LoraAdapter",
+    "LoraConfig",
+    "read_lora_config",
+]
 
 ADAPTER_CONFIG_FILE: Final = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE: Final = "adapter_model.safetensors"
