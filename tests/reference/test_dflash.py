@@ -194,3 +194,19 @@ def test_a_request_with_speculation_off_decodes_plainly(block_ckpt: BlockCheckpo
         assert served.outputs[i] == greedy(block_ckpt.hf, prompt, NEW_TOKENS)
         lens = {r.accept_len for r in served.rounds[f"p{i}"]}
         assert lens == {1} if i % 2 == 0 else max(lens) > 1, (i, lens)
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 3])
+def test_the_reservation_covers_the_whole_block(
+    block_ckpt: BlockCheckpoints, num_steps: int
+) -> None:
+    """A draft writes its scratch K/V over the whole block, whatever it verifies: the window
+    the engine reserves (L per round, 2L from the committed length) spans the block."""
+    caps = block_ckpt.worker("dflash", num_steps=num_steps).capabilities
+    assert (caps.num_steps, caps.max_accept, caps.num_draft_tokens) == (
+        num_steps,
+        num_steps + 1,
+        BLOCK_SIZE,
+    )
+    for page in (1, 16):
+        assert caps.spec_window(page).alloc_len_per_decode >= BLOCK_SIZE

@@ -19,7 +19,7 @@ from block_rounds import Served, serve_recorded
 from hf_oracle import greedy
 from safetensors.torch import load_file, save_file
 from spec_checkpoints import MIXED_PROMPTS
-from uno_oracle import load_pairs, pathway_logits
+from uno_oracle import adapter_scale, load_pairs, pathway_logits
 
 from specstate import InvalidConfig, InvalidRequest, RequestLimits, SamplingParams
 from specstate.engine.config import EngineConfig
@@ -68,7 +68,9 @@ def test_drafts_equal_the_plain_lora_pathway(
                 continue
             assert settled[row.start] == row.bonus
             sequence = settled[: row.start] + [row.bonus] + [NOISE_TOKEN] * (UNO_STEPS - 1)
-            logits = pathway_logits(block_ckpt.hf, pairs, 2.0, sequence, row.start + 1)
+            logits = pathway_logits(
+                block_ckpt.hf, pairs, adapter_scale(block_ckpt.adapter), sequence, row.start + 1
+            )
             assert row.proposed == tuple(logits[row.start :].argmax(-1).tolist()), f"p{i}"
             accepts.append(row.accept_len)
     assert min(accepts) >= 2 and max(accepts) > 2  # the root always, drafts sometimes
@@ -100,7 +102,9 @@ def test_a_request_with_speculation_off_decodes_plainly(block_ckpt: BlockCheckpo
         row = served.rounds[f"p{i}"][2]
         sequence = settled[: row.start] + [row.bonus] + [NOISE_TOKEN] * (UNO_STEPS - 1)
         routed = pairs if i % 2 == 1 else {}
-        logits = pathway_logits(block_ckpt.hf, routed, 2.0, sequence, row.start + 1)
+        logits = pathway_logits(
+            block_ckpt.hf, routed, adapter_scale(block_ckpt.adapter), sequence, row.start + 1
+        )
         assert row.proposed == tuple(logits[row.start :].argmax(-1).tolist()), f"p{i}"
 
 

@@ -99,6 +99,12 @@ def save_adapter(pairs: Pairs, *, rank: int, alpha: float, directory: Path) -> N
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def adapter_scale(directory: Path) -> float:
+    """``lora_alpha / r`` of a PEFT adapter directory (read with ``json``, not specstate)."""
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return float(config["lora_alpha"]) / int(config["r"])
+
+
 def load_pairs(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The pairs of a PEFT adapter directory, by transformers' module name."""
     from safetensors.torch import load_file
