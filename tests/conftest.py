@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from block_checkpoints import BlockCheckpoints, make_block_checkpoints
 from memory_harness import Memory, build_memory
 from spec_checkpoints import SpecCheckpoints, make_partial_drafters, make_spec_checkpoints
 
@@ -46,3 +47,10 @@ def partial_ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
     """
     root = tmp_path_factory.mktemp("partial_ckpt")
     return make_partial_drafters(make_spec_checkpoints(root), root)
+
+
+@pytest.fixture(scope="session")
+def block_ckpt(tmp_path_factory: pytest.TempPathFactory) -> BlockCheckpoints:
+    """The block drafters' target with its distilled DFlash assistant and UNO adapter, built
+    once (a few seconds). Shared by many modules: tests read it and never change it."""
+    return make_block_checkpoints(tmp_path_factory.mktemp("block_ckpt"))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from block_checkpoints import BLOCK_FAMILIES, BlockCheckpoints
 from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
@@ -167,3 +168,32 @@ def test_a_row_back_from_budget_zero_accepts_as_a_fresh_request(
     assert list(late.emitted_ids[off:]) == list(fresh.emitted_ids)
     assert resumed[: len(fresh.accept_lengths)] == fresh.accept_lengths
     assert any(a > 1 for a in resumed)  # it really speculates again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+@pytest.mark.parametrize(("overlap", "page_size"), [(False, 1), (True, 16)])
+def test_ragged_budgets_are_lossless_for_the_block_drafters(
+    block_ckpt: BlockCheckpoints, family: str, overlap: bool, page_size: int
+) -> None:
+    """DFLASH and UNO under ragged budgets: HF's greedy tokens, each run at most its budget
+    + 1, every budget from 0 to the width used (the worker declares budget support)."""
+    options: dict[str, object] = {"check_commit_order": True} if family == "dflash" else {}
+    worker = block_ckpt.worker(family, **options)
+    assert worker.capabilities.supports_verify_budgets
+    engine = Engine(
+        worker,
+        limits=RequestLimits(vocab_size=block_ckpt.vocab_size, max_context_len=96),
+        config=EngineConfig(overlap=overlap, page_size=page_size, check_invariants=True),
+        verify_budget=_Ragged(),
+    )
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    reqs = [engine.submit(f"r{i}", p, params) for i, p in enumerate(MIXED_PROMPTS)]
+    with engine:
+        run_checked(engine, max_steps=400)
+    for req, prompt in zip(reqs, MIXED_PROMPTS, strict=True):
+        assert list(req.emitted_ids) == greedy(block_ckpt.hf, list(prompt), NEW_TOKENS)
+        pairs = zip(req.accept_lengths, req.verified_lengths, strict=True)
+        assert all(a <= v + 1 for a, v in pairs)
+    width = worker.capabilities.num_steps
+    assert {v for r in reqs for v in r.verified_lengths} >= set(range(width + 1))

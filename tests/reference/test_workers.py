@@ -431,9 +431,10 @@ def test_ngram_history_drafts_the_continuation_of_the_latest_match() -> None:
 
 
 def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints) -> None:
-    """default_registry holds every algorithm; each of the four built here satisfies
-    WorkerProtocol (the hidden-state drafters have their own tests)."""
+    """default_registry holds every algorithm; each of those built here satisfies
+    WorkerProtocol (the hidden-state and block drafters have their own tests)."""
     assert default_registry().names() == (
+        "dflash",
         "draft_model",
         "eagle",
         "eagle3",
@@ -441,6 +442,7 @@ def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints
         "mtp",
         "ngram",
         "none",
+        "uno",
     )
     for algorithm in ALGORITHMS:
         worker = build(algorithm, ckpt)

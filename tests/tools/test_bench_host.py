@@ -104,7 +104,7 @@ def test_every_drafter_family_replays_through_the_same_round(algorithm: str) -> 
     )  # fmt: skip
     report = host_benchmark(settings)
     config = report["config"]
-    assert isinstance(config, dict) and config["algorithm"].startswith(f"{algorithm} chain")
+    assert isinstance(config, dict) and config["algorithm"].startswith(f"{algorithm}, ")
     results = report["results"]
     assert isinstance(results, list)
     eagle = host_benchmark(attrs.evolve(settings, algorithm="eagle"))["results"]

@@ -196,7 +196,9 @@ def test_draft_with_an_algorithm_that_has_none_is_refused(
     argv += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, not none" in err
+    assert (
+        "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, dflash, uno, not none" in err
+    )
 
 
 @pytest.mark.parametrize("flag", ["--requests", "--max-new-tokens", "--num-steps", "--page-size"])
@@ -745,7 +747,9 @@ def test_tree_flags_need_a_tree_drafter(tmp_path: Path, capsys: pytest.CaptureFi
     requests = _write_lines(tmp_path / "in.jsonl", {"id": "a", "input_ids": [1]})
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--algorithm", "ngram", "--topk", "2"]
     assert main([*argv, "--input", str(requests), "--output", str(tmp_path / "o.jsonl")]) == 2
-    assert "grow a draft tree (draft_model, eagle, eagle3), not ngram" in capsys.readouterr().err
+    assert (
+        "grow a draft tree (draft_model, eagle, eagle3, uno), not ngram" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])

@@ -19,6 +19,9 @@ It returns a `ConformanceReport` whose findings each name the broken rule:
 ``relay``           a forward read relayed state nobody wrote (a missing stash or
                     publish), published twice, or called ``on_publish`` from another
                     thread or after it returned
+``commit-order``    a forward read state that a post-publish commit of an earlier
+                    forward had not written yet (a worker that records its commits in a
+                    `specstate.relay.commit_order.CommitOrderLedger`, like ``dflash``)
 ``ownership``       the worker wrote a counter it does not own, or ``req_to_token``
 ``isolation``       the worker wrote a scheduler-owned tensor in place
 ``adaptive``        a round launched with ``num_draft_steps`` drafts settled a longer

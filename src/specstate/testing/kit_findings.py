@@ -148,6 +148,8 @@ def rule_of_detail(detail: str) -> str:
         return "speculation"
     if "[relay]" in detail:  # also a result without the relay payload (WorkerResultError)
         return "relay"
+    if "before the post-publish commit" in detail:  # `CommitOrderLedger.check_reads`
+        return "commit-order"
     if detail.startswith("InvariantViolation:"):
         name = detail.partition("[")[2].partition("]")[0]
         return _INVARIANTS.get(name, "invariant")

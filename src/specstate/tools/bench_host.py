@@ -193,7 +193,7 @@ def _payload(b: int, gen: torch.Generator, shape: DraftShape) -> RelayPayload:
         bonus_tokens=torch.full((b,), wl.FILLER, dtype=torch.int64),
         topk_p=torch.rand((b, 1), generator=gen) if shape.topk else None,
         topk_index=torch.randint(0, wl.VOCAB - 1, (b, 1), generator=gen) if shape.topk else None,
-        hidden_states=torch.randn((b, width), generator=gen).to(torch.bfloat16),
+        hidden_states=torch.randn((b, width), generator=gen).to(torch.bfloat16) if width else None,
     )
 
 
@@ -409,7 +409,8 @@ def host_benchmark(
         "python": platform.python_version(),
         "config": {
             **attrs.asdict(settings),
-            "algorithm": f"{settings.algorithm} chain, 3 steps, 4 draft tokens (L = 4, R = 8)",
+            "algorithm": f"{settings.algorithm}, 3 drafts past the bonus, 4 draft tokens "
+            "(L = 4, R = 8)",
             "timed": "Engine.step of a decode round (normal loop) but the forward, "
             "+ the streaming read; req_to_token writes and the relay's payload gathers "
             "modelled as device launches",

@@ -10,6 +10,12 @@ reference family, as the reference workers relay them::
     mtp             draft KV; the hidden chain of its two MTP layers [2H]
     eagle3          draft KV; three target layers' hidden states [3H]
     frozen_kv_mtp   no draft KV; the normed hidden state [H]
+    dflash          the assistant's KV; the bonus only (the context stays in that KV)
+    uno             draft KV; the bonus only (tokens and lengths)
+
+At the benches' one width (3 proposals past the bonus, a verify of 4, ``L = 4``, ``R = 8``) the
+block families declare the same window as a chain: DFLASH's block of 4 holds the bonus and its
+3 drafts, UNO's pass drafts the root and 2 more.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ class DraftShape:
     Attributes:
         algorithm: the registry name the stand-in worker declares.
         keeps_draft_kv: whether the family's drafting writes KV (`WorkerCapabilities`).
-        hidden_multiple: the relayed hidden state's width in units of the model width.
+        hidden_multiple: the relayed hidden state's width in units of the model width (0: the
+            relay carries no hidden state).
         topk: whether the relay carries ``topk_p`` / ``topk_index`` too.
     """
 
@@ -45,5 +52,7 @@ DRAFT_SHAPES: Final = {
     "frozen_kv_mtp": DraftShape(
         algorithm="frozen_kv_mtp", keeps_draft_kv=False, hidden_multiple=1, topk=False
     ),
+    "dflash": DraftShape(algorithm="dflash", keeps_draft_kv=True, hidden_multiple=0, topk=False),
+    "uno": DraftShape(algorithm="uno", keeps_draft_kv=True, hidden_multiple=0, topk=False),
 }
 """Every family the benches take (``--algorithm``), by name."""

@@ -34,7 +34,17 @@ __all__ = [
     "positive",
 ]
 
-ALGORITHMS: Final = ("none", "draft_model", "eagle", "ngram", "mtp", "eagle3", "frozen_kv_mtp")
+ALGORITHMS: Final = (
+    "none",
+    "draft_model",
+    "eagle",
+    "ngram",
+    "mtp",
+    "eagle3",
+    "frozen_kv_mtp",
+    "dflash",
+    "uno",
+)
 DTYPES: Final = ("float32", "bfloat16", "float16")
 """The ``--dtype`` names that are torch dtypes (``checkpoint`` keeps the saved one)."""
 
@@ -71,17 +81,24 @@ def add_worker_options(parser: argparse.ArgumentParser, *, model_help: str) -> N
     parser.add_argument(
         "--draft",
         type=Path,
-        help="the drafter: a draft checkpoint (draft_model), a head (eagle, eagle3) or an "
-        "assistant (frozen_kv_mtp); mtp drafts with the MTP layers inside --model",
+        help="the drafter: a draft checkpoint (draft_model), a head (eagle, eagle3), an "
+        "assistant (frozen_kv_mtp, dflash) or a PEFT LoRA adapter (uno); mtp drafts with the MTP "
+        "layers inside --model",
     )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
-    parser.add_argument("--num-steps", type=int, default=4, help="draft steps per round")
+    parser.add_argument(
+        "--num-steps",
+        type=int,
+        default=4,
+        help="draft steps per round (dflash: at most the assistant's block_size - 1, which a "
+        "larger value takes; uno: the first output token and num_steps - 1 drafts)",
+    )
     parser.add_argument(
         "--topk",
         type=positive,
         default=1,
         help="draft branches per step: above 1 the drafter grows a tree (draft_model, eagle, "
-        "eagle3)",
+        "eagle3, uno)",
     )
     parser.add_argument(
         "--num-draft-tokens",

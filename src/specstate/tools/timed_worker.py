@@ -211,7 +211,9 @@ class TimedWaitWorker:
                 bonus_tokens=bonus,
                 topk_p=top,
                 topk_index=None if top is None else top.long(),
-                hidden_states=torch.zeros((rows, width), dtype=torch.bfloat16, device=device),
+                hidden_states=torch.zeros((rows, width), dtype=torch.bfloat16, device=device)
+                if width
+                else None,
             )
             self._extras[rows] = extras
         return attrs.evolve(extras, bonus_tokens=bonus)

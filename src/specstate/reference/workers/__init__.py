@@ -18,8 +18,10 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``mtp`` | `MtpWorker` | ``mtp``, ``num_steps`` (default: the checkpoint's MTP layers) |
 | ``eagle3`` | `Eagle3Worker` | ``eagle3``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``frozen_kv_mtp`` | `FrozenKvMtpWorker` | ``assistant``, ``num_steps`` |
+| ``dflash`` | `DFlashWorker` | ``assistant``, ``num_steps``, ``check_commit_order`` |
+| ``uno`` | `UnoWorker` | ``adapter``, ``noise_token_id``, the step and tree options of ``eagle`` |
 
-``topk > 1`` makes ``draft_model``, ``eagle`` and ``eagle3`` draft a tree of
+``topk > 1`` makes ``draft_model``, ``eagle``, ``eagle3`` and ``uno`` draft a tree of
 ``num_draft_tokens`` nodes and verify it in one forward (`specstate.reference.workers.tree`):
 greedy rows take the longest matching path, sampled rows recursive rejection sampling over each
 node's children; each node sees the penalties and ``min_new_tokens`` state of its own path,
@@ -44,6 +46,7 @@ fresh seed at attach.
 from __future__ import annotations
 
 from specstate.engine.worker import AlgorithmRegistry
+from specstate.reference.workers.dflash import DFlashWorker
 from specstate.reference.workers.draft_model import DraftModelWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.eagle3 import Eagle3Worker
@@ -57,6 +60,7 @@ from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
 from specstate.reference.workers.tree_draft import DraftTree, TreeShape
 from specstate.reference.workers.tree_verify import TreeVerdict, verify_greedy_tree
+from specstate.reference.workers.uno import UnoWorker
 from specstate.reference.workers.verify import (
     ChainVerdict,
     DraftChain,
@@ -67,6 +71,7 @@ from specstate.reference.workers.verify import (
 __all__ = [
     "ChainRoundWorker",
     "ChainVerdict",
+    "DFlashWorker",
     "DraftChain",
     "DraftModelWorker",
     "DraftTree",
@@ -83,6 +88,7 @@ __all__ = [
     "TreeRoundWorker",
     "TreeShape",
     "TreeVerdict",
+    "UnoWorker",
     "VerifiedRound",
     "VerifiedTree",
     "default_registry",
@@ -94,8 +100,9 @@ __all__ = [
 
 
 def default_registry() -> AlgorithmRegistry:
-    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, ``mtp``, ``eagle3`` and
-    ``frozen_kv_mtp``."""
+    """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, the hidden-state
+    drafters (``mtp``, ``eagle3``, ``frozen_kv_mtp``) and the block drafters (``dflash``,
+    ``uno``)."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
@@ -104,4 +111,6 @@ def default_registry() -> AlgorithmRegistry:
     registry.register("mtp", MtpWorker)
     registry.register("eagle3", Eagle3Worker)
     registry.register("frozen_kv_mtp", FrozenKvMtpWorker)
+    registry.register("dflash", DFlashWorker)
+    registry.register("uno", UnoWorker)
     return registry

@@ -41,6 +41,9 @@ __all__ = [
     "torch_dtype",
 ]
 
+_TREES: Final = ("draft_model", "eagle", "eagle3", "uno")
+"""The algorithms that grow a draft tree with ``--topk`` above 1."""
+
 WorkerFactory = Callable[[argparse.Namespace], "tuple[WorkerProtocol, RequestLimits]"]
 """``--worker MODULE:FACTORY``: parsed arguments in, ``(worker, limits)`` out."""
 
@@ -126,17 +129,22 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
     if args.algorithm != "none":
         options["num_steps"] = args.num_steps
     if args.topk != 1 or args.num_draft_tokens is not None:
-        if args.algorithm not in ("draft_model", "eagle", "eagle3"):
+        if args.algorithm not in _TREES:
             raise InvalidRequest(
-                f"--topk and --num-draft-tokens grow a draft tree (draft_model, eagle, eagle3), "
-                f"not {args.algorithm}"
+                f"--topk and --num-draft-tokens grow a draft tree ({', '.join(_TREES)}), not "
+                f"{args.algorithm}"
             )
         options["topk"] = args.topk
         options["num_draft_tokens"] = args.num_draft_tokens
     if drafter is not None:
-        if args.draft is None:
+        if args.draft is None and args.algorithm != "uno":  # uno without one decodes plainly
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
         options[drafter] = args.draft
+    if args.algorithm == "dflash":  # the verified drafts fit the assistant's block
+        from specstate.reference.dflash_checkpoint import read_dflash_config
+
+        block = read_dflash_config(args.draft).block_size
+        options["num_steps"] = min(args.num_steps, block - 1)
     return default_registry().create(args.algorithm, **options), limits
 
 
@@ -145,6 +153,8 @@ _DRAFTER_OPTION: Final = {
     "eagle": "eagle",
     "eagle3": "eagle3",
     "frozen_kv_mtp": "assistant",
+    "dflash": "assistant",
+    "uno": "adapter",
 }
 """The worker option ``--draft`` fills, by algorithm (``mtp``'s layers are in ``--model``)."""
 
