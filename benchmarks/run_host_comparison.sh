@@ -13,8 +13,9 @@
 # Environment: SGLANG_VENV and VLLM_VENV name the peers' environments (built by
 # benchmarks/peers/setup_sglang.sh and setup_vllm.sh; a peer whose venv is missing is skipped),
 # SPECSTATE (default `specstate`), ROUNDS (5), WORKLOADS ("churn steady"), and EXTRA, options
-# passed to every bench (e.g. "--iters 50 --batch-sizes 1,64"). The load average is logged at
-# the start, after every alternation and at the end (OUT_DIR/load.txt too).
+# passed to every bench (e.g. "--iters 50 --batch-sizes 1,64"); each run's stderr goes to a .log
+# beside its report. The load average is logged at the start, after every alternation and at
+# the end (OUT_DIR/load.txt too).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -39,11 +40,13 @@ for workload in $WORKLOADS; do
     for ((i = 1; i <= ROUNDS; i++)); do
         echo "[$(date +%T)] $workload, alternation $i/$ROUNDS: specstate" >&2
         "$SPECSTATE" bench host "--$workload" --repeats 1 --launch-model ops --handoff \
-            --device cpu:0 "${EXTRA[@]}" --json >"$OUT/specstate-$workload-$i.json" 2>/dev/null
+            --device cpu:0 "${EXTRA[@]}" --json >"$OUT/specstate-$workload-$i.json" \
+            2>"$OUT/specstate-$workload-$i.log"
         for peer in "${peers[@]}"; do
             echo "[$(date +%T)] $workload, alternation $i/$ROUNDS: $peer" >&2
             "$(venv_of "$peer")/bin/python" "$HERE/peers/${peer}_host.py" "--$workload" \
-                --repeats 1 "${EXTRA[@]}" >"$OUT/$peer-$workload-$i.json" 2>/dev/null
+                --repeats 1 "${EXTRA[@]}" >"$OUT/$peer-$workload-$i.json" \
+                2>"$OUT/$peer-$workload-$i.log"
         done
         load "$workload, alternation $i/$ROUNDS done"
     done

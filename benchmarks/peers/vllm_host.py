@@ -282,7 +282,8 @@ class _Replay:
         return self._step(r)
 
     def check(self) -> None:
-        """Untimed: every finish is where the draws put it; the survivors are where they are."""
+        """Untimed: every finish is where the draws put it; the survivors are where they are
+        (a request that joined after the last round waits for its prefill, with no output)."""
         by_index = {d.index: d for d in self.draws.requests}
         for _, index, emitted in self.finished:
             if emitted != by_index[index].length:
@@ -290,6 +291,10 @@ class _Replay:
                     f"request r{index}: {emitted} outputs, drawn {by_index[index]}"
                 )
         for req, d in self.live.values():
+            if req.request_id in self.joining:  # joined after the last round: not prefilled
+                if req.num_output_tokens or d.emitted != 1:
+                    raise AssertionError(f"{req.request_id}: outputs before its prefill")
+                continue
             if req.is_finished() or req.num_output_tokens != d.emitted:
                 raise AssertionError(f"{req.request_id}: {req.num_output_tokens} outputs, {d}")
 
