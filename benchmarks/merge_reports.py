@@ -3,10 +3,12 @@
     python benchmarks/merge_reports.py OUT.json RUN1.json RUN2.json ...
 
 Each input is one report (``specstate bench host --json`` or a peer harness, ``--repeats 1``).
-Per (page, bs) row the merged report keeps the median of the runs' medians (``total_us`` and
-``cpu_us``; their p90 is the median of the runs' p90s), every run's median in
-``total_us_median_per_repeat``, and the lowest in ``total_us_best_repeat_median``. It refuses
-runs whose workload digests differ. Standard library only.
+Per (page, bs) row the merged report keeps the median of the runs' medians (``total_us``,
+``cpu_us``, and where the runs give them ``host_us``, ``handoff_total_us`` and ``device_ops``;
+their p90 is the median of the runs' p90s), every run's median in
+``total_us_median_per_repeat`` (and ``handoff_us_median_per_repeat``), in the order of the
+inputs (the alternations), and the lowest in ``total_us_best_repeat_median``. It refuses runs
+whose workload digests differ. Standard library only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 def _stat(rows: list[dict[str, Any]], key: str) -> dict[str, float] | None:
     if any(key not in r for r in rows):
         return None
-    return {s: round(statistics.median(r[key][s] for r in rows), 2) for s in ("median", "p90")}
+    stats = [s for s in ("median", "p90", "mean") if all(s in r[key] for r in rows)]
+    return {s: round(statistics.median(r[key][s] for r in rows), 2) for s in stats}
 
 
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,9 +48,12 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "total_us_best_repeat_median": min(medians),
             "loop_s": [s for r in rows for s in r.get("loop_s", [])],
         }
-        cpu = _stat(rows, "cpu_us")
-        if cpu is not None:
-            merged["cpu_us"] = cpu
+        for key in ("cpu_us", "host_us", "handoff_total_us", "device_ops", "device_moves"):
+            stat = _stat(rows, key)
+            if stat is not None:
+                merged[key] = stat
+        if all("handoff_us_median_per_repeat" in r for r in rows):
+            merged["handoff_us_median_per_repeat"] = [r["handoff_total_us"]["median"] for r in rows]
         merged["total_us_per_req"] = {k: round(v / bs, 3) for k, v in merged["total_us"].items()}
         results.append(merged)
     config = {**reports[0].get("config", {}), "alternations": len(reports)}

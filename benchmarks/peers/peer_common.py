@@ -1,13 +1,16 @@
 """What every peer harness shares with ``specstate bench host``: draws, settings, the report.
 
 A peer harness runs in the peer's own virtual environment, where specstate is not installed, so
-it loads the workload module (`specstate.tools.host_workload`, standard library only) by file
-path from this repository: both sides replay exactly the same requests, accept lengths and
-finishes, and `digest` fingerprints what each side did.
+it loads the workload module (`specstate.tools.host_workload`, standard library only) and the
+op counter (`specstate.tools.host_ops`, torch only) by file path from this repository: both
+sides replay exactly the same requests, accept lengths and finishes, `digest` and
+`cohort_digest` fingerprint what each side did, and both count their tensor operations alike.
 
-The device-write model is the one ``specstate bench host`` states: a write that is one kernel
-launch on a GPU costs a fixed ``--launch-us`` spin on both sides. glibc's allocator thresholds are
-set with ``mallopt`` at start, the same defaults as specstate's bench.
+The launch model is the one ``specstate bench host --launch-model ops`` states: each run is
+first replayed untimed under `COUNTER`, which counts every round's tensor operations (a fused
+kernel that a harness replaces by a CPU stand-in counts as one), then replayed again, timed; a
+round's figure is its measured host time plus ``--launch-us`` per counted operation. glibc's
+allocator thresholds are set with ``mallopt`` at start, the same defaults as specstate's bench.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import gc
 import importlib.util
 import math
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "host_workload.py"
 PREFIX_WORKLOAD_PATH = REPO / "src" / "specstate" / "tools" / "prefix_workload.py"
+OPS_PATH = REPO / "src" / "specstate" / "tools" / "host_ops.py"
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
@@ -45,6 +50,10 @@ def load_workload(path: Path = WORKLOAD_PATH, name: str = "specstate_host_worklo
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+WORKLOAD: Any = load_workload()
+"""The host workload (every harness's draws)."""
 
 
 def json_stdout() -> Any:
@@ -66,7 +75,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=300, help="timed rounds per run")
     p.add_argument("--warmup", type=int, default=20, help="untimed rounds per run")
     p.add_argument("--repeats", type=int, default=5, help="fresh runs per size")
-    p.add_argument("--launch-us", type=float, default=5.0, help="one device-write launch, µs")
+    p.add_argument(
+        "--launch-us", type=float, default=5.0, help="one modelled launch per tensor op, µs"
+    )
     p.add_argument("--malloc-mmap-threshold", type=int, default=64 << 20)
     p.add_argument("--malloc-trim-threshold", type=int, default=256 << 20)
     return p
@@ -87,11 +98,10 @@ def set_allocator(mmap_threshold: int, trim_threshold: int) -> bool:
     return bool(ok and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1)
 
 
-def spin(ns: int) -> None:
-    """Busy-wait ``ns`` nanoseconds: one modelled device-write launch."""
-    end = time.perf_counter_ns() + ns
-    while time.perf_counter_ns() < end:
-        pass
+COUNTER: Any = load_workload(OPS_PATH, "specstate_host_ops").OpCounter()
+"""Counts the tensor operations of a round during a run's counting replay (`count_run`); a
+harness sets ``COUNTER.enabled`` around the parts of a round it times, and runs its kernel
+stand-ins through ``COUNTER.kernel``."""
 
 
 class Excluded:
@@ -116,10 +126,18 @@ class Excluded:
 
 @dataclass
 class Run:
-    """One fresh run of one (page, bs): per-round samples in µs and what it did."""
+    """One fresh run of one (page, bs): per-round samples in µs and what it did.
 
-    samples: list[float] = field(default_factory=list)  # wall clock
-    cpu: list[float] = field(default_factory=list)  # the thread's CPU time
+    ``samples`` and ``cpu`` are the charged figures (measured + one launch per counted
+    operation); ``host`` the measured wall time alone; ``handoff`` the charged figure with the
+    output hand-off in place of the minimal read, for a harness that times one."""
+
+    samples: list[float] = field(default_factory=list)  # wall clock, launches charged
+    cpu: list[float] = field(default_factory=list)  # the thread's CPU time, launches charged
+    host: list[float] = field(default_factory=list)  # wall clock, no launches
+    handoff: list[float] = field(default_factory=list)
+    ops: list[int] = field(default_factory=list)  # counted tensor operations per round
+    moves: list[int] = field(default_factory=list)  # of which host-device moves
     finished: list[tuple[int, int, int]] = field(default_factory=list)
     emitted: int = 0
     loop_s: float = 0.0
@@ -131,8 +149,9 @@ class Replay(Protocol):
     finished: list[tuple[int, int, int]]
     emitted: int
 
-    def round(self, r: int) -> tuple[int, int]:
-        """Run round ``r``; its timed wall and CPU nanoseconds."""
+    def round(self, r: int) -> tuple[int, ...]:
+        """Run round ``r``; its timed wall and CPU nanoseconds, and for a harness that times
+        an output hand-off, the wall and CPU nanoseconds of the round with it."""
         ...
 
     def check(self) -> None:
@@ -140,18 +159,41 @@ class Replay(Protocol):
         ...
 
 
-def timed_run(replay: Replay, args: argparse.Namespace) -> Run:
-    """``args.warmup`` untimed rounds of ``replay``, then ``args.iters`` timed ones (the
-    collector frozen), then its check: one `Run`."""
+def count_run(replay: Replay, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """Replay every round of ``replay`` untimed under `COUNTER`; its operations per round,
+    and the host-device moves among them."""
+    counts = []
+    with COUNTER:
+        for r in range(args.warmup + args.iters):
+            replay.round(r)
+            counts.append(COUNTER.take())
+    COUNTER.enabled = False
+    replay.check()
+    return counts
+
+
+def timed_run(make: Callable[[], Replay], args: argparse.Namespace) -> Run:
+    """One `Run`: a counting replay (`count_run`), then a fresh replay of ``args.warmup``
+    untimed and ``args.iters`` timed rounds (the collector frozen), then its check."""
+    ops = count_run(make(), args)
+    replay = make()
+    launch_ns = int(args.launch_us * 1e3)
     run = Run()
     gc.collect()
     gc.freeze()
     start = time.perf_counter()
     for r in range(args.warmup + args.iters):
-        wall, cpu = replay.round(r)
-        if r >= args.warmup:
-            run.samples.append(wall / 1e3)
-            run.cpu.append(cpu / 1e3)
+        sample = replay.round(r)
+        if r < args.warmup:
+            continue
+        charge = ops[r][0] * launch_ns
+        run.ops.append(ops[r][0])
+        run.moves.append(ops[r][1])
+        run.host.append(sample[0] / 1e3)
+        run.samples.append((sample[0] + charge) / 1e3)
+        run.cpu.append((sample[1] + charge) / 1e3)
+        if len(sample) > 2:
+            run.handoff.append((sample[2] + charge) / 1e3)
     run.loop_s = time.perf_counter() - start
     gc.unfreeze()
     replay.check()
@@ -165,8 +207,9 @@ def sweep(
     replay: Callable[[int, int, argparse.Namespace], Replay],
     digest: Any,
 ) -> list[dict[str, object]]:
-    """``args.repeats`` alternations over every (page, bs) of ``args``, a fresh ``replay(page,
-    bs, args)`` timed by `timed_run` each time (progress on stderr); the report's rows."""
+    """``args.repeats`` alternations over every (page, bs) of ``args``, fresh replays
+    ``replay(page, bs, args)`` timed by `timed_run` each time (progress on stderr); the
+    report's rows."""
     pages, sizes = ints(args.page_sizes), ints(args.batch_sizes)
     runs: dict[tuple[int, int], list[Run]] = {}
     for rep in range(args.repeats):
@@ -177,7 +220,8 @@ def sweep(
                     file=sys.stderr,
                     flush=True,
                 )
-                runs.setdefault((page, bs), []).append(timed_run(replay(page, bs, args), args))
+                make = functools.partial(replay, page, bs, args)
+                runs.setdefault((page, bs), []).append(timed_run(make, args))
     return [row(page, bs, done, digest) for (page, bs), done in runs.items()]
 
 
@@ -196,7 +240,7 @@ def row(page: int, bs: int, runs: list[Run], digest: Any) -> dict[str, object]:
     per_repeat = [stats(run.samples)["median"] for run in runs]
     total = stats(pooled)
     first = runs[0]
-    return {
+    out: dict[str, object] = {
         "page_size": page,
         "bs": bs,
         "repeats": len(runs),
@@ -209,8 +253,19 @@ def row(page: int, bs: int, runs: list[Run], digest: Any) -> dict[str, object]:
         "finished_requests": len(first.finished),
         "emitted_tokens": first.emitted,
         "workload_digest": digest(first.finished),
+        "cohort_digest": WORKLOAD.cohort_digest(first.finished, bs),
         "loop_s": [round(run.loop_s, 2) for run in runs],
     }
+    if all(run.ops for run in runs):
+        ops = [x for run in runs for x in run.ops]
+        out["device_ops"] = {**stats(ops), "mean": round(sum(ops) / len(ops), 2)}
+        moves = [x for run in runs for x in run.moves]
+        out["device_moves"] = {**stats(moves), "mean": round(sum(moves) / len(moves), 2)}
+        out["host_us"] = stats([x for run in runs for x in run.host])
+    if all(run.handoff for run in runs):
+        out["handoff_total_us"] = stats([x for run in runs for x in run.handoff])
+        out["handoff_us_median_per_repeat"] = [stats(run.handoff)["median"] for run in runs]
+    return out
 
 
 def settings(args: argparse.Namespace, allocator_set: bool, timed: str) -> dict[str, object]:
@@ -223,6 +278,7 @@ def settings(args: argparse.Namespace, allocator_set: bool, timed: str) -> dict[
         "warmup": args.warmup,
         "repeats": args.repeats,
         "launch_us": args.launch_us,
+        "launch_model": "ops",
         "mmap_threshold": args.malloc_mmap_threshold,
         "trim_threshold": args.malloc_trim_threshold,
         "allocator_set": allocator_set,

@@ -48,4 +48,7 @@ assert sglang.__version__ == "0.5.23", sglang.__version__
 print(f"ok: torch {torch.__version__}, sglang {sglang.__version__}")
 PY
 )
+say "smoke run of sglang_host.py (one tiny churned run)"
+(cd "$HERE" && "$VENV/bin/python" sglang_host.py --iters 3 --warmup 1 \
+    --repeats 1 --batch-sizes 2 --page-sizes 16 >/dev/null)
 say "done in $((SECONDS - start)) s: $(du -sh "$VENV" | cut -f1)"

@@ -49,4 +49,7 @@ assert vllm.__version__ == "0.33.0", vllm.__version__
 print(f"ok: torch {torch.__version__}, vllm {vllm.__version__}")
 PY
 )
+say "smoke run of vllm_host.py (one tiny churned run)"
+(cd "$HERE" && VLLM_CACHE_ROOT="$(mktemp -d)" "$VENV/bin/python" vllm_host.py --iters 3 --warmup 1 \
+    --repeats 1 --batch-sizes 2 --page-sizes 16 >/dev/null)
 say "done in $((SECONDS - start)) s: $(du -sh "$VENV" | cut -f1)"

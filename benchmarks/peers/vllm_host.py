@@ -1,26 +1,39 @@
-"""vLLM 0.33's V1 KV manager and accept bookkeeping per speculative round, on the same draws.
+"""vLLM 0.33's scheduler round per speculative decode round, on ``specstate bench host``'s draws.
 
 Run it with the interpreter of the environment ``setup_vllm.sh`` builds; it prints one JSON
 report on stdout (the shape ``specstate bench host --json`` prints) and its progress on stderr.
 
-What one timed sample is, per round, for every running request, with vLLM's own objects
-(`vllm.v1.request.Request`, `KVCacheManager` over a one-group `KVCacheConfig`, prefix caching
-off): the previous round's three drafts become its ``spec_token_ids`` (what
-``Scheduler.update_draft_token_ids`` does), ``KVCacheManager.allocate_slots(req, n,
-num_lookahead_tokens=3)`` reserves the verify tokens and the EAGLE lookahead (the call
-``Scheduler.schedule`` makes for a running request) and ``num_computed_tokens`` advances; after
-the forward the rejected drafts are taken back, the accepted run goes through
-``Scheduler._update_request_with_output`` (append, ``check_stop`` per token), a request that
-stopped is freed (``KVCacheManager.free``), and a streaming server reads each request's new
-tokens. A round that allocated blocks pays one ``--launch-us`` spin, the block-table upload its
-model runner makes (the device-write model of ``specstate bench host``).
+What one timed sample is: one `EngineCore.step` + ``post_step`` of vLLM's synchronous
+engine core, the model executor left out, on vLLM's own objects: a `Scheduler` built from a CPU
+`VllmConfig` (a local Llama config with an EAGLE draft config, 3 speculative tokens, block size
+16, prefix caching off, chunked prefill on) over a one-group `KVCacheConfig`:
 
-This is vLLM's KV and accept bookkeeping, not its whole scheduler round: ``Scheduler.schedule``
-also builds the scheduler output and its block tables, and the model runner keeps its persistent
-input batch; none of that is timed here, so the figure is a lower bound of vLLM's host work. The
-whole ``schedule()`` / ``update_from_output()`` round would prefill the requests that join inside
-the next timed ``schedule()`` (continuous batching), which moves every later draw by a round; the
-KV manager lets the joiners' prefill run between rounds, untimed, as on specstate's side.
+1. ``Scheduler.schedule()`` whole (running requests: ``allocate_slots`` with the EAGLE
+   lookahead, ``_make_cached_request_data``, the `SchedulerOutput`, ``_update_after_schedule``;
+   waiting requests, i.e. the requests that joined: their prefill, inside the same call) and
+   ``get_grammar_bitmask`` (no structured output: it returns at once);
+2. -- the model executor (not timed): the drawn accepted run of every decoding request, the
+   first token of every prefilled one, as a `ModelRunnerOutput` --
+3. ``Scheduler.update_from_output()`` whole (``make_spec_decoding_stats``, the rejected drafts
+   taken back, ``_update_request_with_output`` with ``check_stop`` per token, the free of a
+   request that stopped, the `EngineCoreOutputs`);
+4. ``Scheduler.update_draft_token_ids()`` with 3 drafts per request (``post_step``);
+5. what a streaming server reads: the new tokens of every `EngineCoreOutput`, counted.
+
+The second figure (``handoff_total_us``) adds the output hand-off: the `EngineCoreOutputs`
+encoded with vLLM's ``MsgpackEncoder`` (which its engine core's output thread runs).
+
+vLLM joins requests its own way: a request that joins is added between rounds (untimed), and
+its prefill is scheduled inside the next timed ``schedule()``, beside the decodes; it decodes
+from the round after. So a joiner starts one round later than on specstate's side (which
+prefills between rounds, untimed), every later generation shifts, and the runs' `digest`
+differs; the first cohort (`cohort_digest`) and every request's own tokens and finish agree.
+
+Not timed, or absent: the model executor's CPU side (`GPUModelRunner._update_states`,
+`InputBatch` add / remove / condense, the block tables, ``_prepare_inputs``), which this
+harness does not drive (see docs/benchmarks.md); the engine core's request intake and abort
+queue. Every tensor operation in the timed parts is counted (`peer_common`; the scheduler's
+are few: it is Python over request objects) and charged one ``--launch-us``.
 """
 
 from __future__ import annotations
@@ -41,61 +54,134 @@ import torch  # noqa: E402
 
 STUBBED = import_stubs.install()
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
 import vllm  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-wl = peer_common.load_workload()
+wl = peer_common.WORKLOAD
 
 STEPS = 3  # EAGLE chain: 3 drafts a round, verify width 4
 CONTEXT = 4096
+BLOCK = 16
+_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "vocab_size": wl.VOCAB,
+    "max_position_embeddings": CONTEXT,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": wl.EOS,
+    "bos_token_id": 1,
+    "rms_norm_eps": 1e-5,
+}
+"""A tiny Llama config: the scheduler reads the model's shape, never its weights."""
+
+
+@functools.cache
+def _model_dirs() -> tuple[str, str]:
+    """Two local model folders (target and EAGLE draft), each only a ``config.json``; made once
+    per process."""
+    root = Path(tempfile.mkdtemp(prefix="vllm-host-"))
+    for name, arch in (("target", "LlamaForCausalLM"), ("draft", "EagleLlamaForCausalLM")):
+        (root / name).mkdir()
+        config = {**_LLAMA, "architectures": [arch]}
+        (root / name / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return str(root / "target"), str(root / "draft")
+
+
+def _vllm_config(bs: int, page: int) -> VllmConfig:
+    """vLLM's configuration of a server for this run, on the CPU."""
+    target, draft = _model_dirs()
+    model = ModelConfig(
+        model=target, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=CONTEXT
+    )
+    spec = SpeculativeConfig(
+        method="eagle",
+        model=draft,
+        num_speculative_tokens=STEPS,
+        target_model_config=model,
+        target_parallel_config=ParallelConfig(),
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=bs,
+        # room for every decode and for the prefills of a round's joiners in one step
+        max_num_batched_tokens=bs * (wl.MAX_ACCEPT + wl.PROMPT_RANGE[1]),
+        max_model_len=CONTEXT,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
+    cache = CacheConfig(block_size=page, enable_prefix_caching=False)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        speculative_config=spec,
+        device_config=DeviceConfig(device="cpu"),
+    )
 
 
 class _Replay:
-    """One (page, bs) run: vLLM's KV manager, its requests and the draws."""
+    """One (page, bs) run: vLLM's scheduler, its requests and the draws."""
 
     def __init__(self, page: int, bs: int, args: Any) -> None:
         self.page, self.bs = page, bs
         self.churn = args.workload == "churn"
         self.rounds = args.warmup + args.iters
-        tokens = wl.kv_tokens(bs, page, self.rounds, churn=self.churn)
+        config = _vllm_config(bs, page)
+        blocks = wl.kv_tokens(bs, page, self.rounds, churn=self.churn) // page + 1
         spec = FullAttentionSpec(block_size=page, num_kv_heads=1, head_size=8, dtype=torch.float32)
-        config = KVCacheConfig(
-            num_blocks=tokens // page + 1,
+        kv_config = KVCacheConfig(
+            num_blocks=blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
         )
-        self.kv = KVCacheManager(
-            config,
-            max_model_len=CONTEXT,
-            scheduler_block_size=page,
-            hash_block_size=page,
-            enable_caching=False,  # no prefix caching, as on specstate's side
-            use_eagle=True,
+        config.cache_config.num_gpu_blocks = blocks
+        self.sched = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=page,
+            log_stats=False,
         )
-        self.sched = types.SimpleNamespace(max_model_len=CONTEXT)  # what the accept loop reads
-        self.launch_ns = int(args.launch_us * 1e3)
+        self.encoder = MsgpackEncoder()
         self.draws = wl.Draws(bs)
         self.steady = wl.steady_accepts(bs, self.rounds) if not self.churn else []
         self.live: dict[str, tuple[Request, Any]] = {}
-        self.sent: dict[str, int] = {}
+        self.joining: set[str] = set()
         self.finished: list[tuple[int, int, int]] = []
         self.emitted = 0
         first = (
@@ -112,80 +198,92 @@ class _Replay:
                 for i, n in enumerate(wl.steady_prompts(bs))
             ]
         )
-        self._prefill(first)
+        self._add(first)
+        self._step(-1)  # untimed: the first cohort's prefill, as on the other sides
 
-    def _prefill(self, draws: list[Any]) -> None:
-        """Untimed: each request as its prefill leaves it (prompt KV, output 0, drafts)."""
+    def _add(self, draws: list[Any]) -> None:
+        """Untimed: submit requests (their prefill runs in the next ``schedule()``)."""
         for d in draws:
             params = SamplingParams(
                 max_tokens=d.max_new_tokens if self.churn else d.length, temperature=0.0
             )
             params.update_from_generation_config({}, eos_token_id=wl.EOS)
             req = Request(f"r{d.index}", list(range(d.prompt_len)), params, None)
-            blocks = self.kv.allocate_slots(req, d.prompt_len)
-            assert blocks is not None, "KV pool too small"
-            req.num_computed_tokens = d.prompt_len
-            req.append_output_token_ids(wl.FILLER)
+            self.sched.add_request(req)
             self.live[req.request_id] = (req, d)
-            self.sent[req.request_id] = 1
+            self.joining.add(req.request_id)
 
-    def _draws(self, r: int) -> list[tuple[int, list[int]]]:
-        """Untimed: this round's accept length and tokens of every running request."""
-        if self.churn:
-            return [d.next_run() for _, d in self.live.values()]
-        runs = []
-        for (_, d), a in zip(self.live.values(), self.steady[r], strict=True):
-            d.emitted += a
-            runs.append((a, [wl.FILLER] * wl.MAX_ACCEPT))
-        return runs
+    def _model_output(self, r: int, so: Any) -> ModelRunnerOutput:
+        """Untimed: what the model executor returns: the first token of a prefilled request,
+        the drawn accepted run of a decoding one."""
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        steady = iter(self.steady[r]) if not self.churn and r >= 0 else None
+        for rid in req_ids:
+            _, d = self.live[rid]
+            if rid in self.joining:
+                sampled.append([wl.FILLER])
+            elif steady is not None:
+                a = next(steady)
+                d.emitted += a
+                sampled.append([wl.FILLER] * a)
+            else:
+                a, tokens = d.next_run()
+                sampled.append(tokens[:a])
+        self.joining.difference_update(req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
 
-    def round(self, r: int) -> tuple[int, int]:
-        """One timed round: its wall and CPU time in ns (the forward not counted)."""
-        kv, live = self.kv, list(self.live.values())
-        drafts = [wl.FILLER] * STEPS
+    def _step(self, r: int) -> tuple[int, int, int, int]:
+        """One engine-core step; its timed wall and CPU ns, the model executor left out, and
+        the wall ns of the hand-off; the round's finishes are recorded untimed."""
+        sched = self.sched
         clock, cpu = time.perf_counter_ns, time.thread_time_ns
         c0, t0 = cpu(), clock()
-        allocated = False
-        scheduled = []
-        for req, _ in live:
-            req.spec_token_ids = list(drafts)  # Scheduler.update_draft_token_ids
-            n = req.num_tokens_with_spec - req.num_computed_tokens
-            blocks = kv.allocate_slots(req, n, num_lookahead_tokens=STEPS)
-            if blocks is None:
-                raise RuntimeError(f"{req.request_id}: out of KV blocks")
-            allocated |= any(blocks.blocks)
-            req.num_computed_tokens += n
-            scheduled.append(n)
-        if allocated:
-            peer_common.spin(self.launch_ns)  # the block-table upload
-        t1, c1 = clock(), cpu()
-        runs = self._draws(r)  # the forward: not timed
+        peer_common.COUNTER.enabled = True
+        so = sched.schedule()
+        sched.get_grammar_bitmask(so)
+        peer_common.COUNTER.enabled = False
+        c1, t1 = cpu(), clock()
+        mro = self._model_output(r, so)  # the model executor: not timed
         c2, t2 = cpu(), clock()
-        ended = []
+        peer_common.COUNTER.enabled = True
+        outputs = sched.update_from_output(so, mro)
+        req_ids = mro.req_ids
+        drafts = [[wl.FILLER] * STEPS for _ in req_ids]
+        sched.update_draft_token_ids(DraftTokenIds(req_ids, drafts))  # post_step
         sent = 0
-        for (req, _), n, (accept, tokens) in zip(live, scheduled, runs, strict=True):
-            req.num_computed_tokens -= n - accept  # the rejected drafts
-            req.spec_token_ids = []
-            _, stopped = Scheduler._update_request_with_output(self.sched, req, tokens[:accept])
-            if stopped:
-                kv.free(req)
-                ended.append(req)
-        for req, _ in live:  # what a streaming server reads
-            out = req.output_token_ids
-            k = self.sent[req.request_id]
-            sent += len(out) - k
-            self.sent[req.request_id] = len(out)
-        t3, c3 = clock(), cpu()
+        ended = []
+        for batch in outputs.values():  # what a streaming server reads
+            for out in batch.outputs:
+                sent += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    ended.append(out.request_id)
+        peer_common.COUNTER.enabled = False
+        c3, t3 = cpu(), clock()
+        for batch in outputs.values():  # the hand-off: as the output thread encodes them
+            self.encoder.encode(batch)
+        c4, t4 = cpu(), clock()
         self.emitted += sent
-        for req in ended:
-            _, d = self.live.pop(req.request_id)
+        for rid in ended:
+            req, d = self.live.pop(rid)
             self.finished.append((r, d.index, req.num_output_tokens))
-        if ended:  # untimed: the joiners' prefill; they decode from the next round
-            self._prefill([self.draws.next() for _ in ended])
-        return (t1 - t0) + (t3 - t2), (c1 - c0) + (c3 - c2)
+        if ended and self.churn:  # untimed: they join; vLLM prefills them in the next round
+            self._add([self.draws.next() for _ in ended])
+        wall = (t1 - t0) + (t3 - t2)
+        cpu_ns = (c1 - c0) + (c3 - c2)
+        return wall, cpu_ns, wall + t4 - t3, cpu_ns + c4 - c3
+
+    def round(self, r: int) -> tuple[int, int, int, int]:
+        """One timed round (module docstring)."""
+        return self._step(r)
 
     def check(self) -> None:
-        """Untimed: every finish is where the draws put it; the survivors are where they are."""
+        """Untimed: every finish is where the draws put it; the survivors are where they are
+        (a request that joined after the last round waits for its prefill, with no output)."""
         by_index = {d.index: d for d in self.draws.requests}
         for _, index, emitted in self.finished:
             if emitted != by_index[index].length:
@@ -193,25 +291,36 @@ class _Replay:
                     f"request r{index}: {emitted} outputs, drawn {by_index[index]}"
                 )
         for req, d in self.live.values():
+            if req.request_id in self.joining:  # joined after the last round: not prefilled
+                if req.num_output_tokens or d.emitted != 1:
+                    raise AssertionError(f"{req.request_id}: outputs before its prefill")
+                continue
             if req.is_finished() or req.num_output_tokens != d.emitted:
                 raise AssertionError(f"{req.request_id}: {req.num_output_tokens} outputs, {d}")
-            if req.num_computed_tokens != d.prompt_len + d.emitted - 1:
-                raise AssertionError(f"{req.request_id}: computed {req.num_computed_tokens}")
 
 
 def main() -> None:
     args = peer_common.parser(__doc__.split("\n\n")[0]).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    pages = [p for p in peer_common.ints(args.page_sizes) if p % BLOCK == 0]
+    if len(pages) < len(peer_common.ints(args.page_sizes)):
+        print(
+            "vllm: page sizes below or not a multiple of 16 skipped: not a servable vLLM 0.33 "
+            "configuration (its CUDA attention backends take block sizes of 16 and up)",
+            file=sys.stderr,
+        )
+    args.page_sizes = ",".join(map(str, pages))
     allocator_set = peer_common.set_allocator(
         args.malloc_mmap_threshold, args.malloc_trim_threshold
     )
     torch.set_num_threads(1)
     results = peer_common.sweep(args, "vllm", _Replay, wl.digest)
     timed = (
-        "vLLM's KV manager (allocate_slots with the EAGLE lookahead, free) and accept "
-        "bookkeeping (_update_request_with_output), drafts set, the streaming read; "
-        "a lower bound of its scheduler round"
+        "vLLM's engine-core step without the model executor: Scheduler.schedule() (with the "
+        "joiners' prefill), get_grammar_bitmask, update_from_output(), "
+        "update_draft_token_ids(), the streaming read; handoff_total_us: with the "
+        "EngineCoreOutputs msgpack-encoded"
     )
     report = {
         "peer": "vllm",

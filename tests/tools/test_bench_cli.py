@@ -101,9 +101,10 @@ def test_compare_table(reports: tuple[Path, Path], capsys: pytest.CaptureFixture
     assert "setting workload: ours churn, peer churn" in lines
     assert "setting launch_us: ours 5.0, peer 4.0   <- differs" in lines
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "1"])
-    assert row == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "0.50x", "yes"]
+    assert row[:8] == ["1", "1", "200.0", "100.0", "0.50x", "0.45x", "0.50x", "yes"]
+    assert row[8:] == ["unknown", "0.45-0.50", "(ours)", "-/-"]  # no cohort digest, no op count
     row = next(line.split() for line in lines if line.split()[:2] == ["1", "64"])
-    assert row[-2:] == ["n/a", "NO"]
+    assert row[6:8] == ["n/a", "NO"]
     assert "missing: P 16 bs 1 is only in ours" in lines
     assert "missing: P 16 bs 64 is only in peer" in lines
 
@@ -327,3 +328,54 @@ def test_engine_bench_both_loops(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert "the two loops alternated" in lines[0]
     assert lines[2].split()[0] == "2" and lines[2].endswith("x")
+
+
+def _ranged(peer: str, runs: list[float], handoff: list[float] | None) -> dict[str, object]:
+    """A one-row report (page 16, bs 8) whose alternations had these run medians."""
+    ordered = sorted(runs)
+    row: dict[str, object] = {
+        "page_size": 16,
+        "bs": 8,
+        "total_us": {"median": ordered[len(runs) // 2], "p90": max(runs)},
+        "total_us_median_per_repeat": runs,
+        "total_us_best_repeat_median": min(runs),
+        "workload_digest": f"all-{peer}",
+        "cohort_digest": "first",
+        "device_ops": {"median": 7.0 if peer == "specstate" else 30.0, "p90": 9},
+    }
+    if handoff is not None:
+        row["handoff_total_us"] = {"median": sorted(handoff)[len(handoff) // 2], "p90": 0}
+        row["handoff_us_median_per_repeat"] = handoff
+    return {"peer": peer, "version": "1", "torch": "t", "config": {}, "results": [row]}
+
+
+def test_compare_ranges_a_ratio_over_the_alternations_and_calls_a_crossing_parity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each alternation's run medians are paired: the ratios' lowest-highest is printed, and a
+    range that crosses 1 reads parity; the first cohort and the op counts are shown."""
+    ours, peer = tmp_path / "ours.json", tmp_path / "peer.json"
+    ours.write_text(json.dumps(_ranged("specstate", [90.0, 110.0, 100.0], [150.0, 160.0, 155.0])))
+    peer.write_text(json.dumps(_ranged("sglang", [100.0, 100.0, 100.0], [300.0, 310.0, 320.0])))
+    assert main(["bench", "compare", str(ours), str(peer)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line.split() for line in lines if line.split()[:2] == ["16", "8"])
+    assert row[7:] == ["NO", "yes", "0.90-1.10", "(parity)", "7/30"]
+    assert main(["bench", "compare", "--figure", "handoff", str(ours), str(peer), "--json"]) == 0
+    (compared,) = json.loads(capsys.readouterr().out)["rows"]
+    assert compared["ours_total_us"] == 155.0 and compared["peer_total_us"] == 310.0
+    assert compared["ratio_runs"] == [0.5, 0.5161, 0.4844]
+    assert (compared["ours_ops"], compared["peer_ops"], compared["same_cohort"]) == (7, 30, True)
+
+
+def test_compare_handoff_leaves_out_a_report_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--figure handoff`` against a report that does not time the hand-off: that row is
+    reported missing, not compared with the bookkeeping figure."""
+    ours, peer = tmp_path / "ours.json", tmp_path / "peer.json"
+    ours.write_text(json.dumps(_ranged("specstate", [90.0, 110.0], [150.0, 160.0])))
+    peer.write_text(json.dumps(_ranged("vllm", [100.0, 100.0], None)))
+    assert main(["bench", "compare", "--figure", "handoff", str(ours), str(peer), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == [] and out["missing"] == [{"page_size": 16, "bs": 8, "only_in": "ours"}]

@@ -111,3 +111,31 @@ def test_every_drafter_family_replays_through_the_same_round(algorithm: str) -> 
     assert isinstance(eagle, list)
     assert results[0]["workload_digest"] == eagle[0]["workload_digest"]
     assert results[0]["finished_requests"] == eagle[0]["finished_requests"] > 0
+
+
+def test_the_ops_launch_model_counts_charges_and_never_spins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``launch_model="ops"`` replays each run once more to count its tensor operations and
+    charges each one launch, with no spin; ``handoff`` adds the figure with the hand-off to
+    request streams; ``device="cpu:0"`` takes the engine's device path (more operations)."""
+    from specstate.tools import bench_host
+
+    spins: list[int] = []
+    monkeypatch.setattr(bench_host, "_spin", spins.append)
+    counted: dict[str, float] = {}
+    for device in ("cpu", "cpu:0"):
+        settings = HostSettings(
+            workload="churn", page_sizes=(1,), batch_sizes=(6,), iters=20, warmup=2, repeats=1,
+            launch_us=0.0, launch_model="ops", handoff=True, device=device,
+        )  # fmt: skip
+        report = host_benchmark(settings)
+        results = report["results"]
+        assert isinstance(results, list)
+        (row,) = results
+        assert row["total_us"]["median"] == row["host_us"]["median"]  # launches cost 0 here
+        assert row["handoff_total_us"]["median"] > 0
+        assert row["finished_requests"] > 0 and len(row["cohort_digest"]) == 16
+        counted[device] = row["device_ops"]["median"]
+    assert spins == []
+    assert 0 < counted["cpu"] < counted["cpu:0"]

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -62,15 +63,27 @@ def test_the_harnesses_replay_specstates_draws(peer_common: ModuleType) -> None:
 
 
 class _Replay:
-    """A stand-in replay: round ``r`` takes ``(r + 1)`` µs of wall and half of it of CPU."""
+    """A stand-in replay: round ``r`` takes ``(r + 1)`` µs of wall and half of it of CPU, and
+    with the hand-off 1 µs more; it makes ``r`` tensor operations (one a move) while timed."""
 
-    def __init__(self, page: int, bs: int) -> None:
+    def __init__(self, page: int, bs: int, counter: object = None) -> None:
         self.finished = [(page, bs, 5)]
         self.emitted = 9
         self.checked = False
+        self.counter = counter
 
-    def round(self, r: int) -> tuple[int, int]:
-        return 1000 * (r + 1), 500 * (r + 1)
+    def round(self, r: int) -> tuple[int, int, int, int]:
+        if self.counter is not None:
+            import torch
+
+            self.counter.enabled = True  # type: ignore[attr-defined]
+            for _ in range(r - 1):
+                torch.ones(2).add_(1)  # one counted operation (ones: one more, once)
+            if r:
+                torch.ones(2).to("cpu")  # a move that is a no-op here: counted
+            self.counter.enabled = False  # type: ignore[attr-defined]
+            torch.ones(2).add_(1)  # untimed: not counted
+        return 1000 * (r + 1), 500 * (r + 1), 1000 * (r + 2), 0
 
     def check(self) -> None:
         self.checked = True
@@ -81,11 +94,36 @@ def test_a_timed_run_keeps_the_measured_rounds_and_checks_the_replay(
 ) -> None:
     """`timed_run` (every harness's run) drops the warm-up rounds, keeps wall and CPU time of the
     measured ones in µs, runs the replay's own check and carries what it finished."""
-    replay = _Replay(16, 4)
+    made: list[_Replay] = []
+
+    def make() -> _Replay:
+        made.append(_Replay(16, 4))
+        return made[-1]
+
     args = peer_common.parser("test").parse_args(["--warmup", "2", "--iters", "3"])
-    run = peer_common.timed_run(replay, args)
+    run = peer_common.timed_run(make, args)
     assert run.samples == [3.0, 4.0, 5.0] and run.cpu == [1.5, 2.0, 2.5]
-    assert replay.checked and (run.finished, run.emitted) == ([(16, 4, 5)], 9)
+    assert run.handoff == [4.0, 5.0, 6.0] and run.ops == [0, 0, 0]
+    assert len(made) == 2 and all(r.checked for r in made)  # the counting replay, the timed one
+    assert (run.finished, run.emitted) == ([(16, 4, 5)], 9)
+
+
+def test_every_counted_operation_is_charged_one_launch(peer_common: ModuleType) -> None:
+    """The counting replay counts each round's tensor operations (only while the replay says
+    it times), and the timed replay's figures are charged ``--launch-us`` for each."""
+
+    def make() -> _Replay:
+        return _Replay(16, 4, peer_common.COUNTER)
+
+    argv = ["--warmup", "1", "--iters", "3", "--launch-us", "10"]
+    run = peer_common.timed_run(make, peer_common.parser("test").parse_args(argv))
+    # round r: r ``ones`` (a fill: counted) + r - 1 ``add_`` + 1 move
+    assert run.ops == [2, 4, 6] and run.moves == [1, 1, 1]
+    assert run.host == [2.0, 3.0, 4.0]
+    assert run.samples == [22.0, 43.0, 64.0]  # + 10 µs a counted operation
+    row = peer_common.row(16, 4, [run], host_workload.digest)
+    assert row["device_ops"]["median"] == 4 and row["host_us"]["median"] == 3.0
+    assert row["handoff_total_us"]["median"] == 44.0
 
 
 def test_a_sweep_times_a_fresh_replay_per_setting_and_repeat(peer_common: ModuleType) -> None:
@@ -97,12 +135,14 @@ def test_a_sweep_times_a_fresh_replay_per_setting_and_repeat(peer_common: Module
         built.append((page, bs))
         return _Replay(page, bs)
 
+    # each run builds two replays of its (page, bs): the counting one, then the timed one
+
     argv = ["--warmup", "1", "--iters", "2", "--repeats", "2"]
     args = peer_common.parser("test").parse_args(
         [*argv, "--page-sizes", "1,16", "--batch-sizes", "4"]
     )
     rows = peer_common.sweep(args, "test", replay, host_workload.digest)
-    assert built == [(1, 4), (16, 4), (1, 4), (16, 4)]
+    assert built == [(1, 4), (1, 4), (16, 4), (16, 4)] * 2
     assert [(r["page_size"], r["bs"], r["repeats"], r["samples"]) for r in rows] == [
         (1, 4, 2, 4),
         (16, 4, 2, 4),
@@ -136,7 +176,7 @@ def test_a_peer_report_reads_in_bench_compare(
     assert "setting launch_us: ours 5.0, peer 5.0" in lines
     assert "setting workload: ours churn, peer churn" in lines
     row = next(line.split() for line in lines if line.split()[:2] == ["16", "4"])
-    assert row == ["16", "4", "300.0", "150.0", "0.50x", "0.50x", "0.50x", "yes"]
+    assert row == ["16", "4", "300.0", "150.0", "0.50x", "0.50x", "0.50x", "yes", "yes", "-/-"]
 
 
 def test_merged_reports_keep_the_median_of_the_run_medians(
@@ -160,3 +200,34 @@ def test_merged_reports_keep_the_median_of_the_run_medians(
     reports.append({"peer": "vllm", "config": {}, "results": [other]})
     with pytest.raises(SystemExit, match="different draws"):
         merge(reports)
+
+
+def test_the_docs_tables_give_ranges_over_alternations(
+    peer_common: ModuleType, tmp_path: Path
+) -> None:
+    """`benchmarks/host_tables.py` turns merged reports into the docs' rows: each side's median
+    [lowest–highest] run median, each ratio's median [range] over the paired alternations
+    (parity where the range crosses 1), the op counts, and vLLM's page-1 rows labelled."""
+    merge = _load(BENCHMARKS / "merge_reports.py", "merge_reports_under_test").merge
+    tables = _load(BENCHMARKS / "host_tables.py", "host_tables_under_test")
+    args = peer_common.parser("test").parse_args([])
+    walls = {"specstate": [90.0, 110.0, 100.0], "sglang": [100.0, 100.0, 100.0]}
+    for side, runs in walls.items():
+        reports = []
+        for wall in runs:
+            run: Any = _run(peer_common, [wall], [])
+            run.ops, run.moves, run.host, run.handoff = [7], [1], [wall], [wall * 2]
+            row = peer_common.row(1, 8, [run], host_workload.digest)
+            reports.append({"peer": side, "config": peer_common.settings(args, True, "t"),
+                            "results": [row]})  # fmt: skip
+        merged = merge(reports)
+        (merged_row,) = merged["results"]
+        assert merged_row["handoff_us_median_per_repeat"] == [w * 2 for w in runs]
+        assert merged_row["device_ops"]["median"] == 7
+        (tmp_path / f"{side}-churn.json").write_text(json.dumps(merged))
+    (line,) = tables.table(tmp_path, "churn", "total")[2:]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells == [
+        "1", "8", "100 [90–110]", "100 [100–100]", "not a servable vLLM configuration",
+        "1.00 [0.90–1.10] parity", "–", "7 / 7 / –",
+    ]  # fmt: skip

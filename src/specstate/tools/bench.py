@@ -141,6 +141,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="modelled cost of one device-write launch, µs (5; the peer harness takes the same)",
     )
     host.add_argument(
+        "--launch-model",
+        choices=("stand-ins", "ops"),
+        default="stand-ins",
+        help="stand-ins: a spin per req_to_token store and relay gather; ops: every tensor "
+        "operation counted (an untimed counting replay) and charged one launch, as the peer "
+        "harnesses do",
+    )
+    host.add_argument(
+        "--device",
+        default="cpu",
+        help="the engine's device: cpu (its host path) or cpu:0 (its device path on the CPU: "
+        "the result copied, the slot table mirrored, as on a GPU)",
+    )
+    host.add_argument(
+        "--handoff",
+        action="store_true",
+        help="also time each round with its output hand-off (to AsyncEngine's request streams)",
+    )
+    host.add_argument(
         "--malloc-mmap-threshold",
         type=count(0),
         default=64 << 20,
@@ -161,6 +180,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare.add_argument("ours", type=Path, metavar="OURS.json", help="bench host --json report")
     compare.add_argument("peer", type=Path, metavar="PEER.json", help="the peer's report")
     compare.add_argument("--json", action="store_true", help="print JSON, not a table")
+    compare.add_argument(
+        "--figure",
+        choices=("total", "handoff"),
+        default="total",
+        help="total: the round's bookkeeping; handoff: with the output hand-off, where both "
+        "reports time it",
+    )
     engine = benches.add_parser(
         "engine", help="Engine.step time per steady decode round", formatter_class=shown
     )

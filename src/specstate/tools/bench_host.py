@@ -18,7 +18,19 @@ the peer's Triton kernels does in its harness; the relay's gathers of the stashe
 (`specstate.relay.write_log`'s ``_gather`` and ``_patch_rows``: on a GPU, kernels over device
 tensors, as the peer's fused ``gather_spec_extras`` kernel is) do their work untimed and cost
 one ``launch_us`` per gather and per scatter, where the peer's fused kernel costs one for all
-four buffers. Every other torch operation runs (on the CPU) inside the timed region. glibc's
+four buffers. Every other torch operation runs (on the CPU) inside the timed region.
+
+``--launch-model ops`` is the launch model every side of ``benchmarks/run_host_comparison.sh``
+shares instead (`specstate.tools.host_ops`): each run is first replayed untimed with its tensor
+operations counted (a store into ``req_to_token`` and each gather or scatter of the relay count
+as one each, their work untimed as above), then replayed timed without any spin, and each
+round is charged ``launch_us`` per counted operation. ``--handoff`` also times each round with
+its output hand-off in place of the streaming read: what an `AsyncEngine` does after a step to
+hand the step's tokens to its request streams (`specstate.tools.host_handoff`).
+``--device cpu:0`` runs the engine's device path on the CPU (the device audit's device: the
+result is copied, not viewed, the slot table is mirrored in a tensor, the decode columns are
+copied over), as a peer harness runs its peer's device path on the CPU; ``cpu`` (the default)
+is the host path. glibc's
 allocator thresholds are set at start (``mallopt``), the same values the peer harness sets,
 because allocator state changes host figures severalfold.
 """
@@ -46,6 +58,7 @@ from specstate.core.errors import InvariantViolation
 from specstate.core.params import RequestLimits, SamplingParams
 from specstate.core.request import Req
 from specstate.core.status import FinishReason
+from specstate.engine.capabilities.delivery import Deliveries
 from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
@@ -53,8 +66,11 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
 from specstate.memory.host_arrays import IntArray
 from specstate.memory.slots import ReqToTokenPool
 from specstate.relay.future_map import RelayPayload
+from specstate.relay.streams import CpuStream
 from specstate.tools import host_workload as wl
 from specstate.tools.draft_shapes import DRAFT_SHAPES, DraftShape
+from specstate.tools.host_handoff import StreamHandOff
+from specstate.tools.host_ops import OpCounter
 
 __all__ = ["HostSettings", "host_benchmark"]
 
@@ -81,6 +97,9 @@ class HostSettings:
     mmap_threshold: int = 64 << 20
     trim_threshold: int = 256 << 20
     algorithm: str = "eagle"
+    launch_model: str = "stand-ins"
+    handoff: bool = False
+    device: str = "cpu"
 
 
 def set_allocator(settings: HostSettings) -> bool:
@@ -99,23 +118,49 @@ LAUNCH_NS = [5000]
 """The modelled cost of one device launch (``--launch-us``), set by `host_benchmark`."""
 UNCHARGED = [0, 0]
 """Wall and CPU ns inside the timed region that the round is not charged: the modelled device
-work's own time (its launches are charged)."""
+work's own time (its launches are charged), and with ``--handoff`` the delivery record's."""
+COUNTER = OpCounter()
+"""Counts a round's tensor operations in the counting replay of ``--launch-model ops``."""
+SPIN = [True]
+"""Whether modelled launches spin (``stand-ins``) or are counted and charged (``ops``)."""
 
 
 def _device_kernel(fn: Callable[..., Any], launches: Callable[..., int]) -> Callable[..., Any]:
-    """``fn``, device work: its effect untimed, then ``launches(*args)`` modelled launches."""
+    """``fn``, device work: its effect untimed, then ``launches(*args)`` modelled launches
+    (spun, or counted by `COUNTER`)."""
 
     def kernel(*args: Any) -> Any:
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return COUNTER.kernel(launches(*args), fn, *args)
+        finally:
+            UNCHARGED[1] += time.thread_time_ns() - c0
+            UNCHARGED[0] += time.perf_counter_ns() - t0
+            if SPIN[0]:
+                for _ in range(launches(*args)):
+                    _spin(LAUNCH_NS[0])
+
+    return kernel
+
+
+def _uncharged(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, its time not charged to the round (the delivery record, timed as hand-off)."""
+
+    def call(*args: Any) -> Any:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return fn(*args)
         finally:
             UNCHARGED[1] += time.thread_time_ns() - c0
             UNCHARGED[0] += time.perf_counter_ns() - t0
-            for _ in range(launches(*args)):
-                _spin(LAUNCH_NS[0])
+            HANDOFF[1] += time.thread_time_ns() - c0
+            HANDOFF[0] += time.perf_counter_ns() - t0
 
-    return kernel
+    return call
+
+
+HANDOFF = [0, 0]
+"""Wall and CPU ns of the delivery record inside a step (``--handoff``): part of the hand-off."""
 
 
 def _spin(ns: int) -> None:
@@ -155,9 +200,11 @@ class _ReplayWorker:
     ) -> GenerationBatchResult:
         """The forward: not timed (its wall and CPU time are added to `spent`)."""
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        counting, COUNTER.enabled = COUNTER.enabled, False
         try:
             return self._forward(batch)
         finally:
+            COUNTER.enabled = counting
             self.spent[0] += time.perf_counter_ns() - t0
             self.spent[1] += time.thread_time_ns() - c0
 
@@ -213,6 +260,10 @@ def _rows(p: RelayPayload, b: int) -> RelayPayload:
 class _Run:
     samples: list[float] = attrs.Factory(list)
     cpu: list[float] = attrs.Factory(list)  # the thread's CPU time per sample
+    host: list[float] = attrs.Factory(list)  # ``ops``: wall time without the launches
+    handoff: list[float] = attrs.Factory(list)  # ``--handoff``: with the output hand-off
+    ops: list[int] = attrs.Factory(list)  # ``ops``: counted operations per round
+    moves: list[int] = attrs.Factory(list)  # ``ops``: of which host-device moves
     finished: list[tuple[int, int, int]] = attrs.Factory(list)
     emitted: int = 0
     loop_s: float = 0.0
@@ -232,6 +283,7 @@ class _Replay:
             max_running=bs,
             max_prefill_tokens=bs * wl.PROMPT_RANGE[1] + 1,
             prefix_cache=False,  # as on the peers' side (`specstate bench prefix` times it)
+            device=settings.device,
         )
         self.worker = _ReplayWorker(2 * bs + 2, bs, DRAFT_SHAPES[settings.algorithm])
         limits = RequestLimits(vocab_size=wl.VOCAB, max_context_len=CONTEXT, eos_token_ids={wl.EOS})
@@ -241,6 +293,7 @@ class _Replay:
         self.slot: dict[Req, int] = {}
         self.steady = wl.steady_accepts(bs, rounds) if not self.churn else []
         self.order: list[Req] = []
+        self.handoff = StreamHandOff(self.engine) if settings.handoff else None
 
     def start(self) -> None:
         if self.churn:
@@ -258,7 +311,11 @@ class _Replay:
             self._submit(d, SamplingParams(max_new_tokens=d.max_new_tokens))
 
     def _submit(self, d: wl.Request, params: SamplingParams) -> None:
-        req = self.engine.submit(f"r{d.index}", range(d.prompt_len), params)
+        rid, prompt = f"r{d.index}", range(d.prompt_len)
+        if self.handoff is None:
+            req = self.engine.submit(rid, prompt, params)
+        else:
+            req = self.handoff.submit(rid, prompt, params)
         self.live[req] = d
         self.order.append(req)
 
@@ -267,6 +324,8 @@ class _Replay:
         while engine.scheduler.waiting or engine.scheduler.prefilling:
             report = engine.step()  # untimed: the joiners' prefill (their first token)
             assert report.launched_mode == "extend" and not report.finished
+            if self.handoff is not None:
+                self.handoff.hand_off()  # untimed too: the first tokens go out with the prefill
         for req in self.order:
             self.slot[req] = engine.allocator.slot_of(req)
         self.order = []
@@ -286,19 +345,56 @@ class _Replay:
 
 
 def _one_run(page: int, bs: int, settings: HostSettings) -> _Run:
+    ops = _count_run(page, bs, settings) if settings.launch_model == "ops" else None
     replay = _Replay(page, bs, settings)
     engine = replay.engine
     try:
         replay.start()
-        run = _loop(replay, settings)
+        run = _loop(replay, settings, ops)
         _check(replay, run)
         return run
     finally:
+        if replay.handoff is not None:
+            replay.handoff.close()
         engine.close()
 
 
-def _loop(replay: _Replay, settings: HostSettings) -> _Run:
+def _count_run(page: int, bs: int, settings: HostSettings) -> list[tuple[int, int]]:
+    """An untimed replay of the same draws under `COUNTER`: the operations of every round."""
+    submit = CpuStream.submit
+
+    # NOTE: the launch runs on the CPU stream's worker thread; torch's modes are per thread.
+    def counted_submit(self: CpuStream, fn: Callable[..., object], *a: Any, **k: Any) -> None:
+        submit(self, COUNTER.bound(fn), *a, **k)
+
+    CpuStream.submit = counted_submit  # type: ignore[method-assign,assignment]
+    replay = _Replay(page, bs, settings)
+    try:
+        replay.start()
+        with COUNTER:
+            run = _loop(replay, settings, None, counting=True)
+        _check(replay, run)
+        return list(zip(run.ops, run.moves, strict=True))
+    finally:
+        COUNTER.enabled = False
+        CpuStream.submit = submit  # type: ignore[method-assign]
+        if replay.handoff is not None:
+            replay.handoff.close()
+        replay.engine.close()
+
+
+def _loop(
+    replay: _Replay,
+    settings: HostSettings,
+    ops: list[tuple[int, int]] | None,
+    *,
+    counting: bool = False,
+) -> _Run:
+    """Every round of one run; ``ops``: the counted operations of each round (and the moves
+    among them), charged one launch each; ``counting``: the counting replay (every round's
+    counts in ``run.ops`` and ``run.moves``)."""
     engine, outputs = replay.engine, replay.engine.outputs
+    handoff = replay.handoff
     run = _Run()
     seen = outputs.all_lengths()
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
@@ -309,9 +405,12 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
         replay.prepare(r)
         replay.worker.spent[:] = (0, 0)
         UNCHARGED[:] = (0, 0)
+        HANDOFF[:] = (0, 0)
+        COUNTER.enabled = counting
         c0 = cpu()
         t0 = clock()
         report = engine.step()
+        ta = clock()
         # What a streaming server reads: each request's new tokens, sent on and dropped (as
         # the peer harness does: it counts them).
         sent = 0
@@ -321,14 +420,31 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
             sent += len(req.emitted_ids[int(seen[replay.slot[req]]) :])
         t1 = clock()
         c1 = cpu()
+        if handoff is not None:  # the hand-off: the step's events to the request streams
+            handoff.hand_off()
+        t2 = clock()
+        COUNTER.enabled = False
+        if counting:
+            counted, moves = COUNTER.take()
+            run.ops.append(counted)
+            run.moves.append(moves)
         if report.launched_mode != "decode" or report.launched_size != replay.bs:
             raise RuntimeError(
                 f"round {r}: launched {report.launched_mode} of {report.launched_size}"
             )
         if r >= settings.warmup:  # the forward is not timed (as on the peer's side)
             spent = replay.worker.spent
-            run.samples.append((t1 - t0 - spent[0] - UNCHARGED[0]) / 1e3)
-            run.cpu.append((c1 - c0 - spent[1] - UNCHARGED[1]) / 1e3)
+            charge = 0 if ops is None else ops[r][0] * LAUNCH_NS[0]
+            wall = t1 - t0 - spent[0] - UNCHARGED[0]
+            run.samples.append((wall + charge) / 1e3)
+            run.cpu.append((c1 - c0 - spent[1] - UNCHARGED[1] + charge) / 1e3)
+            if ops is not None:
+                run.host.append(wall / 1e3)
+                run.ops.append(ops[r][0])
+                run.moves.append(ops[r][1])
+            if handoff is not None:
+                with_handoff = wall - (t1 - ta) + HANDOFF[0] + (t2 - t1)
+                run.handoff.append((with_handoff + charge) / 1e3)
         run.emitted += sent
         for req in report.ended:
             d = replay.live.pop(req)
@@ -337,6 +453,8 @@ def _loop(replay: _Replay, settings: HostSettings) -> _Run:
         if report.ended:
             replay.join(len(report.ended))
             replay.prefill()
+        if handoff is not None:
+            handoff.consume()  # untimed: the callers' event loop takes what was handed off
         seen = outputs.all_lengths()
     run.loop_s = (clock() - start) / 1e9
     gc.unfreeze()
@@ -379,12 +497,20 @@ def host_benchmark(
     store = ReqToTokenPool._store
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
+    on_end = Deliveries.on_end
+    SPIN[0] = settings.launch_model != "ops"
+
     def store_with_launch(self: ReqToTokenPool, flat: IntArray, values: IntArray) -> None:
         store(self, flat, values)
-        _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
+        if not self._mirrored:  # a mirrored table's device write is counted as torch calls
+            COUNTER.add(1)  # the device write, one operation
+        if SPIN[0]:
+            _spin(LAUNCH_NS[0])  # the device write's launch, as on a GPU
 
     runs: dict[tuple[int, int], list[_Run]] = {}
     ReqToTokenPool._store = store_with_launch  # type: ignore[method-assign]
+    if settings.handoff:  # the delivery record's work is the hand-off's, not the round's
+        Deliveries.on_end = _uncharged(on_end)  # type: ignore[method-assign]
     write_log._gather = _device_kernel(
         gather, lambda buffers, indices: sum(b is not None for b in buffers)
     )
@@ -400,6 +526,7 @@ def host_benchmark(
                     runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
         ReqToTokenPool._store = store  # type: ignore[method-assign]
+        Deliveries.on_end = on_end  # type: ignore[method-assign]
         write_log._gather, write_log._patch_rows = gather, patch_rows
         torch.set_num_threads(threads)
     return {
@@ -413,7 +540,17 @@ def host_benchmark(
             "(L = 4, R = 8)",
             "timed": "Engine.step of a decode round (normal loop) but the forward, "
             "+ the streaming read; req_to_token writes and the relay's payload gathers "
-            "modelled as device launches",
+            "modelled as device launches"
+            + (
+                "; every tensor operation counted and charged one launch"
+                if settings.launch_model == "ops"
+                else ""
+            )
+            + (
+                "; handoff_total_us: with the hand-off to AsyncEngine streams"
+                if settings.handoff
+                else ""
+            ),
             "allocator_set": allocator_set,
             "torch_threads": 1,
         },
@@ -426,7 +563,7 @@ def _row(page: int, bs: int, runs: list[_Run]) -> dict[str, object]:
     per_repeat = [_stats(r.samples)["median"] for r in runs]
     total = _stats(samples)
     first = runs[0]
-    return {
+    row: dict[str, object] = {
         "page_size": page,
         "bs": bs,
         "repeats": len(runs),
@@ -439,5 +576,16 @@ def _row(page: int, bs: int, runs: list[_Run]) -> dict[str, object]:
         "finished_requests": len(first.finished),
         "emitted_tokens": first.emitted,
         "workload_digest": wl.digest(first.finished),
+        "cohort_digest": wl.cohort_digest(first.finished, bs),
         "loop_s": [round(r.loop_s, 2) for r in runs],
     }
+    if all(r.ops for r in runs):  # --launch-model ops
+        ops = [x for r in runs for x in r.ops]
+        row["device_ops"] = {**_stats(ops), "mean": round(sum(ops) / len(ops), 2)}
+        moves = [x for r in runs for x in r.moves]
+        row["device_moves"] = {**_stats(moves), "mean": round(sum(moves) / len(moves), 2)}
+        row["host_us"] = _stats([x for r in runs for x in r.host])
+    if all(r.handoff for r in runs):  # --handoff
+        row["handoff_total_us"] = _stats([x for r in runs for x in r.handoff])
+        row["handoff_us_median_per_repeat"] = [_stats(r.handoff)["median"] for r in runs]
+    return row

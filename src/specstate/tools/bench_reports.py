@@ -62,6 +62,11 @@ class _HostRow:
     finished: int | None = None
     digest: str | None = None
     cpu: float | None = None  # median thread CPU time per round, for reports that give it
+    per_repeat: tuple[float, ...] = ()  # each run's median (a merged report: each alternation's)
+    cohort: str | None = None  # `host_workload.cohort_digest`, for reports that give it
+    ops: float | None = None  # median counted tensor operations per round (launch model ops)
+    handoff: float | None = None  # median with the output hand-off, for reports that time it
+    handoff_per_repeat: tuple[float, ...] = ()
 
 
 def _number(item: Mapping[str, object], key: str, where: str, stat: str = "median") -> float:
@@ -106,8 +111,26 @@ def _host_rows(report: object, source: str) -> dict[tuple[int, int], _HostRow]:
             finished=_optional_int(item.get("finished_requests")),
             digest=_optional_str(item.get("workload_digest")),
             cpu=_number(item, "cpu_us", where) if "cpu_us" in item else None,
+            per_repeat=_numbers(item.get("total_us_median_per_repeat")),
+            cohort=_optional_str(item.get("cohort_digest")),
+            ops=_number(item, "device_ops", where) if "device_ops" in item else None,
+            handoff=(
+                _number(item, "handoff_total_us", where) if "handoff_total_us" in item else None
+            ),
+            handoff_per_repeat=_numbers(item.get("handoff_us_median_per_repeat")),
         )
     return rows
+
+
+def _numbers(value: object) -> tuple[float, ...]:
+    """A list of finite numbers, or () for anything else."""
+    if not isinstance(value, list):
+        return ()
+    if not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in value
+    ):
+        return ()
+    return tuple(float(v) for v in value)
 
 
 def _optional_int(value: object) -> int | None:
@@ -134,6 +157,9 @@ def run_host(args: argparse.Namespace) -> int:
         mmap_threshold=args.malloc_mmap_threshold,
         trim_threshold=args.malloc_trim_threshold,
         algorithm=args.algorithm,
+        launch_model=args.launch_model,
+        handoff=args.handoff,
+        device=args.device,
     )
     report: dict[str, object] = bench_host.host_benchmark(settings, progress=progress)
     text = json.dumps(report, indent=2)
@@ -161,7 +187,14 @@ def run_host(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------ compare
-_SETTINGS: Final = ("workload", "launch_us", "mmap_threshold", "trim_threshold", "allocator_set")
+_SETTINGS: Final = (
+    "workload",
+    "launch_us",
+    "launch_model",
+    "mmap_threshold",
+    "trim_threshold",
+    "allocator_set",
+)
 """Settings both sides must share; `bench compare` prints them side by side."""
 
 
@@ -177,6 +210,10 @@ class _CompareRow:
     ratio_best_repeat: float | None
     same_workload: bool | None  # both runs finished the same requests (digests); None: unknown
     ratio_cpu: float | None = None  # of the median CPU times, where both reports give them
+    same_cohort: bool | None = None  # the first cohort's finishes agree (`cohort_digest`)
+    ratio_runs: tuple[float, ...] = ()  # ours / peer per alternation (run i against run i)
+    ours_ops: float | None = None  # median counted tensor operations per round
+    peer_ops: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -207,7 +244,24 @@ def ratio(ours: float, peer: float) -> float | None:
     return round(ours / peer, 4) if peer > 0 else None
 
 
-def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
+def _paired(ours: tuple[float, ...], peer: tuple[float, ...]) -> tuple[float, ...]:
+    """ours / peer per alternation, where both reports have the same number of runs."""
+    if len(ours) != len(peer) or len(ours) < 2 or not all(p > 0 for p in peer):
+        return ()
+    return tuple(round(a / b, 4) for a, b in zip(ours, peer, strict=True))
+
+
+def _figure(row: _HostRow, figure: str) -> tuple[float, float, tuple[float, ...]] | None:
+    """The row's (median, best run, per-run medians) of ``figure``; None: not in the report."""
+    if figure == "total":
+        return row.total, row.best_repeat, row.per_repeat
+    if row.handoff is None:
+        return None
+    runs = row.handoff_per_repeat
+    return row.handoff, min(runs) if runs else row.handoff, runs
+
+
+def _compare(ours_path: Path, peer_path: Path, figure: str = "total") -> _Comparison:
     ours, ours_rows = _read_report(ours_path)
     peer, peer_rows = _read_report(peer_path)
     rows, missing = [], []
@@ -217,17 +271,28 @@ def _compare(ours_path: Path, peer_path: Path) -> _Comparison:
             only_in = "peer" if a is None else "ours"
             missing.append({"page_size": key[0], "bs": key[1], "only_in": only_in})
             continue
+        fa, fb = _figure(a, figure), _figure(b, figure)
+        if fa is None or fb is None:
+            only_in = "peer" if fa is None else "ours"
+            missing.append({"page_size": key[0], "bs": key[1], "only_in": only_in})
+            continue
         same = None if a.digest is None or b.digest is None else a.digest == b.digest
+        cohort = None if a.cohort is None or b.cohort is None else a.cohort == b.cohort
+        cpu = None if a.cpu is None or b.cpu is None or figure != "total" else ratio(a.cpu, b.cpu)
         rows.append(
             _CompareRow(
                 page_size=key[0],
                 bs=key[1],
-                peer_total_us=b.total,
-                ours_total_us=a.total,
-                ratio_total=ratio(a.total, b.total),
-                ratio_best_repeat=ratio(a.best_repeat, b.best_repeat),
+                peer_total_us=fb[0],
+                ours_total_us=fa[0],
+                ratio_total=ratio(fa[0], fb[0]),
+                ratio_best_repeat=ratio(fa[1], fb[1]),
                 same_workload=same,
-                ratio_cpu=None if a.cpu is None or b.cpu is None else ratio(a.cpu, b.cpu),
+                ratio_cpu=cpu,
+                same_cohort=cohort,
+                ratio_runs=_paired(fa[2], fb[2]),
+                ours_ops=a.ops,
+                peer_ops=b.ops,
             )
         )
     return _Comparison(ours=ours, peer=peer, rows=tuple(rows), missing=tuple(missing))
@@ -238,9 +303,22 @@ def times(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def _verdict(runs: tuple[float, ...]) -> str:
+    """A ratio's range over alternations, and parity where it crosses 1."""
+    if not runs:
+        return ""
+    low, high = min(runs), max(runs)
+    side = "parity" if low <= 1.0 <= high else ("ours" if high < 1.0 else "peer")
+    return f"{low:.2f}-{high:.2f} ({side})"
+
+
+def _ops(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def run_compare(args: argparse.Namespace) -> int:
     try:
-        result = _compare(args.ours, args.peer)
+        result = _compare(args.ours, args.peer, getattr(args, "figure", "total"))
     except _BadReport as exc:
         return fail("compare", str(exc))
     if args.json:
@@ -255,18 +333,27 @@ def run_compare(args: argparse.Namespace) -> int:
         a, b = (settings[side].get(key) for side in ("ours", "peer"))  # type: ignore[attr-defined]
         flag = "" if a == b else "   <- differs"
         print(f"setting {key}: ours {a}, peer {b}{flag}")
-    print("median µs per round; ratios are ours / peer, below 1 means ours is faster")
+    figure = getattr(args, "figure", "total")
+    what = "bookkeeping + output hand-off" if figure == "handoff" else "the round"
+    print(f"median µs per round ({what}); ratios are ours / peer, below 1 means ours is faster")
     print(
         "(cpu: of the thread's CPU time per round, which other tenants of a machine disturb less)"
     )
+    print(
+        "(runs: the ratio of each alternation's run medians, lowest-highest; a range that "
+        "crosses 1 is parity; first cohort: the requests running from round one finished alike; "
+        "ops: counted tensor operations per round, ours/peer)"
+    )
     print(f"{'P':>3} {'bs':>5} {'peer µs':>9} {'ours µs':>9} {'ratio':>7} {'best rep':>9} "
-          f"{'cpu':>7} {'same draws':>10}")  # fmt: skip
+          f"{'cpu':>7} {'same draws':>10} {'1st cohort':>10} {'runs':>24} {'ops':>9}")  # fmt: skip
     for r in result.rows:
         same = {None: "unknown", True: "yes", False: "NO"}[r.same_workload]
+        cohort = {None: "unknown", True: "yes", False: "NO"}[r.same_cohort]
         print(
             f"{r.page_size:>3} {r.bs:>5} {r.peer_total_us:>9.1f} {r.ours_total_us:>9.1f} "
             f"{times(r.ratio_total):>7} {times(r.ratio_best_repeat):>9} "
-            f"{times(r.ratio_cpu):>7} {same:>10}"
+            f"{times(r.ratio_cpu):>7} {same:>10} {cohort:>10} {_verdict(r.ratio_runs):>24} "
+            f"{_ops(r.ours_ops) + '/' + _ops(r.peer_ops):>9}"
         )
     for m in result.missing:
         print(f"missing: P {m['page_size']} bs {m['bs']} is only in {m['only_in']}")

@@ -2,8 +2,8 @@
 
 This module imports only the standard library, so a peer's harness (another project's virtual
 environment) loads it by file path and replays exactly the same requests, accept lengths and
-finishes. `digest` fingerprints a run's draws; `specstate bench compare` refuses two reports
-whose digests differ.
+finishes. `digest` fingerprints a run's draws (`cohort_digest` those of the requests running
+from the first round); `specstate bench compare` shows whether two reports' digests agree.
 
 **Churned** (the default): a steady batch of ``bs`` requests where requests finish and new
 ones join every round. Request ``j`` draws, in this order, from one ``random.Random(2468)``
@@ -40,6 +40,7 @@ __all__ = [
     "FILLER",
     "Draws",
     "Request",
+    "cohort_digest",
     "digest",
     "kv_tokens",
     "steady_accepts",
@@ -134,3 +135,16 @@ def digest(finished: list[tuple[int, int, int]]) -> str:
     """A fingerprint of a run: ``(round, request index, emitted tokens)`` of every finish."""
     text = ";".join(f"{r}:{i}:{n}" for r, i, n in sorted(finished))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cohort_digest(finished: list[tuple[int, int, int]], bs: int) -> str:
+    """`digest` of the finishes of the first cohort only: the ``bs`` requests running from the
+    first round (indices below ``bs``).
+
+    Every side starts them together, so their finishes (the round of the forward that finished
+    each, its index, its tokens) agree even between loops whose joiners start at different
+    rounds: a loop that joins a request one round later (SGLang's overlap loop settles a result
+    after the next launch; vLLM prefills a joiner inside its next ``schedule()``) shifts every
+    later generation, so `digest` differs there while `cohort_digest` still agrees.
+    """
+    return digest([f for f in finished if f[1] < bs])
