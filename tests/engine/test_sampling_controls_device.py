@@ -35,6 +35,13 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
     return make_spec_checkpoints(tmp_path_factory.mktemp("audit_controls"))
 
 
+def _settle_stream(engine: Engine) -> None:
+    """Wait until the batch in flight has run on the forward stream (its findings recorded)."""
+    flight = engine.in_flight
+    if flight is not None and flight.done is not None:
+        flight.done.synchronize()
+
+
 @pytest.mark.parametrize("algorithm", ["draft_model", "ngram"])
 def test_controls_keep_the_placement_rule(ckpt: SpecCheckpoints, algorithm: str) -> None:
     """No mixed op, no launch sync or upload; steady rounds: one d2h copy, no host sync."""
@@ -63,12 +70,14 @@ def test_controls_keep_the_placement_rule(ckpt: SpecCheckpoints, algorithm: str)
             if engine.snapshot().num_running == len(reqs) and flight and flight.plan.is_decode:
                 break
         engine.step()
+        _settle_stream(engine)  # the launch before the window records its copy before the mark
         steady = Counter[tuple[str, str]]()
         mark = len(audit.findings)
         for _ in range(rounds):
             report = engine.step()
             assert report.launched_mode == "decode" and not report.finished
             check_engine(engine)
+        _settle_stream(engine)  # ...and the window's last launch, before the count
         steady.update((f.kind, f.phase) for f in audit.findings[mark:])
         engine.run_until_idle()
         engine.close()
