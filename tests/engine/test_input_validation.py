@@ -61,7 +61,7 @@ def test_bad_sampling_values_are_refused(case: str) -> None:
 def test_a_refusal_names_the_request_fields_at_fault() -> None:
     """`InvalidRequest.fields` names the fields of `Engine.submit` that a refusal is about, in
     the order of the message: the prompt, each bad sampling value, what the worker does not
-    support, what does not fit the context or the pool."""
+    support, what does not fit the context or the pool, and an id that is bad or taken."""
 
     class _Plain(TimedWaitWorker):  # no penalties, no logprobs, greedy only
         @property
@@ -96,6 +96,11 @@ def test_a_refusal_names_the_request_fields_at_fault() -> None:
                 engine.submit("r", prompt, sampling)
             assert info.value.fields == fields, info.value
         assert engine.is_idle
+        engine.submit("live", [1], SamplingParams(max_new_tokens=2))
+        for request_id in ("", 7, "live"):  # not a string, empty, or the id of a live request
+            with pytest.raises(InvalidRequest) as info:
+                engine.submit(request_id, [1], SamplingParams())  # type: ignore[arg-type]
+            assert info.value.fields == ("request_id",), info.value
 
 
 def test_a_string_of_stop_ids_is_not_a_collection() -> None:

@@ -74,8 +74,8 @@ class InvalidRequest(SpecStateError, ValueError):
 
     Attributes:
         fields: the request fields the refusal is about, as `Engine.submit` takes them
-            (``"prompt_ids"``, or a `SamplingParams` field such as ``"max_new_tokens"``), in
-            the order the message names them; empty when none is (a duplicate request id). A
+            (``"request_id"``, ``"prompt_ids"``, or a `SamplingParams` field such as
+            ``"max_new_tokens"``), in the order the message names them; empty when none is. A
             server maps them to the fields of its own protocol.
     """
 

@@ -134,9 +134,15 @@ class Engine:
         """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
         self._check_caller("submit")
         if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequest(f"request id must be a non-empty string, got {request_id!r}")
+            raise InvalidRequest(
+                f"request id must be a non-empty string, got {request_id!r}",
+                fields=("request_id",),
+            )
         if self.lifecycle.is_live(request_id):
-            raise InvalidRequest(f"request {request_id!r}: a live request already has this id")
+            raise InvalidRequest(
+                f"request {request_id!r}: a live request already has this id",
+                fields=("request_id",),
+            )
         req = Req.new(request_id, prompt_ids, sampling, self.limits, checker=self.checker)
         pool = self.allocator.token_pool
         check_request(
