@@ -85,7 +85,7 @@ def serving(engine: Engine, model: ServedModel) -> Iterator[Served]:
     """Serve ``engine`` as ``model`` for the ``with`` block; then stop and close everything."""
     front = AsyncEngine(engine)
     try:
-        with BackgroundServer(create_app(front, model)) as server:
+        with BackgroundServer(create_app(front, model), front=front) as server:
             yield Served(url=server.url, front=front, model=model.name)
     finally:
         bounded(front.close())

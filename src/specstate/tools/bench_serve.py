@@ -193,7 +193,7 @@ def _run_http(args: argparse.Namespace) -> _Run:
         name="bench", limits=RequestLimits(vocab_size=_VOCAB, max_context_len=context)
     )
     try:
-        with BackgroundServer(create_app(front, model)) as server:
+        with BackgroundServer(create_app(front, model), front=front) as server:
             host, port = server.url.removeprefix("http://").rsplit(":", 1)
             job = {
                 "host": host,
