@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -58,6 +58,7 @@ __all__ = [
     "from_hf_config",
     "layer_shapes",
     "load_paged_llama",
+    "read_checked_tensors",
     "read_config_json",
     "read_float_field",
     "read_int_field",
@@ -244,6 +245,39 @@ def read_config_json(directory: StrPath, *, kind: str) -> tuple[dict[str, object
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{path}: config.json must hold a JSON object")
     return raw, path
+
+
+def read_checked_tensors(
+    path: Path,
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    kind: str,
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor ``expected`` names, read from the safetensors file ``path`` once its names
+    and shapes are checked: a drafter's weights (``kind`` names it in the messages, e.g. "the
+    EAGLE head"). ``keep``: which of the file's tensors count (the others are ignored).
+
+    Raises:
+        InvalidConfig: the file is missing, or a tensor is missing, misshapen or unexpected;
+            the message names the file and the tensor.
+    """
+    if not path.is_file():
+        raise InvalidConfig(f"{path}: missing {path.name} of {kind}")
+    with safe_open(str(path), framework="pt") as handle:
+        present = {name for name in handle.keys() if keep is None or keep(name)}  # noqa: SIM118
+        extras = sorted(present - set(expected))
+        if extras:
+            raise InvalidConfig(f"{path}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
+        tensors: dict[str, torch.Tensor] = {}
+        for name, shape in expected.items():
+            if name not in present:
+                raise InvalidConfig(f"{path}: missing tensor '{name}'")
+            got = tuple(handle.get_slice(name).get_shape())
+            if got != shape:
+                raise InvalidConfig(f"{path}: tensor '{name}' has shape {got}, expected {shape}")
+            tensors[name] = handle.get_tensor(name)
+    return tensors
 
 
 def read_model_config(directory: StrPath) -> ModelConfig:

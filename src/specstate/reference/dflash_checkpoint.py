@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Final
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from specstate.core.errors import InvalidConfig
 from specstate.reference.checkpoint import (
     CONFIG_FILE,
     DTYPES,
     WEIGHTS_FILE,
+    read_checked_tensors,
     read_config_json,
     read_float_field,
     read_int_field,
@@ -152,23 +153,7 @@ def read_dflash_config(directory: StrPath) -> DFlashConfig:
 
 def _read_tensors(path: Path, config: DFlashConfig) -> dict[str, torch.Tensor]:
     """Every expected tensor of ``path``, names and shapes checked first."""
-    if not path.is_file():
-        raise InvalidConfig(f"{path}: missing {WEIGHTS_FILE} of the DFlash assistant")
-    expected = config.expected_shapes()
-    with safe_open(str(path), framework="pt") as handle:
-        present = set(handle.keys())
-        extras = sorted(present - set(expected))
-        if extras:
-            raise InvalidConfig(f"{path}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            if name not in present:
-                raise InvalidConfig(f"{path}: missing tensor '{name}'")
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != shape:
-                raise InvalidConfig(f"{path}: tensor '{name}' has shape {got}, expected {shape}")
-            tensors[name] = handle.get_tensor(name)
-    return tensors
+    return read_checked_tensors(path, config.expected_shapes(), kind="the DFlash assistant")
 
 
 def load_dflash_assistant(

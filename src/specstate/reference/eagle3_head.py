@@ -33,11 +33,17 @@ from typing import Final
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.reference.checkpoint import CONFIG_FILE, WEIGHTS_FILE, StrPath, write_safetensors
+from specstate.reference.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    StrPath,
+    read_checked_tensors,
+    write_safetensors,
+)
 from specstate.reference.eagle3_config import Eagle3Config, read_eagle3_config
 from specstate.reference.model import (
     AttentionBatch,
@@ -249,22 +255,12 @@ def _check_fits_target(config: Eagle3Config, target: ModelConfig, where: str) ->
 def _read_head_tensors(path: Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Every expected tensor of ``path`` (names and shapes checked first; the vocabulary map
     checked after)."""
-    if not path.is_file():
-        raise InvalidConfig(f"{path}: missing {WEIGHTS_FILE} of the EAGLE-3 head")
-    expected = config.expected_shapes()
-    with safe_open(str(path), framework="pt") as handle:
-        present = set(handle.keys()) - {"embed_tokens.weight"}
-        extras = sorted(present - set(expected))
-        if extras:
-            raise InvalidConfig(f"{path}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            if name not in present:
-                raise InvalidConfig(f"{path}: missing tensor '{name}'")
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != shape:
-                raise InvalidConfig(f"{path}: tensor '{name}' has shape {got}, expected {shape}")
-            tensors[name] = handle.get_tensor(name)
+    tensors = read_checked_tensors(
+        path,
+        config.expected_shapes(),
+        kind="the EAGLE-3 head",
+        keep=lambda name: name != "embed_tokens.weight",
+    )
     ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
     bad = (ids < 0) | (ids >= config.vocab_size)
     if bool(bad.any()) or len(set(ids.tolist())) != ids.numel():

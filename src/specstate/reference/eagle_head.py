@@ -39,7 +39,7 @@ from typing import Final
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
@@ -47,6 +47,7 @@ from specstate.reference.checkpoint import (
     CONFIG_FILE,
     DTYPES,
     WEIGHTS_FILE,
+    read_checked_tensors,
     read_config_json,
     read_float_field,
     read_int_field,
@@ -294,23 +295,7 @@ class EagleHead(nn.Module):
 
 def _read_head_tensors(path: Path, config: EagleHeadConfig) -> dict[str, torch.Tensor]:
     """Reads every expected tensor of ``path``, checking names and shapes first."""
-    if not path.is_file():
-        raise InvalidConfig(f"{path}: missing {WEIGHTS_FILE} of the EAGLE head")
-    expected = config.expected_shapes()
-    with safe_open(str(path), framework="pt") as handle:
-        present = set(handle.keys())
-        extras = sorted(present - set(expected))
-        if extras:
-            raise InvalidConfig(f"{path}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            if name not in present:
-                raise InvalidConfig(f"{path}: missing tensor '{name}'")
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != shape:
-                raise InvalidConfig(f"{path}: tensor '{name}' has shape {got}, expected {shape}")
-            tensors[name] = handle.get_tensor(name)
-    return tensors
+    return read_checked_tensors(path, config.expected_shapes(), kind="the EAGLE head")
 
 
 def load_eagle_head(

@@ -32,11 +32,17 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from specstate.core.errors import InvalidConfig
-from specstate.reference.checkpoint import CONFIG_FILE, WEIGHTS_FILE, StrPath, write_safetensors
+from specstate.reference.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    StrPath,
+    read_checked_tensors,
+    write_safetensors,
+)
 from specstate.reference.frozen_kv_config import FrozenKvConfig, read_frozen_kv_config
 from specstate.reference.model import KvCache, PagedLlama, RMSNorm
 
@@ -208,23 +214,7 @@ class FrozenKvAssistant(nn.Module):
 
 
 def _read_tensors(path: Path, config: FrozenKvConfig) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise InvalidConfig(f"{path}: missing {WEIGHTS_FILE} of the Frozen-KV MTP assistant")
-    expected = config.expected_shapes()
-    with safe_open(str(path), framework="pt") as handle:
-        present = set(handle.keys())
-        extras = sorted(present - set(expected))
-        if extras:
-            raise InvalidConfig(f"{path}: unexpected tensor '{extras[0]}' ({len(extras)} extra)")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            if name not in present:
-                raise InvalidConfig(f"{path}: missing tensor '{name}'")
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != shape:
-                raise InvalidConfig(f"{path}: tensor '{name}' has shape {got}, expected {shape}")
-            tensors[name] = handle.get_tensor(name)
-    return tensors
+    return read_checked_tensors(path, config.expected_shapes(), kind="the Frozen-KV MTP assistant")
 
 
 def load_frozen_kv_assistant(directory: StrPath, target: PagedLlama) -> FrozenKvAssistant:
