@@ -234,3 +234,29 @@ def test_on_a_device_a_shifted_frontier_is_relayed_clamped_into_the_reservation(
     assert worker.corrupted and len(frontiers) >= 3
     corrupted, following = frontiers[1], frontiers[2]  # the second decode was corrupted
     assert following[0] <= corrupted[0] + max_accept, (corrupted, following)
+
+
+def _back_row0(result: GenerationBatchResult) -> GenerationBatchResult:
+    assert result.new_seq_lens is not None
+    bump = torch.zeros_like(result.new_seq_lens)
+    bump[0] = 100
+    return attrs.evolve(result, new_seq_lens=result.new_seq_lens - bump)
+
+
+def test_on_a_device_a_frontier_behind_its_round_is_relayed_clamped_to_one_token_past(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """Overlap on a device: a worker's -100 frontier reaches the next forward clamped up to
+    ``seq_lens + 1`` (a verify accepts at least the bonus), never behind its own round."""
+    worker = _CorruptOnce(ckpt.worker("draft_model"), _back_row0, frontier_shift=-100)
+    config = EngineConfig(overlap=True, kv_tokens=2048, check_invariants=True, device="cpu:0")
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    with Engine(worker, limits=limits, config=config) as engine:
+        first = [engine.submit(f"a{i}", p, params) for i, p in enumerate(MIXED_PROMPTS[:3])]
+        run_checked(engine, max_steps=200)
+    frontiers = worker.decode_frontiers
+    assert worker.corrupted and len(frontiers) >= 3
+    corrupted, following = frontiers[1], frontiers[2]  # the second decode was corrupted
+    assert following[0] == corrupted[0] + 1, (corrupted, following)
+    assert any(r.finish is not None and r.finish.reason is FinishReason.ERROR for r in first)

@@ -139,3 +139,38 @@ def test_the_ops_launch_model_counts_charges_and_never_spins(
         counted[device] = row["device_ops"]["median"]
     assert spins == []
     assert 0 < counted["cpu"] < counted["cpu:0"]
+
+
+def test_the_device_write_into_req_to_token_is_two_modelled_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the device path, each write into the device copy of ``req_to_token`` (a host-to-device
+    copy and an indexed store) runs as a modelled kernel of two launches, as SGLang's
+    ``assign_req_to_token_pool`` kernel is on its side; the original method is restored."""
+    from specstate.memory.slots import ReqToTokenPool
+    from specstate.tools import bench_host
+
+    real = ReqToTokenPool._store_device
+    stores: list[int] = []
+
+    def spy(self: ReqToTokenPool, both: Any, n: int) -> None:
+        stores.append(n)
+        real(self, both, n)
+
+    launches: list[int] = []
+    kernel = bench_host.COUNTER.kernel
+
+    def recording(count: int, fn: Any, *args: Any) -> Any:
+        if fn is spy:
+            launches.append(count)
+        return kernel(count, fn, *args)
+
+    monkeypatch.setattr(ReqToTokenPool, "_store_device", spy)
+    monkeypatch.setattr(bench_host.COUNTER, "kernel", recording)
+    settings = HostSettings(
+        workload="steady", page_sizes=(1,), batch_sizes=(2,), iters=6, warmup=1, repeats=1,
+        launch_us=0.0, launch_model="ops", device="cpu:0",
+    )  # fmt: skip
+    host_benchmark(settings)
+    assert stores and launches == [2] * len(stores)  # page 1: every decode round writes
+    assert ReqToTokenPool._store_device is spy

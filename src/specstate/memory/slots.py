@@ -323,9 +323,14 @@ class ReqToTokenPool:
         """
         self._table_host[flat] = values
         if self._mirrored:
-            table = self._req_to_token
-            both = torch.from_numpy(np.concatenate([flat, values])).to(table.device)
-            table.view(-1).index_copy_(0, both[: flat.size], both[flat.size :])
+            self._store_device(np.concatenate([flat, values]), flat.size)
+
+    def _store_device(self, both: IntArray, n: int) -> None:
+        """The device side of `_store`: one host-to-device copy of the flat positions and
+        values (``both[:n]``, ``both[n:]``) and one indexed store into the table."""
+        table = self._req_to_token
+        moved = torch.from_numpy(both).to(table.device)
+        table.view(-1).index_copy_(0, moved[:n], moved[n:])
 
     def free_rows(
         self,

@@ -23,7 +23,9 @@ four buffers. Every other torch operation runs (on the CPU) inside the timed reg
 ``--launch-model ops`` is the launch model every side of ``benchmarks/run_host_comparison.sh``
 shares instead (`specstate.tools.host_ops`): each run is first replayed untimed with its tensor
 operations counted (a store into ``req_to_token`` and each gather or scatter of the relay count
-as one each, their work untimed as above), then replayed timed without any spin, and each
+as one each, their work untimed as above; on the device path, ``--device cpu:0``, the store
+into the table's device copy counts as its two launches, a host-to-device copy and an indexed
+store, its work untimed too), then replayed timed without any spin, and each
 round is charged ``launch_us`` per counted operation. ``--handoff`` also times each round with
 its output hand-off in place of the streaming read: what an `AsyncEngine` does after a step to
 hand the step's tokens to its request streams (`specstate.tools.host_handoff`).
@@ -494,7 +496,7 @@ def host_benchmark(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     LAUNCH_NS[0] = int(settings.launch_us * 1e3)
-    store = ReqToTokenPool._store
+    store, store_device = ReqToTokenPool._store, ReqToTokenPool._store_device
     gather, patch_rows = write_log._gather, write_log._patch_rows
 
     on_end = Deliveries.on_end
@@ -509,6 +511,12 @@ def host_benchmark(
 
     runs: dict[tuple[int, int], list[_Run]] = {}
     ReqToTokenPool._store = store_with_launch  # type: ignore[method-assign]
+    # The device path's write into the table (a mirrored one): a host-to-device copy and an
+    # indexed store, two launches on a GPU whose work is the device's, as SGLang's
+    # `assign_req_to_token_pool` kernel is on its side.
+    ReqToTokenPool._store_device = _device_kernel(  # type: ignore[method-assign]
+        store_device, lambda pool, both, n: 2
+    )
     if settings.handoff:  # the delivery record's work is the hand-off's, not the round's
         Deliveries.on_end = _uncharged(on_end)  # type: ignore[method-assign]
     write_log._gather = _device_kernel(
@@ -526,6 +534,7 @@ def host_benchmark(
                     runs.setdefault((page, bs), []).append(_one_run(page, bs, settings))
     finally:
         ReqToTokenPool._store = store  # type: ignore[method-assign]
+        ReqToTokenPool._store_device = store_device  # type: ignore[method-assign]
         Deliveries.on_end = on_end  # type: ignore[method-assign]
         write_log._gather, write_log._patch_rows = gather, patch_rows
         torch.set_num_threads(threads)

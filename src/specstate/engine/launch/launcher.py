@@ -244,6 +244,7 @@ class Launcher:
         # On the host CPU a result is checked before anything is relayed; on a device, after
         # its copy, with the relayed frontier clamped meanwhile (`result_check`).
         self._on_host = device == torch.device("cpu")
+        self._bound_offsets = torch.tensor([[1, max_accept]], dtype=torch.int64, device=device)
         # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
         # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a
         # `CudaStream` launches on a GPU: its device time runs behind the result's copy event,
@@ -507,8 +508,9 @@ class Launcher:
         seq_lens = batch.seq_lens
         if self._on_host or isinstance(seq_lens, Unresolved):
             return None
-        if plan.is_decode:
-            return seq_lens + 1, seq_lens + self._max_accept
+        if plan.is_decode:  # both bounds in one operation: [b, 2] = seq_lens + [1, max_accept]
+            bounds = seq_lens[:, None] + self._bound_offsets
+            return bounds[:, 0], bounds[:, 1]
         return seq_lens, seq_lens
 
     def _bind_extend_relay(self, batch: ScheduleBatch, rows: torch.Tensor | None) -> None:

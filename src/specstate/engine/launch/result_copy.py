@@ -94,6 +94,11 @@ class HostResult:
         )
 
 
+def _int64(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as int64: itself when it already is (the common case, with no call)."""
+    return values if values.dtype is torch.int64 else values.long()
+
+
 def _host_floats(values: torch.Tensor, b: int) -> npt.NDArray[np.floating[Any]]:
     """A host CPU float tensor as a ``[b, stride]`` array (float32 unless it is float64)."""
     if values.dtype not in (torch.float32, torch.float64):
@@ -132,9 +137,9 @@ class ResultCopy:
         """
         b, stride = result.batch_size, result.stride
         frontier = published if published is not None else result.new_seq_lens
-        parts = [result.accept_lens.long(), result.next_token_ids.long(), seq_lens.long()]
+        parts = [_int64(result.accept_lens), _int64(result.next_token_ids), _int64(seq_lens)]
         if frontier is not None:
-            parts.append(frontier.long())
+            parts.append(_int64(frontier))
         if result.invalid_rows is not None:
             parts.append(result.invalid_rows.long())
         if result.logprobs is not None:  # float32 bits, read back as float32 on the host
