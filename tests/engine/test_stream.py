@@ -159,3 +159,52 @@ def test_a_token_is_delivered_on_the_step_it_is_emitted_whatever_the_slot_held(
             after_a_one_token_holder.append(req.request_id)
         previous[slot] = req
     assert after_a_one_token_holder  # the case this test is about did happen
+
+
+def test_a_live_delivery_reads_only_the_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's event of a live request reads its new tokens from its row, not its whole
+    output: what the deliveries read over a stream is what was emitted (plus one whole read of
+    each request, at its end), however long the requests run. (The invariant checker's own
+    reads, after every step, are not counted.)"""
+    from specstate.engine.capabilities.delivery import Deliveries
+    from specstate.engine.settle.outputs import OutputTable
+
+    read = {"since": 0, "whole": 0}
+    inside = [False]
+    since, whole, pop = OutputTable.read_outputs_since, OutputTable.read_outputs, Deliveries.pop
+
+    def counted_since(self: OutputTable, slot: int, start: int) -> list[int]:
+        out = since(self, slot, start)
+        read["since"] += len(out) if inside[0] else 0
+        return out
+
+    def counted_whole(self: OutputTable, slot: int) -> list[int]:
+        out = whole(self, slot)
+        read["whole"] += len(out) if inside[0] else 0
+        return out
+
+    def counted_pop(self: Deliveries) -> object:
+        inside[0] = True
+        try:
+            return pop(self)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(OutputTable, "read_outputs_since", counted_since)
+    monkeypatch.setattr(OutputTable, "read_outputs", counted_whole)
+    monkeypatch.setattr(Deliveries, "pop", counted_pop)
+    worker = TimedWaitWorker(device_seconds=0.0, num_steps=3, accept=3)
+    config = EngineConfig(overlap=True, kv_tokens=4096, check_invariants=True)
+    limits = RequestLimits(vocab_size=64, max_context_len=1024)
+    engine = Engine(worker, limits=limits, config=config)
+    params = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    reqs = [engine.submit(f"r{i}", [1, 2, 3], params) for i in range(4)]
+    events = 0
+    with engine:
+        for _ in stream(engine):
+            events += 1
+            check_engine(engine)
+    emitted = sum(len(r.emitted_ids) for r in reqs)
+    assert emitted == 4 * 300 and events > 4 * 50  # many deliveries per request
+    assert 0 < read["since"] <= emitted
+    assert read["whole"] <= emitted  # each request's last event (it left its row)

@@ -178,7 +178,8 @@ class RequestMetrics:
     def record_delivery(self, req: Req, num_tokens: int, *, at_s: float) -> None:
         """``num_tokens`` of ``req`` were handed to its stream at ``at_s`` (0: none)."""
         timing = self._live[req.request_id]
-        self._queue_time(req, timing)
+        if not timing.queued:  # until the first admission is seen (one call a request)
+            self._queue_time(req, timing)
         if num_tokens == 0:
             return
         self._generation_tokens += num_tokens

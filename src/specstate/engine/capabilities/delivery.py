@@ -82,7 +82,9 @@ class Deliveries(RoundHook):
         self._seen: IntArray | None = None  # output lengths after the last step (None: off)
         self._seen_openings: IntArray | None = None  # row openings after the last step
         self._delivered: dict[Req, int] = {}  # tokens delivered, by request (hash: identity)
-        self._queued: dict[Req, None] = {}  # to look at, in the order their changes came
+        # To look at, in the order their changes came, with the row each held then (None: it
+        # ended): a live request still in that row reads only its new tokens there.
+        self._queued: dict[Req, int | None] = {}
         self._ended: dict[Req, None] = {}  # queued requests that ended (oldest first)
         self._reader: tuple[str, object] | None = None  # the live reader: its name and token
 
@@ -123,7 +125,7 @@ class Deliveries(RoundHook):
 
     def has_due(self) -> bool:
         """Whether an event waits (`pop` would return one); nothing is marked delivered."""
-        return any(self._event(req) is not None for req in self._queued)
+        return any(self._event(req, slot) is not None for req, slot in self._queued.items())
 
     def on_end(self, report: StepReport) -> None:
         """After a step: queue the requests whose outputs changed or that took a row, then
@@ -139,7 +141,7 @@ class Deliveries(RoundHook):
         for slot in changed.tolist():
             req = self._outputs.holder(slot)
             if req is not None:
-                self._queued[req] = None
+                self._queued[req] = slot
         for req in ended:
             self._queued[req] = None
             self._ended[req] = None
@@ -151,8 +153,8 @@ class Deliveries(RoundHook):
         """The next event, marked delivered as it is returned; None when nothing waits."""
         while self._queued:
             req = next(iter(self._queued))
-            del self._queued[req]
-            event = self._event(req)
+            slot = self._queued.pop(req)
+            event = self._event(req, slot)
             if event is None:
                 continue
             tokens, finish = event
@@ -185,14 +187,20 @@ class Deliveries(RoundHook):
             reader=None if self._reader is None else self._reader[0],
         )
 
-    def _event(self, req: Req) -> tuple[tuple[int, ...], FinishState | None] | None:
+    def _event(
+        self, req: Req, slot: int | None
+    ) -> tuple[tuple[int, ...], FinishState | None] | None:
         """Queued ``req``'s event (its new tokens, its finish once ended), not yet marked
-        delivered; None when it has none."""
+        delivered; None when it has none. A live request still holding ``slot`` reads its new
+        tokens from the row (the cost is the tokens read, not the request's length)."""
         finished = req.is_finished
         if finished and req not in self._ended:
             return None  # its finish was delivered already (or dropped: nobody streamed)
-        emitted = req.emitted_ids
         start = self._delivered.get(req, 0)
+        if not finished and slot is not None and self._outputs.holder(slot) is req:
+            new = self._outputs.read_outputs_since(slot, start)
+            return (tuple(new), None) if new else None
+        emitted = req.emitted_ids
         if len(emitted) <= start and not finished:
             return None  # a change with nothing new for the user (a retraction's row)
         return tuple(emitted[start:]), req.finish if finished else None
