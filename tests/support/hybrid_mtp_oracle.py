@@ -1,0 +1,140 @@
+"""Test-only: tiny NemotronH (Mamba2 + attention) targets with MTP layers, and their oracles.
+
+transformers' ``generate`` refuses assisted generation (``use_mtp=True`` included) for a
+stateful model such as NemotronH, so the oracle of the drafts is a plain, unpaged recomputation
+(`mtp_oracle.unpaged_drafts`) with transformers' own modules: the target's
+``NemotronHForCausalLM`` and an ``MtpModel`` built from it, which follows ``MtpLayer``'s wiring
+(each MTP block a ``NemotronHBlock`` of the kind ``mtp_layer_types`` names). The checkpoint
+declares what ``MtpModel`` needs: ``num_mtp_layers``, ``mtp_layer_types`` and ``rms_norm_eps``.
+
+As in `mtp_oracle`, the MTP layers are derived from the target so that their drafts partly
+agree with it: layer ``k``'s block is the target's block of the same kind (its attention block,
+or its MLP block), its projection adds the embedding and three times the previous hidden state,
+its post-norm is the target's final norm, and every parameter then gets Gaussian noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from hf_oracle import one_thread
+from hybrid_oracle import make_hybrid_checkpoint
+from mtp_oracle import unpaged_drafts
+from spec_checkpoints import perturb
+from transformers import NemotronHForCausalLM
+from transformers.modeling_layers import MtpModel
+
+from specstate.engine.worker import WorkerProtocol
+from specstate.memory.recurrent_layout import RecurrentLayout
+from specstate.reference.hybrid import LayerKind, PagedHybrid, load_paged_hybrid
+from specstate.reference.mtp import MtpLayer, MtpLayers, MtpSpec, save_mtp_layers
+from specstate.reference.workers import default_registry
+
+SINGLE = (LayerKind.ATTENTION,)
+"""One MTP layer: an attention block."""
+
+MULTI = (LayerKind.ATTENTION, LayerKind.MLP)
+"""Two MTP layers: an attention block, then an MLP block (step 2 runs a different kind)."""
+
+
+def derived_hybrid_mtp_layers(
+    target: PagedHybrid, kinds: Sequence[LayerKind], *, noise: float, seed: int
+) -> MtpLayers:
+    """MTP layers whose blocks are the target's blocks of the same kinds, perturbed."""
+    spec = MtpSpec(
+        config=target.config,
+        num_layers=len(kinds),
+        block_kinds=tuple(kinds),
+        norm_eps=target.config.layer_norm_epsilon,
+    )
+    layers = MtpLayers(spec, target)
+    hidden = target.config.hidden_size
+    sources = {block.kind: block for block in target.blocks}
+    with torch.no_grad():
+        for k, layer in enumerate(layers.layers):
+            assert isinstance(layer, MtpLayer)
+            layer.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), 3 * torch.eye(hidden)], dim=1))
+            layer.mtp_block.load_state_dict(sources[kinds[k]].state_dict())
+            layer.post_norm.load_state_dict(target.norm_f.state_dict())
+            perturb(layer, noise, seed=seed + k)
+    return layers
+
+
+def make_hybrid_mtp_target(
+    directory: Path,
+    kinds: Sequence[LayerKind],
+    *,
+    seed: int = 0,
+    vocab_size: int = 97,
+    noise: float = 0.1,
+) -> NemotronHForCausalLM:
+    """Save a tiny NemotronH target with derived MTP layers of ``kinds``; return transformers'
+    model of it (loaded back from disk)."""
+    make_hybrid_checkpoint(directory, seed=seed, vocab_size=vocab_size)
+    layout = RecurrentLayout(rows_per_request=2, num_request_slots=2)
+    target = load_paged_hybrid(directory, num_token_slots=2, layout=layout)
+    assert isinstance(target, PagedHybrid)
+    save_mtp_layers(
+        derived_hybrid_mtp_layers(target, kinds, noise=noise, seed=seed + 100), directory
+    )
+    hf = NemotronHForCausalLM.from_pretrained(directory)
+    hf.train(False)
+    return hf
+
+
+def hf_mtp_model(hf: Any) -> Any:
+    """transformers' ``MtpModel`` of ``hf``'s checkpoint (its ``mtp.*`` tensors)."""
+    mtp = MtpModel.from_pretrained(hf, device_map={"": torch.device("cpu")})
+    mtp.train(False)
+    return mtp
+
+
+@attrs.frozen
+class HybridMtpCheckpoints:
+    """NemotronH targets with one MTP layer and with two, their transformers models and
+    ``MtpModel`` s."""
+
+    single: Path
+    multi: Path
+    hf_single: NemotronHForCausalLM
+    hf_multi: NemotronHForCausalLM
+    mtp_single: Any
+    mtp_multi: Any
+    vocab_size: int
+
+    def target(self, layers: int) -> Path:
+        """The checkpoint with ``layers`` (1 or 2) MTP layers."""
+        return self.single if layers == 1 else self.multi
+
+    def hf(self, layers: int) -> NemotronHForCausalLM:
+        """transformers' target with ``layers`` MTP layers."""
+        return self.hf_single if layers == 1 else self.hf_multi
+
+    def worker(self, *, layers: int = 2, num_steps: int | None = None) -> WorkerProtocol:
+        """An ``mtp`` worker on the target with ``layers`` MTP layers."""
+        return default_registry().create("mtp", target=self.target(layers), num_steps=num_steps)
+
+    def drafts(self, layers: int, tokens: Sequence[int], num_steps: int) -> list[int]:
+        """The unpaged recomputation's greedy drafts after ``tokens`` (`unpaged_drafts`)."""
+        mtp = self.mtp_single if layers == 1 else self.mtp_multi
+        return unpaged_drafts(self.hf(layers), mtp, tokens, num_steps)
+
+
+def make_hybrid_mtp_checkpoints(root: Path, *, vocab_size: int = 97) -> HybridMtpCheckpoints:
+    """Build and save both targets under ``root``."""
+    with one_thread():
+        hf_single = make_hybrid_mtp_target(root / "single", SINGLE, vocab_size=vocab_size)
+        hf_multi = make_hybrid_mtp_target(root / "multi", MULTI, seed=1, vocab_size=vocab_size)
+        return HybridMtpCheckpoints(
+            single=root / "single",
+            multi=root / "multi",
+            hf_single=hf_single,
+            hf_multi=hf_multi,
+            mtp_single=hf_mtp_model(hf_single),
+            mtp_multi=hf_mtp_model(hf_multi),
+            vocab_size=vocab_size,
+        )
