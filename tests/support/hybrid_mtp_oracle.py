@@ -7,10 +7,14 @@ stateful model such as NemotronH, so the oracle of the drafts is a plain, unpage
 (each MTP block a ``NemotronHBlock`` of the kind ``mtp_layer_types`` names). The checkpoint
 declares what ``MtpModel`` needs: ``num_mtp_layers``, ``mtp_layer_types`` and ``rms_norm_eps``.
 
-As in `mtp_oracle`, the MTP layers are derived from the target so that their drafts partly
-agree with it: layer ``k``'s block is the target's block of the same kind (its attention block,
-or its MLP block), its projection adds the embedding and three times the previous hidden state,
-its post-norm is the target's final norm, and every parameter then gets Gaussian noise.
+The MTP layers are derived from the target so that their drafts partly agree with it. As in
+`mtp_oracle`, layer ``k`` starts as the target's block of the same kind (its attention block, or
+its MLP block) behind a projection that adds the embedding and three times the previous hidden
+state, with the target's final norm as post-norm, every parameter with Gaussian noise. That
+alone rarely agrees with a target whose Mamba2 layers steer its output, so the layers are then
+distilled from the target (`distill`: a hundred seeded Adam steps, one thread, on the target's
+greedy continuations of random tokens): their drafts match the target's tokens often but not
+always (accept lengths strictly between 1 and the maximum, full runs among them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.functional as F
 from hf_oracle import one_thread
 from hybrid_oracle import make_hybrid_checkpoint
 from mtp_oracle import unpaged_drafts
@@ -64,6 +69,44 @@ def derived_hybrid_mtp_layers(
     return layers
 
 
+def distill(hf: Any, mtp: Any, *, steps: int, seed: int, rows: int = 48, length: int = 24) -> None:
+    """Train ``mtp``'s layers (transformers' ``MtpModel`` of ``hf``) in place to predict the
+    target's greedy tokens: layer ``k`` at position ``p`` the token at ``p + 1`` from the token
+    at ``p`` and the previous layer's output at ``p - 1`` (``MtpLayer``'s wiring)."""
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, hf.config.vocab_size, (rows, 1), generator=gen)
+    with torch.no_grad():
+        seqs = hf.generate(
+            first,
+            attention_mask=torch.ones_like(first),
+            max_new_tokens=length,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        target_hidden = hf(seqs, output_hidden_states=True).hidden_states[-1]
+    params = list(mtp.layers.parameters())
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(params, lr=1e-2)
+    width = seqs.shape[1]
+    with torch.enable_grad():
+        for param in params:
+            param.requires_grad_(True)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            hidden, loss = target_hidden[:, :-1], torch.zeros(())
+            for k in range(mtp.num_mtp_layers):
+                positions = torch.arange(k + 1, width)[None].expand(rows, -1)
+                out = mtp.forward_layer(k, hidden, positions, None, input_ids=seqs[:, k + 1 :])
+                logits = mtp._project_to_logits(out[:, :-1])
+                labels = seqs[:, k + 2 :]
+                loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                hidden = out[:, :-1]
+            loss.backward()
+            optimizer.step()
+        for param in params:
+            param.requires_grad_(False)
+
+
 def make_hybrid_mtp_target(
     directory: Path,
     kinds: Sequence[LayerKind],
@@ -71,18 +114,23 @@ def make_hybrid_mtp_target(
     seed: int = 0,
     vocab_size: int = 97,
     noise: float = 0.1,
+    steps: int = 100,
 ) -> NemotronHForCausalLM:
-    """Save a tiny NemotronH target with derived MTP layers of ``kinds``; return transformers'
-    model of it (loaded back from disk)."""
+    """Save a tiny NemotronH target with derived MTP layers of ``kinds``, distilled for
+    ``steps`` steps; return transformers' model of it (loaded back from disk)."""
     make_hybrid_checkpoint(directory, seed=seed, vocab_size=vocab_size)
     layout = RecurrentLayout(rows_per_request=2, num_request_slots=2)
     target = load_paged_hybrid(directory, num_token_slots=2, layout=layout)
     assert isinstance(target, PagedHybrid)
-    save_mtp_layers(
-        derived_hybrid_mtp_layers(target, kinds, noise=noise, seed=seed + 100), directory
-    )
+    layers = derived_hybrid_mtp_layers(target, kinds, noise=noise, seed=seed + 100)
+    save_mtp_layers(layers, directory)
     hf = NemotronHForCausalLM.from_pretrained(directory)
     hf.train(False)
+    trained = hf_mtp_model(hf)
+    distill(hf, trained, steps=steps, seed=seed + 200)
+    state = {n: t for n, t in trained.state_dict().items() if n.startswith("layers.")}
+    layers.load_state_dict(state, strict=True)
+    save_mtp_layers(layers, directory)
     return hf
 
 
