@@ -114,6 +114,8 @@ def test_drafts_and_accepts_equal_an_unpaged_recomputation(
             assert r.accept == _accept(drafts, sequence[r.start + 1 :]), (i, r.start)
             accepts.append(r.accept)
     assert 1 < sum(accepts) / len(accepts) < num_steps + 1  # real, partial acceptance
+    if num_steps == layers:  # every layer's draft accepted in some round
+        assert max(accepts) == num_steps + 1
 
 
 MATRIX = list(itertools.product([1, 2], [False, True], [1, 16], [(None, False), (4, True)]))

@@ -176,7 +176,7 @@ def make_hybrid_mtp_checkpoints(root: Path, *, vocab_size: int = 97) -> HybridMt
     """Build and save both targets under ``root``."""
     with one_thread():
         hf_single = make_hybrid_mtp_target(root / "single", SINGLE, vocab_size=vocab_size)
-        hf_multi = make_hybrid_mtp_target(root / "multi", MULTI, seed=1, vocab_size=vocab_size)
+        hf_multi = make_hybrid_mtp_target(root / "multi", MULTI, seed=2, vocab_size=vocab_size)
         return HybridMtpCheckpoints(
             single=root / "single",
             multi=root / "multi",
