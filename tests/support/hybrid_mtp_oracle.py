@@ -7,7 +7,9 @@ stateful model such as NemotronH, so the oracle of the drafts is a plain, unpage
 (each MTP block a ``NemotronHBlock`` of the kind ``mtp_layer_types`` names). The checkpoint
 declares what ``MtpModel`` needs: ``num_mtp_layers``, ``mtp_layer_types`` and ``rms_norm_eps``.
 
-The MTP layers are derived from the target so that their drafts partly agree with it. As in
+The target's final norm has random weights, so the target's normed hidden state (what the MTP
+layers read) differs from its raw one by more than a scale. The MTP layers are derived from the
+target so that their drafts partly agree with it. As in
 `mtp_oracle`, layer ``k`` starts as the target's block of the same kind (its attention block, or
 its MLP block) behind a projection that adds the embedding and three times the previous hidden
 state, with the target's final norm as post-norm, every parameter with Gaussian noise. That
@@ -118,7 +120,11 @@ def make_hybrid_mtp_target(
 ) -> NemotronHForCausalLM:
     """Save a tiny NemotronH target with derived MTP layers of ``kinds``, distilled for
     ``steps`` steps; return transformers' model of it (loaded back from disk)."""
-    make_hybrid_checkpoint(directory, seed=seed, vocab_size=vocab_size)
+    made = make_hybrid_checkpoint(directory, seed=seed, vocab_size=vocab_size)
+    with torch.no_grad():  # a final norm that is not the identity: g_(-1) is normed, not raw
+        norm = made.model.norm_f.weight
+        norm.copy_(0.5 + torch.rand(norm.shape, generator=torch.Generator().manual_seed(seed)))
+    made.save_pretrained(directory)
     layout = RecurrentLayout(rows_per_request=2, num_request_slots=2)
     target = load_paged_hybrid(directory, num_token_slots=2, layout=layout)
     assert isinstance(target, PagedHybrid)
