@@ -95,7 +95,8 @@ def distill(hf: Any, mtp: Any, *, steps: int, seed: int, rows: int = 48, length:
             param.requires_grad_(True)
         for _ in range(steps):
             optimizer.zero_grad()
-            hidden, loss = target_hidden[:, :-1], torch.zeros(())
+            hidden = target_hidden[:, :-1]
+            loss: torch.Tensor = torch.zeros(())
             for k in range(mtp.num_mtp_layers):
                 positions = torch.arange(k + 1, width)[None].expand(rows, -1)
                 out = mtp.forward_layer(k, hidden, positions, None, input_ids=seqs[:, k + 1 :])
@@ -103,7 +104,7 @@ def distill(hf: Any, mtp: Any, *, steps: int, seed: int, rows: int = 48, length:
                 labels = seqs[:, k + 2 :]
                 loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten())
                 hidden = out[:, :-1]
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
         for param in params:
             param.requires_grad_(False)
