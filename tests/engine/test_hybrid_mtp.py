@@ -6,7 +6,8 @@ drafts and accept length are compared with a plain, unpaged recomputation that f
 and with two (step ``i`` on layer ``i``; past ``L`` the last layer reused). Greedy outputs equal
 transformers' greedy ``generate()`` of the target token for token: both loops, page sizes 1 and
 16, whole and chunked prefill with mixed chunks, the prefix cache asked for (a worker with
-recurrent state gets none), and retraction forced by a small KV pool. Every step runs the
+recurrent state gets none), and retraction forced by a small KV pool; seeded sampled requests
+emit the same tokens as without speculation. Every step runs the
 invariant checker (the recurrent-state invariants included), ownership checks and the
 consume-once relay. The Mamba2 layers steer the output, so a recurrent state committed past the
 accepted run shows up as a wrong token.
@@ -35,6 +36,7 @@ from mtp_oracle import RecordingMtp
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
+from specstate.reference.workers import default_registry
 from specstate.tools.cli import main
 
 VOCAB = 32
@@ -190,12 +192,24 @@ def test_generate_cli_serves_a_hybrid_mtp_checkpoint(
     capsys.readouterr()
 
 
-def test_run_checked_sees_every_request_finish(ckpt: HybridMtpCheckpoints) -> None:
-    """The worker serves mixed greedy and sampled requests on the hybrid target to the end."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_sampling_is_independent_of_the_drafts(
+    ckpt: HybridMtpCheckpoints, overlap: bool
+) -> None:
+    """Seeded sampled requests emit the same tokens with MTP drafts as without speculation: the
+    state committed after a sampled verify is the one of its accepted run."""
+    params = [
+        SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, seed=7 + i)
+        for i in range(len(PROMPTS))
+    ]
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
-    params = [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=3),
-              SamplingParams(max_new_tokens=NEW_TOKENS)]  # fmt: skip
-    with Engine(ckpt.worker(layers=2), limits=limits, config=checked_config()) as engine:
-        reqs = [engine.submit(f"s{i}", PROMPTS[i], params[i]) for i in range(2)]
-        run_checked(engine)
-    assert all(len(r.emitted_ids) == NEW_TOKENS for r in reqs)
+    outputs, accepts = {}, {}
+    workers = {"none": default_registry().create("none", target=ckpt.multi), "mtp": ckpt.worker()}
+    for algorithm, worker in workers.items():
+        with Engine(worker, limits=limits, config=checked_config(overlap=overlap)) as engine:
+            reqs = [engine.submit(f"s{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
+            run_checked(engine)
+        outputs[algorithm] = [list(r.emitted_ids) for r in reqs]
+        accepts[algorithm] = [a for r in reqs for a in r.accept_lengths]
+    assert outputs["mtp"] == outputs["none"]
+    assert 1 < sum(accepts["mtp"]) / len(accepts["mtp"]) < 3
