@@ -177,19 +177,22 @@ def test_generate_cli_serves_a_hybrid_mtp_checkpoint(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``specstate generate --algorithm mtp`` on the saved NemotronH + MTP checkpoint emits HF's
-    greedy tokens, with drafts accepted."""
+    greedy tokens, with drafts accepted; its memory plan sizes the MTP layers' KV and the
+    target's state rows (``--kv-memory``)."""
     lines = [
         {"id": f"p{i}", "input_ids": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(PROMPTS)
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     argv = ["generate", "--model", str(ckpt.multi), "--algorithm", "mtp", "--check-invariants",
+            "--kv-memory", "2MiB",
             "--input", str(tmp_path / "in.jsonl"),
             "--output", str(tmp_path / "out.jsonl")]  # fmt: skip
     assert main(argv) == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["output_ids"] for r in rows] == expected[2]
     assert any(a > 1 for r in rows for a in r["accept_lengths"])
-    capsys.readouterr()
+    err = capsys.readouterr().err
+    assert "mtp 2x2x2x8x4 B" in err and "of recurrent state" in err  # 2 MTP caches, 2 KV heads
 
 
 @pytest.mark.parametrize("overlap", [False, True])
