@@ -9,7 +9,7 @@ transformers' greedy ``generate()`` of the target token for token: both loops, p
 recurrent state gets none), and retraction forced by a small KV pool; seeded sampled requests
 emit the same tokens as without speculation. Every step runs the
 invariant checker (the recurrent-state invariants included), ownership checks and the
-consume-once relay. The Mamba2 layers steer the output, so a recurrent state committed past the
+consume-once relay, and the conformance kit passes. The Mamba2 layers steer the output, so a recurrent state committed past the
 accepted run shows up as a wrong token.
 """
 
@@ -37,6 +37,7 @@ from mtp_oracle import RecordingMtp
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.reference.workers import default_registry
+from specstate.testing.conformance import check_worker
 from specstate.tools.cli import main
 
 VOCAB = 32
@@ -216,3 +217,16 @@ def test_seeded_sampling_is_independent_of_the_drafts(
         accepts[algorithm] = [a for r in reqs for a in r.accept_lengths]
     assert outputs["mtp"] == outputs["none"]
     assert 1 < sum(accepts["mtp"]) / len(accepts["mtp"]) < 3
+
+
+def test_the_conformance_kit_passes(ckpt: HybridMtpCheckpoints) -> None:
+    """Every configuration the worker's capabilities allow and every recurrent-state scenario
+    (zero-draft rounds, staggered rows, retraction) of `check_worker`, tokens equal to HF's."""
+    report = check_worker(
+        lambda: ckpt.worker(layers=2),
+        vocab_size=ckpt.vocab_size,
+        prompts=PROMPTS,
+        oracle=lambda prompt, n: greedy(ckpt.hf(2), prompt, n),
+    )
+    assert report.ok, str(report)
+    assert any("staggered rows" in c for c in report.configs)
