@@ -9,8 +9,8 @@ transformers' greedy ``generate()`` of the target token for token: both loops, p
 recurrent state gets none), and retraction forced by a small KV pool; seeded sampled requests
 emit the same tokens as without speculation. Every step runs the
 invariant checker (the recurrent-state invariants included), ownership checks and the
-consume-once relay, and the conformance kit passes. The Mamba2 layers steer the output, so a recurrent state committed past the
-accepted run shows up as a wrong token.
+consume-once relay, and the conformance kit passes. The Mamba2 layers steer the output, so a
+recurrent state committed past the accepted run shows up as a wrong token.
 """
 
 from __future__ import annotations
