@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import torch
 from engine_driver import checked_config, run_checked
 from mtp_oracle import (
     MtpCheckpoints,
+    RecordingMtp,
     hf_mtp_rounds,
     make_mtp_checkpoints,
     unpaged_chain,
@@ -29,13 +29,7 @@ from mtp_oracle import (
 from transformers.modeling_layers import MtpModel
 
 from specstate import RequestLimits, SamplingParams
-from specstate.batch.forward_batch import ForwardBatch
-from specstate.batch.forward_mode import ForwardMode
-from specstate.batch.result import GenerationBatchResult
 from specstate.engine.engine import Engine
-from specstate.engine.worker import OnPublish
-from specstate.reference.workers.mtp import MtpWorker
-from specstate.reference.workers.verify import DraftChain
 
 PROMPTS = (
     (3, 14, 15, 92, 65, 35, 89),
@@ -44,44 +38,6 @@ PROMPTS = (
     (7,),
 )
 NEW_TOKENS = 14
-
-
-@attrs.define
-class Round:
-    """One decode round of one request: its frontier, drafts and accept length."""
-
-    start: int
-    drafts: list[int]
-    accept: int = 0
-
-
-class RecordingMtp(MtpWorker):
-    """The ``mtp`` worker, recording every decode round's drafts and accept lengths by request."""
-
-    def __init__(self, **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
-        self.rounds: dict[str, list[Round]] = {}
-        self.stores: list[tuple[str, torch.Tensor]] = []  # (request, store below S) per round
-
-    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
-        chain = super()._propose(batch, start, roots)
-        table = self._target.req_to_token
-        for i, (rid, s, row) in enumerate(
-            zip(batch.request_ids, start.tolist(), chain.tokens.tolist(), strict=True)
-        ):
-            self.rounds.setdefault(rid, []).append(Round(start=s, drafts=row))
-            slots = table[int(batch.req_pool_indices[i]), :s].long()
-            self.stores.append((rid, self.features[:, slots].clone()))
-        return chain
-
-    def forward_batch_generation(
-        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
-    ) -> GenerationBatchResult:
-        result = super().forward_batch_generation(batch, on_publish=on_publish)
-        if batch.forward_mode is ForwardMode.DECODE:
-            for rid, accept in zip(batch.request_ids, result.accept_lens.tolist(), strict=True):
-                self.rounds[rid][-1].accept = accept
-        return result
 
 
 @pytest.fixture(scope="module")

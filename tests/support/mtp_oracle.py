@@ -9,6 +9,7 @@ from the wrong position changes the drafts), its post-norm is the target's final
 every parameter gets Gaussian noise. The drafts then match the target's greedy tokens often but not
 always (accept lengths strictly between 1 and the maximum), and each layer is distinct.
 
+`RecordingMtp` is the ``mtp`` worker recording each decode round's drafts and accept length.
 `hf_mtp_rounds` runs transformers' ``generate(use_mtp=True)`` and records what its
 ``MTPCandidateGenerator`` drafted each round and how many drafts the target accepted.
 """
@@ -25,10 +26,15 @@ from hf_oracle import one_thread
 from spec_checkpoints import perturb
 from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
 
-from specstate.engine.worker import WorkerProtocol
+from specstate.batch.forward_batch import ForwardBatch
+from specstate.batch.forward_mode import ForwardMode
+from specstate.batch.result import GenerationBatchResult
+from specstate.engine.worker import OnPublish, WorkerProtocol
 from specstate.reference.checkpoint import load_paged_llama
 from specstate.reference.mtp import MtpLayer, MtpLayers, MtpSpec, save_mtp_layers
 from specstate.reference.workers import default_registry
+from specstate.reference.workers.mtp import MtpWorker
+from specstate.reference.workers.verify import DraftChain
 
 
 def make_mtp_target(
@@ -232,3 +238,41 @@ def unpaged_chain(hf: Any, mtp: Any, tokens: Sequence[int]) -> list[torch.Tensor
             )[0]
             chain.append(torch.cat([torch.full((lo, g.shape[1]), float("nan")), g]))
     return chain
+
+
+@attrs.define
+class Round:
+    """One decode round of one request: its frontier, drafts and accept length."""
+
+    start: int
+    drafts: list[int]
+    accept: int = 0
+
+
+class RecordingMtp(MtpWorker):
+    """The ``mtp`` worker, recording every decode round's drafts and accept lengths by request."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.rounds: dict[str, list[Round]] = {}
+        self.stores: list[tuple[str, torch.Tensor]] = []  # (request, store below S) per round
+
+    def _propose(self, batch: ForwardBatch, start: torch.Tensor, roots: torch.Tensor) -> DraftChain:
+        chain = super()._propose(batch, start, roots)
+        table = self._target.req_to_token
+        for i, (rid, s, row) in enumerate(
+            zip(batch.request_ids, start.tolist(), chain.tokens.tolist(), strict=True)
+        ):
+            self.rounds.setdefault(rid, []).append(Round(start=s, drafts=row))
+            slots = table[int(batch.req_pool_indices[i]), :s].long()
+            self.stores.append((rid, self.features[:, slots].clone()))
+        return chain
+
+    def forward_batch_generation(
+        self, batch: ForwardBatch, *, on_publish: OnPublish | None = None
+    ) -> GenerationBatchResult:
+        result = super().forward_batch_generation(batch, on_publish=on_publish)
+        if batch.forward_mode is ForwardMode.DECODE:
+            for rid, accept in zip(batch.request_ids, result.accept_lens.tolist(), strict=True):
+                self.rounds[rid][-1].accept = accept
+        return result

@@ -19,10 +19,19 @@ each layer's outputs equal transformers' wherever transformers defines them.
 
 On disk (transformers' format, which ``MtpModel.from_pretrained`` reads)::
 
-    config.json         num_mtp_layers (or num_nextn_predict_layers), mtp_hidden_states_first
+    config.json         num_mtp_layers (or num_nextn_predict_layers), mtp_hidden_states_first;
+                        a NemotronH target also mtp_layer_types and rms_norm_eps
     model.safetensors   mtp.layers.{k}.{enorm,hnorm,post_norm}.weight [H]
                         mtp.layers.{k}.eh_proj.weight [H, 2H]
                         mtp.layers.{k}.mtp_block.<the target's decoder layer k tensors>
+
+A NemotronH (Mamba2 + attention) target ships MTP layers the same way: ``block_k`` is a
+NemotronH block (``x + mixer(norm(x))``, `specstate.reference.hybrid.model.HybridBlock`) of the
+kind ``mtp_layer_types[k]`` names in ``config.json`` (transformers' ``get_mtp_config`` builds
+``NemotronHBlock(mtp_config, k)`` from that list), and ``enorm`` / ``hnorm`` / ``post_norm`` are
+NemotronH RMSNorms of ``rms_norm_eps`` (the block's own norm uses ``layer_norm_epsilon``). An
+attention or MLP block keeps no recurrent state; a Mamba2 MTP block (``linear_attention``) is
+refused, and so is an LFM2 target.
 
 Loading refuses a checkpoint that declares no MTP layers, misses a tensor of a declared layer,
 ships a layer past the declared count, or ships two layers with identical weights (a converter
@@ -54,9 +63,19 @@ from specstate.reference.checkpoint import (
     from_hf_config,
     layer_shapes,
     read_config_json,
+    read_float_field,
     write_safetensors,
 )
 from specstate.reference.ernie import read_num_mtp_layers
+from specstate.reference.hybrid.config import HybridConfig, LayerKind, is_hybrid_config
+from specstate.reference.hybrid.config import from_hf_config as hybrid_from_hf_config
+from specstate.reference.hybrid.lfm2_config import is_lfm2_config
+from specstate.reference.hybrid.model import (
+    HybridBlock,
+    HybridNorm,
+    PagedHybrid,
+    attention_geometry,
+)
 from specstate.reference.model import (
     AttentionBatch,
     DecoderLayer,
@@ -78,6 +97,7 @@ __all__ = [
     "MtpLayer",
     "MtpLayers",
     "MtpSpec",
+    "MtpTarget",
     "load_mtp_layers",
     "read_mtp_spec",
     "save_mtp_layers",
@@ -85,21 +105,65 @@ __all__ = [
 
 _PREFIX: Final = "mtp.layers."
 
+MtpTarget = PagedLlama | PagedHybrid
+"""A target whose MTP layers `MtpLayers` runs: a Llama-architecture model or a NemotronH."""
+
+_BLOCK_KINDS: Final = (LayerKind.ATTENTION, LayerKind.MLP)
+"""The NemotronH block kinds an MTP layer may be (a Mamba2 block would need state rows)."""
+
 
 @attrs.frozen(kw_only=True)
 class MtpSpec:
     """What a checkpoint's MTP layers are.
 
     Attributes:
-        config: the target's config; every MTP block is one of its decoder layers.
+        config: the target's config; every MTP block is one of its decoder layers (a NemotronH
+            target's: a block of the kind ``block_kinds`` names).
         num_layers: ``L``, the MTP layers shipped (``>= 1``).
         hidden_states_first: the projection input is ``[hnorm(g), enorm(e)]`` instead of
             ``[enorm(e), hnorm(g)]`` (``mtp_hidden_states_first``).
+        block_kinds: a NemotronH target's kind of each MTP block (``mtp_layer_types``:
+            attention or MLP); empty for a Llama-architecture target.
+        norm_eps: epsilon of ``enorm`` / ``hnorm`` / ``post_norm`` (``rms_norm_eps``; None: the
+            config's norm epsilon).
+
+    Raises:
+        InvalidConfig: ``block_kinds`` is not one attention or MLP kind per layer for a
+            NemotronH config, or is set for a Llama one.
     """
 
-    config: ModelConfig
+    config: ModelConfig | HybridConfig
     num_layers: int
     hidden_states_first: bool = False
+    block_kinds: tuple[LayerKind, ...] = ()
+    norm_eps: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.config, HybridConfig):
+            if self.block_kinds:
+                raise InvalidConfig("MtpSpec: block_kinds is for a NemotronH target only")
+            return
+        if len(self.block_kinds) != self.num_layers:
+            raise InvalidConfig(
+                f"MtpSpec: {self.num_layers} MTP layers need {self.num_layers} block kinds, "
+                f"got {len(self.block_kinds)}"
+            )
+        for k, kind in enumerate(self.block_kinds):
+            if kind not in _BLOCK_KINDS:
+                raise InvalidConfig(
+                    f"MtpSpec: MTP layer {k} is a {kind.value!r} block; an MTP layer's block must "
+                    f"be one of {[b.value for b in _BLOCK_KINDS]} (a Mamba2 block would need its "
+                    "own recurrent state)"
+                )
+
+    @property
+    def eps(self) -> float:
+        """Epsilon of ``enorm`` / ``hnorm`` / ``post_norm``."""
+        if self.norm_eps is not None:
+            return self.norm_eps
+        if isinstance(self.config, HybridConfig):
+            return self.config.layer_norm_epsilon
+        return self.config.rms_norm_eps
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape of every MTP tensor on disk."""
@@ -113,7 +177,14 @@ class MtpSpec:
                 layer + "eh_proj.weight": (hidden, 2 * hidden),
                 layer + "post_norm.weight": (hidden,),
             }
-            shapes |= layer_shapes(layer + "mtp_block.", self.config, k)
+            if isinstance(self.config, HybridConfig):
+                with torch.device("meta"):
+                    block = HybridBlock(self.config, self.block_kinds[k], k)
+                shapes |= {
+                    f"{layer}mtp_block.{n}": tuple(t.shape) for n, t in block.state_dict().items()
+                }
+            else:
+                shapes |= layer_shapes(layer + "mtp_block.", self.config, k)
         return shapes
 
 
@@ -125,7 +196,15 @@ def read_mtp_spec(directory: StrPath) -> MtpSpec:
             names the file.
     """
     raw, path = read_config_json(directory, kind="a checkpoint")
-    config = from_hf_config(raw, path)
+    if is_lfm2_config(raw):
+        raise InvalidConfig(
+            f"{path}: an LFM2 target; MTP layers are served on Llama-architecture and NemotronH "
+            "targets"
+        )
+    config: ModelConfig | HybridConfig
+    config = (
+        hybrid_from_hf_config(raw, path) if is_hybrid_config(raw) else from_hf_config(raw, path)
+    )
     count = read_num_mtp_layers(raw, path)
     if count == 0:
         raise InvalidConfig(
@@ -137,26 +216,63 @@ def read_mtp_spec(directory: StrPath) -> MtpSpec:
         raise InvalidConfig(
             f"{path}: field 'mtp_hidden_states_first' must be a bool, got {first!r}"
         )
-    return MtpSpec(config=config, num_layers=count, hidden_states_first=first)
+    if not isinstance(config, HybridConfig):
+        return MtpSpec(config=config, num_layers=count, hidden_states_first=first)
+    try:
+        return MtpSpec(
+            config=config,
+            num_layers=count,
+            hidden_states_first=first,
+            block_kinds=_read_block_kinds(raw, path, count),
+            norm_eps=read_float_field(raw, "rms_norm_eps", path, default=config.layer_norm_epsilon),
+        )
+    except InvalidConfig as error:
+        raise InvalidConfig(f"{path}: {error}") from None
+
+
+def _read_block_kinds(raw: dict[str, object], path: Path, count: int) -> tuple[LayerKind, ...]:
+    """A NemotronH config's ``mtp_layer_types``: one block kind per MTP layer."""
+    value = raw.get("mtp_layer_types")
+    kinds = {k.value: k for k in LayerKind}
+    if not isinstance(value, list) or len(value) != count or any(v not in kinds for v in value):
+        raise InvalidConfig(
+            f"{path}: field 'mtp_layer_types' must list the block of each of the {count} MTP "
+            f"layers (one of {[b.value for b in _BLOCK_KINDS]}), got {value!r}"
+        )
+    return tuple(kinds[str(v)] for v in value)
 
 
 class MtpLayer(nn.Module):
-    """One MTP layer's parameters (names as on disk under ``mtp.layers.{k}.``)."""
+    """One MTP layer's parameters (names as on disk under ``mtp.layers.{k}.``).
+
+    Args:
+        spec: the layers' shape; layer ``layer``'s block is the config's decoder layer
+            ``layer``, or for a NemotronH target a block of ``spec.block_kinds[layer]``.
+        config: ``spec.config`` as this layer computes it (dtype, a tensor-parallel shard).
+        layer: ``k``.
+        reduce: the tensor-parallel all-reduce of a Llama block's projections.
+    """
 
     def __init__(
         self,
-        config: ModelConfig,
+        spec: MtpSpec,
+        config: ModelConfig | HybridConfig,
         layer: int,
         *,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
+        hidden, eps = config.hidden_size, spec.eps
+        norm = HybridNorm if isinstance(config, HybridConfig) else RMSNorm
+        self.enorm = norm(hidden, eps)
+        self.hnorm = norm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.mtp_block = DecoderLayer(config, layer, reduce=reduce)
-        self.post_norm = RMSNorm(hidden, eps)
+        self.mtp_block: DecoderLayer | HybridBlock
+        if isinstance(config, HybridConfig):
+            self.mtp_block = HybridBlock(config, spec.block_kinds[layer], layer)
+        else:
+            self.mtp_block = DecoderLayer(config, layer, reduce=reduce)
+        self.post_norm = norm(hidden, eps)
 
 
 def _visible_from(plan: ForwardPlan, batch: AttentionBatch, first: int) -> ForwardPlan:
@@ -175,8 +291,9 @@ class MtpLayers(nn.Module):
 
     Args:
         spec: the layers' shape.
-        target: the target whose embedding and LM head they share; they compute in its dtype,
-            on its device, sharded like it over its tensor-parallel group.
+        target: the target whose embedding and LM head they share (a Llama-architecture model
+            or a NemotronH); they compute in its dtype, on its device, sharded like it over its
+            tensor-parallel group.
         num_token_slots: KV slots of the layers' cache (default: the target cache's).
 
     Raises:
@@ -184,33 +301,49 @@ class MtpLayers(nn.Module):
     """
 
     def __init__(
-        self, spec: MtpSpec, target: PagedLlama, *, num_token_slots: int | None = None
+        self, spec: MtpSpec, target: MtpTarget, *, num_token_slots: int | None = None
     ) -> None:
         super().__init__()
         for name in ("hidden_size", "vocab_size"):
             ours, theirs = getattr(spec.config, name), getattr(target.config, name)
             if ours != theirs:
                 raise InvalidConfig(f"MtpLayers: {name} {ours} differs from the target's {theirs}")
+        if isinstance(spec.config, HybridConfig) != isinstance(target, PagedHybrid):
+            raise InvalidConfig(
+                f"MtpLayers: {type(spec.config).__name__} layers do not fit a "
+                f"{type(target).__name__} target"
+            )
         self.spec = spec
-        parallel = target.parallel
+        self._parallel = None if isinstance(target, PagedHybrid) else target.parallel
+        parallel = self._parallel
         config = attrs.evolve(spec.config, dtype=target.config.dtype)
-        self._local = config if parallel is None else shard_config(config, parallel.world_size)
+        local: ModelConfig | HybridConfig
+        if isinstance(config, HybridConfig):
+            local, self._geometry = config, attention_geometry(config)
+        else:
+            local = config if parallel is None else shard_config(config, parallel.world_size)
+            self._geometry = local
         reduce = None if parallel is None else parallel.all_reduce
-        device = target.embed_tokens.weight.device
+        norm: nn.Module
+        lm_head: nn.Module
+        if isinstance(target, PagedHybrid):
+            embedding, lm_head, norm = target.embeddings, target.lm_head, target.norm_f
+        else:
+            embedding, norm = target.embed_tokens, target.norm
+            lm_head = target.embed_tokens if target.lm_head is None else target.lm_head
+        device = embedding.weight.device
         with torch.device(device):
             self.layers = nn.ModuleList(
-                MtpLayer(self._local, k, reduce=reduce) for k in range(spec.num_layers)
+                MtpLayer(spec, local, k, reduce=reduce) for k in range(spec.num_layers)
             )
         self.to(dtype=target.config.dtype)
         self.requires_grad_(False)
-        self._parallel = parallel
         # Detached views, not parameters: they share the target's storage and are not saved.
-        self._embedding = target.embed_tokens.weight.detach()
-        lm_head = target.embed_tokens if target.lm_head is None else target.lm_head
-        self._lm_head = lm_head.weight.detach()
+        self._embedding = embedding.weight.detach()
+        self._lm_head: torch.Tensor = lm_head.weight.detach()
         # A bound method, not a submodule: the target's norm is not one of the layers' tensors.
-        self._target_norm = target.norm.forward
-        cache_config = attrs.evolve(self._local, num_hidden_layers=spec.num_layers)
+        self._target_norm = norm.forward
+        cache_config = attrs.evolve(self._geometry, num_hidden_layers=spec.num_layers)
         slots = target.kv_cache.num_token_slots if num_token_slots is None else num_token_slots
         self._kv_cache = KvCache.allocate(cache_config, num_token_slots=slots, device=device)
 
@@ -264,7 +397,7 @@ class MtpLayers(nn.Module):
         if not isinstance(mtp, MtpLayer):  # narrows the ModuleList entry for the type checker
             raise InvalidConfig(f"MtpLayers: entry {layer} is a {type(mtp).__name__}")
         with torch.no_grad():
-            plan = plan_forward(batch, self._local, self._kv_cache.num_token_slots)
+            plan = plan_forward(batch, self._geometry, self._kv_cache.num_token_slots)
             plan = _visible_from(plan, batch, layer + 1)
             embedded = mtp.enorm(F.embedding(batch.input_ids, self._embedding))
             previous = mtp.hnorm(hidden.to(embedded.dtype))
@@ -327,7 +460,7 @@ def _check_distinct(path: Path, spec: MtpSpec, tensors: dict[str, torch.Tensor])
 
 
 def load_mtp_layers(
-    directory: StrPath, target: PagedLlama, *, num_token_slots: int | None = None
+    directory: StrPath, target: MtpTarget, *, num_token_slots: int | None = None
 ) -> MtpLayers:
     """The MTP layers of the checkpoint in ``directory`` for ``target`` (a built model of the
     same checkpoint, or a shard of it).
@@ -345,7 +478,7 @@ def load_mtp_layers(
     _check_distinct(root / WEIGHTS_FILE, spec, tensors)
     layers = MtpLayers(spec, target, num_token_slots=num_token_slots)
     state = {name.removeprefix("mtp."): t for name, t in tensors.items()}
-    parallel = target.parallel
+    parallel = layers._parallel
     if parallel is not None:
         state = _shard_blocks(state, spec, parallel)
     layers.load_state_dict(state, strict=True)
@@ -356,6 +489,8 @@ def _shard_blocks(
     state: dict[str, torch.Tensor], spec: MtpSpec, parallel: ParallelGroup
 ) -> dict[str, torch.Tensor]:
     """This rank's slice of every MTP block (`shard_state`), the rest replicated."""
+    if not isinstance(spec.config, ModelConfig):
+        raise InvalidConfig("MtpLayers: a NemotronH target's MTP layers are not sharded")
     blocks = {
         name.replace(".mtp_block.", ".", 1): t for name, t in state.items() if ".mtp_block." in name
     }
@@ -389,6 +524,9 @@ def save_mtp_layers(layers: MtpLayers, directory: StrPath) -> None:
         tensors["mtp." + name] = tensor.detach().to("cpu").contiguous()
     write_safetensors(tensors, weights)
     raw = {**raw, "num_mtp_layers": layers.num_layers}
+    if isinstance(layers.spec.config, HybridConfig):  # what transformers' get_mtp_config reads
+        raw["mtp_layer_types"] = [kind.value for kind in layers.spec.block_kinds]
+        raw["rms_norm_eps"] = layers.spec.eps
     if layers.spec.hidden_states_first:
         raw["mtp_hidden_states_first"] = True
     config_path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")

@@ -28,7 +28,7 @@ from torch import nn
 from specstate.core.errors import InvalidConfig
 from specstate.memory.recurrent_layout import RecurrentLayout
 from specstate.reference.hybrid.config import HybridConfig, LayerKind
-from specstate.reference.hybrid.mamba import Mamba2Mixer, TokenGrid, check_layout
+from specstate.reference.hybrid.mamba import Mamba2Mixer, StateBuffers, TokenGrid, check_layout
 from specstate.reference.hybrid.paged import PagedStateModel
 from specstate.reference.model import (
     AttentionBatch,
@@ -40,7 +40,7 @@ from specstate.reference.model import (
     plan_forward,
 )
 
-__all__ = ["HybridBlock", "PagedHybrid", "attention_geometry"]
+__all__ = ["HybridBlock", "HybridNorm", "PagedHybrid", "attention_geometry"]
 
 
 def attention_geometry(config: HybridConfig) -> ModelConfig:
@@ -58,7 +58,7 @@ def attention_geometry(config: HybridConfig) -> ModelConfig:
     )
 
 
-class _Norm(nn.Module):
+class HybridNorm(nn.Module):
     """NemotronH RMSNorm: float32 statistics, the weight multiplied in float32."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -120,7 +120,7 @@ class HybridBlock(nn.Module):
     def __init__(self, config: HybridConfig, kind: LayerKind, index: int) -> None:
         super().__init__()
         self.kind = kind
-        self.norm = _Norm(config.hidden_size, config.layer_norm_epsilon)
+        self.norm = HybridNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer: nn.Module
         if kind is LayerKind.MAMBA:
             self.mixer = Mamba2Mixer(config, index)
@@ -128,6 +128,32 @@ class HybridBlock(nn.Module):
             self.mixer = _Attention(config, index)
         else:
             self.mixer = _Mlp(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        plan: ForwardPlan,
+        cache: KvCache,
+        grid: TokenGrid | None = None,
+        states: StateBuffers | None = None,
+    ) -> torch.Tensor:
+        """``x + mixer(norm(x))``: attention over ``cache``, a Mamba2 mixer over ``states``
+        at ``grid``'s rows.
+
+        Raises:
+            InvalidConfig: a Mamba2 block without a grid and state buffers.
+        """
+        h = self.norm(x)
+        out: torch.Tensor
+        if self.kind is LayerKind.MAMBA:
+            if grid is None or states is None:
+                raise InvalidConfig("a Mamba2 block needs its state rows (a grid and buffers)")
+            out = self.mixer(h, grid, states)
+        elif self.kind is LayerKind.ATTENTION:
+            out = self.mixer(h, plan, cache)
+        else:
+            out = self.mixer(h)
+        return x + out
 
 
 class PagedHybrid(PagedStateModel):
@@ -163,7 +189,7 @@ class PagedHybrid(PagedStateModel):
                 blocks.append(HybridBlock(config, kind, counters[kind]))
                 counters[kind] += 1
             self.layers = nn.ModuleList(blocks)
-            self.norm_f = _Norm(config.hidden_size, config.layer_norm_epsilon)
+            self.norm_f = HybridNorm(config.hidden_size, config.layer_norm_epsilon)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._blocks = tuple(blocks)  # the modules of ``layers``, typed
         self.to(dtype=config.dtype)
@@ -190,22 +216,7 @@ class PagedHybrid(PagedStateModel):
             plan = plan_forward(batch, self.geometry, self._kv_cache.num_token_slots)
             x: torch.Tensor = self.embeddings(batch.input_ids)
             for block in self._blocks:
-                x = x + self._mix(block, block.norm(x), plan, grid)
+                x = block(x, plan, self._kv_cache, grid, self._states)
             normed = self.norm_f(x if logit_rows is None else x[logit_rows])
             logits = self.lm_head(normed).float()
         return ModelOutput(logits=logits, hidden_states=x)
-
-    def _mix(
-        self, block: HybridBlock, h: torch.Tensor, plan: ForwardPlan, grid: TokenGrid | None
-    ) -> torch.Tensor:
-        kind = block.kind
-        out: torch.Tensor
-        if kind is LayerKind.MAMBA:
-            if grid is None or self._states is None:  # unreachable: checked at construction
-                raise InvalidConfig("a Mamba2 layer without state buffers")
-            out = block.mixer(h, grid, self._states)
-        elif kind is LayerKind.ATTENTION:
-            out = block.mixer(h, plan, self._kv_cache)
-        else:
-            out = block.mixer(h)
-        return out

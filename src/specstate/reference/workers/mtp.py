@@ -23,6 +23,13 @@ drafting writes only ``[S, S + K)``. An EXTEND chunk ``[P0, P1)`` runs every lay
 chunk with the stored chain at ``P0 - 1`` (zeros at ``P0 = 0``, a position no layer attends to)
 and relays the chain at ``P1 - 1``.
 
+A NemotronH target (Mamba2 + attention, `specstate.reference.hybrid`) drafts the same way: its
+MTP blocks are attention or MLP blocks (no recurrent state of their own), and its Mamba2 layers'
+state is the one `ChainRoundWorker`'s verify leaves at the row of every verified position: the
+engine carries forward only the row at ``S + a``, the accepted run's, so drafted positions past
+it never reach the next round. Its recurrent state is not kept at prefix-cache boundaries, so
+the engine shares no prefixes with it.
+
 Invariant: after every forward, MTP layer ``k``'s KV at every position below a row's frontier
 is computed from the row's settled tokens and true chain values; the feature store holds, at
 the slot of every such position ``p``, ``g_(-1)[p] .. g_(L-2)[p]``; the relayed chain is the one
@@ -40,7 +47,9 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerCapabilities, WorkerMemory
-from specstate.reference.model import AttentionBatch, KvCache, ModelConfig, ModelOutput
+from specstate.reference.hybrid.config import HybridConfig
+from specstate.reference.hybrid.model import PagedHybrid
+from specstate.reference.model import AttentionBatch, KvCache, ModelConfig, ModelOutput, PagedLlama
 from specstate.reference.mtp import MtpLayers, MtpSpec, load_mtp_layers, read_mtp_spec
 from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
@@ -67,7 +76,7 @@ class MtpWorker(ChainRoundWorker):
 
     Raises:
         InvalidConfig: ``num_steps < 1``; a target that declares no MTP layers (checked here,
-            before any engine is built around the worker); a hybrid target; MTP layers whose
+            before any engine is built around the worker); an LFM2 target; MTP layers whose
             sizes differ from the target's; at attach, a missing, misshapen, unexpected or
             duplicated MTP layer (`load_mtp_layers`).
     """
@@ -83,10 +92,10 @@ class MtpWorker(ChainRoundWorker):
         seed: int | None = None,
     ) -> None:
         runner = TargetRunner(target, device=device, dtype=dtype)
-        if not isinstance(runner.config, ModelConfig):
+        if not isinstance(runner.config, ModelConfig | HybridConfig):
             raise InvalidConfig(
-                f"mtp worker needs a Llama-architecture target; {source_label(target)} is a "
-                "hybrid model"
+                f"mtp worker needs a Llama-architecture or NemotronH target; "
+                f"{source_label(target)} is an LFM2 model"
             )
         if mtp is None and not isinstance(target, str | os.PathLike):
             raise InvalidConfig("mtp worker: an in-memory target needs mtp=<checkpoint directory>")
@@ -130,8 +139,11 @@ class MtpWorker(ChainRoundWorker):
         return {"mtp": self.layers.kv_cache}
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
+        network = self._target.network
+        if not isinstance(network, PagedLlama | PagedHybrid):  # refused at construction
+            raise InvalidConfig(f"mtp worker: a {type(network).__name__} target has no MTP layers")
         self._layers = load_mtp_layers(
-            self._mtp_dir, self._target.model, num_token_slots=memory.num_token_slots
+            self._mtp_dir, network, num_token_slots=memory.num_token_slots
         )
         config = self._target.config
         self._features = torch.zeros(
