@@ -345,6 +345,16 @@ class DFlashAssistant(nn.Module):
             InvalidConfig: the rows hold different numbers of tokens, or the batch is
                 inconsistent with the tables.
         """
+        return self.draft_logits(self.block_hidden(batch))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on `block_hidden`'s states: draft logits (float32)."""
+        with torch.no_grad():
+            return F.linear(hidden, self._lm_head).float()
+
+    def block_hidden(self, batch: AttentionBatch) -> torch.Tensor:
+        """`forward` up to the LM head: the normed hidden states ``[B, W - 1, hidden]`` of
+        each row's block rows 1 .. W-1 (what the LM head and a DSpark head read)."""
         num_rows, num_tokens = batch.extend_lens.shape[0], batch.input_ids.shape[0]
         width = num_tokens // max(num_rows, 1)
         if num_rows and (width < 2 or bool((batch.extend_lens != width).any())):
@@ -359,8 +369,8 @@ class DFlashAssistant(nn.Module):
             x = F.embedding(batch.input_ids, self._embedding)
             for layer in self.layers:
                 x = layer(x, plan, rope, self._kv_cache)
-            drafts = self.norm(x.view(num_rows, width, -1)[:, 1:])
-            return F.linear(drafts, self._lm_head).float()
+            hidden: torch.Tensor = self.norm(x.view(num_rows, width, -1)[:, 1:])
+            return hidden
 
 
 def check_fits_target(config: DFlashConfig, target: ModelConfig, where: str) -> None:
