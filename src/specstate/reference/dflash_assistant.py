@@ -210,13 +210,19 @@ class _BlockAttention(nn.Module):
         plan: ForwardPlan,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KvCache,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """The block's attention output ``[T, hidden]``; writes its K/V at ``plan``'s slots."""
+        """The block's attention output ``[T, hidden]``; writes its K/V at ``plan``'s slots.
+
+        The block reads its own K/V as computed (``positions``: their KV columns), not
+        through the slot table: under a verify budget the positions past it write to the
+        padding slot (the row's reservation may end there), whatever the table holds."""
         heads, _, dim = self.shape
         cos, sin = rope
         q = _rotate(self.q_norm(self.q_proj(x).view(x.shape[0], heads, dim)), cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        out: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
+        attended = paged_attention(q, k, v, self.layer, plan, cache, new_columns=positions)
+        out: torch.Tensor = self.o_proj(attended)
         return out
 
 
@@ -250,8 +256,9 @@ class _AssistantLayer(nn.Module):
         plan: ForwardPlan,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KvCache,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache)
+        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache, positions)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
@@ -368,7 +375,7 @@ class DFlashAssistant(nn.Module):
             rope = rope_tables(batch.positions, self.config.head_dim, self.config.rope_theta)
             x = F.embedding(batch.input_ids, self._embedding)
             for layer in self.layers:
-                x = layer(x, plan, rope, self._kv_cache)
+                x = layer(x, plan, rope, self._kv_cache, batch.positions)
             hidden: torch.Tensor = self.norm(x.view(num_rows, width, -1)[:, 1:])
             return hidden
 

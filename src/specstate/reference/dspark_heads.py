@@ -108,7 +108,7 @@ class MarkovHead(nn.Module):
     def forward(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The logit bias ``[B, vocab]`` (float32) of positions whose previous tokens are
         ``prev_tokens`` ``[B]`` and hidden states ``hidden`` ``[B, hidden]``."""
-        bias = self.out_proj(self.prev_embed(prev_tokens.long())).float()
+        bias: torch.Tensor = self.out_proj(self.prev_embed(prev_tokens.long())).float()
         if self.gate is not None:
             bias = torch.sigmoid(self.gate(hidden).float()) * bias
         return bias

@@ -9,7 +9,8 @@ relay payload carries only the bonus. One round of row ``b`` (``S`` = frontier, 
     EXTEND chunk [P0, P1)   target extend (tapped layers -> context of P0 .. P1-1); publish;
                             materialize the chunk's context into the assistant's KV
     DECODE at S             assistant block [x0, m, .., m] @ S .. S+W-1 -> d1 .. d(W-1) (its
-                            block K/V is scratch at the block's slots); target verify
+                            block K/V is scratch at the block's slots, those up to S+b
+                            under a verify budget b); target verify
                             [x0, d1 .. dK] @ S .. S+K (tapped) -> accept a; publish S + a
                             materialize the context of the accepted S .. S+a-1 (selected on the
                             device by the accept length; rejected rows write the padding slot)
@@ -45,7 +46,7 @@ from specstate.reference.dflash_assistant import DFlashAssistant, DFlashConfig, 
 from specstate.reference.dflash_checkpoint import load_dflash_assistant, read_dflash_config
 from specstate.reference.layer_tap import LayerTap
 from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
-from specstate.reference.workers.layout import chain_attention
+from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -174,7 +175,10 @@ class DFlashWorker(ChainRoundWorker):
         width = self._config.block_size
         block = roots[:, None].repeat(1, width)
         block[:, 1:] = self._config.mask_token_id  # a fresh tensor: the worker's own
-        attention = chain_attention(batch.req_pool_indices, table, start, block)
+        # Under a verify budget b the block's positions past S + b write to the padding slot
+        # (the row's reservation may end there); the block reads its own K/V regardless.
+        end = budget_end(batch, start)
+        attention = chain_attention(batch.req_pool_indices, table, start, block, end=end)
         chain = self._choose_drafts(batch, attention, roots, num_drafts)
         if self._ledger is not None:
             self._ledger.overwrote(attention.out_cache_loc)
@@ -197,7 +201,11 @@ class DFlashWorker(ChainRoundWorker):
         # stream, and the next round's draft reads what it writes.
         batch, chain = verified.batch, verified.chain
         attention = chain_attention(
-            batch.req_pool_indices, self._target.req_to_token, verified.start, chain
+            batch.req_pool_indices,
+            self._target.req_to_token,
+            verified.start,
+            chain,
+            end=budget_end(batch, verified.start),  # the verify wrote nothing past it
         )
         if self._ledger is not None:  # the verify wrote the target's KV and hidden states
             self._ledger.wrote_source(attention.out_cache_loc)
