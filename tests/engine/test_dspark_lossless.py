@@ -12,6 +12,7 @@ tokens with transformers' ``generate()`` of the target.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from block_checkpoints import BLOCK_SIZE, BlockCheckpoints
@@ -43,7 +44,7 @@ def _worker(ckpt: BlockCheckpoints, assistant: Path) -> WorkerProtocol:
 
 
 def _serve(
-    ckpt: BlockCheckpoints, assistant: Path, policy: str, **config: object
+    ckpt: BlockCheckpoints, assistant: Path, policy: str, **config: Any
 ) -> tuple[list[Req], float, tuple[str, ...]]:
     """Serve `PROMPTS` to completion; the requests, the mean accept length, the retracted."""
     engine = Engine(

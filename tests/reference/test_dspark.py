@@ -30,7 +30,7 @@ from specstate.reference.dspark_checkpoint import (
     read_dspark_config,
     save_dspark_assistant,
 )
-from specstate.reference.dspark_heads import DSparkHeadConfig, DSparkHeads
+from specstate.reference.dspark_heads import DSparkHeadConfig, DSparkHeads, MarkovVariant
 from specstate.reference.workers import default_registry
 
 NEW_TOKENS = 20
@@ -45,8 +45,8 @@ def gated_assistant(block_ckpt: BlockCheckpoints, tmp_path_factory: pytest.TempP
     )
 
 
-def _random_heads(variant: str, seed: int) -> DSparkHeads:
-    config = DSparkHeadConfig(vocab_size=11, hidden_size=6, markov_rank=3, markov_variant=variant)  # type: ignore[arg-type]
+def _random_heads(variant: MarkovVariant, seed: int) -> DSparkHeads:
+    config = DSparkHeadConfig(vocab_size=11, hidden_size=6, markov_rank=3, markov_variant=variant)
     heads = DSparkHeads(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -56,7 +56,7 @@ def _random_heads(variant: str, seed: int) -> DSparkHeads:
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "gated"])
-def test_the_heads_compute_their_formulas(variant: str) -> None:
+def test_the_heads_compute_their_formulas(variant: MarkovVariant) -> None:
     """Markov bias ``B @ A[prev]`` (times ``sigmoid(g . h + g0)`` gated) and confidence
     ``sigmoid(w . h + w0)``, against the formulas on the raw tensors."""
     heads = _random_heads(variant, seed=3)

@@ -44,6 +44,7 @@ __all__ = [
     "DSparkHeadConfig",
     "DSparkHeads",
     "MarkovHead",
+    "MarkovVariant",
 ]
 
 MarkovVariant = Literal["vanilla", "gated"]
