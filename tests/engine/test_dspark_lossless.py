@@ -11,6 +11,7 @@ tokens with transformers' ``generate()`` of the target.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,9 @@ def _check_exact(reqs: list[Req], expected: list[list[int]], mean: float) -> Non
     assert 1.0 < mean < BLOCK_SIZE
 
 
-# (policy, overlap, page size, prefix cache): every policy under both loops and both pages,
-# the cache on and off; the heavy half is marked slow.
-MATRIX = [
-    pytest.param("fixed", True, 16, False, id="fixed-overlap-p16-nocache"),
-    pytest.param("confidence", False, 1, True, id="confidence-normal-p1-cache"),
-    pytest.param("confidence", True, 16, False, id="confidence-overlap-p16-nocache"),
-    pytest.param(POLICIES[1], False, 16, True, marks=pytest.mark.slow, id="schedule-normal-p16"),
-    pytest.param("goodput", True, 1, True, marks=pytest.mark.slow, id="goodput-overlap-p1"),
-    pytest.param("fixed", False, 1, True, marks=pytest.mark.slow, id="fixed-normal-p1-cache"),
-    pytest.param("goodput", False, 16, False, marks=pytest.mark.slow, id="goodput-normal-p16"),
-    pytest.param(POLICIES[1], True, 1, False, marks=pytest.mark.slow, id="schedule-overlap-p1"),
-]
+# Every policy under both loops, both page sizes, the prefix cache on and off (each case is a
+# fraction of a second: the models are tiny).
+MATRIX = list(itertools.product(POLICIES, [False, True], [1, 16], [True, False]))
 
 
 @pytest.mark.parametrize(("policy", "overlap", "page_size", "prefix_cache"), MATRIX)
@@ -136,11 +128,7 @@ def test_confidence_budgets_vary_with_the_reported_confidences(
 
 @pytest.mark.parametrize(
     ("policy", "overlap", "page_size"),
-    [
-        ("confidence", True, 16),
-        pytest.param("confidence", False, 1, marks=pytest.mark.slow),
-        pytest.param("goodput", True, 1, marks=pytest.mark.slow),
-    ],
+    [(p, overlap, page) for p in POLICIES for overlap, page in [(False, 1), (True, 16)]],
 )
 def test_retraction_under_kv_pressure_stays_lossless(
     block_ckpt: BlockCheckpoints,
