@@ -151,3 +151,44 @@ def test_retraction_under_kv_pressure_stays_lossless(
     )
     assert retracted, "nobody was retracted"
     _check_exact(reqs, expected, mean)
+
+
+def _waves(
+    ckpt: BlockCheckpoints, assistant: Path, waves: list[list[list[int]]], **config: Any
+) -> tuple[list[Req], int]:
+    """Serve ``waves`` one after the other (each to idle) under ``confidence``; the requests
+    and the prefix cache's hit tokens."""
+    reqs: list[Req] = []
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    with Engine(
+        _worker(ckpt, assistant),
+        limits=LIMITS,
+        config=checked_config(**config),
+        verify_budget=budget_policy("confidence"),
+    ) as engine:
+        for w, wave in enumerate(waves):
+            reqs += [engine.submit(f"w{w}r{i}", p, params) for i, p in enumerate(wave)]
+            run_checked(engine)
+        cache = engine.snapshot().prefix_cache
+    return reqs, 0 if cache is None else cache.num_hit_tokens
+
+
+@pytest.mark.parametrize(("overlap", "page_size"), [(False, 1), (True, 16)])
+def test_cached_prefixes_give_the_same_confidences_and_budgets(
+    block_ckpt: BlockCheckpoints, dspark_assistant: Path, overlap: bool, page_size: int
+) -> None:
+    """A second wave extending the first's prompts and outputs hits the cache; every request
+    verifies and accepts, round for round, what it does with the cache off (a wrong context on
+    a cached prefix would change the drafts and the confidences, so the budgets)."""
+    base = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28]
+    first = greedy(block_ckpt.hf, base, NEW_TOKENS)
+    waves = [[base], [[*base, *first, 7, 8], [*base, *first[:5]], base]]
+    want = [greedy(block_ckpt.hf, p, NEW_TOKENS) for wave in waves for p in wave]
+    config = {"overlap": overlap, "page_size": page_size}
+    on, hits = _waves(block_ckpt, dspark_assistant, waves, **config)
+    off, none = _waves(block_ckpt, dspark_assistant, waves, prefix_cache=False, **config)
+    assert [list(r.emitted_ids) for r in on] == want == [list(r.emitted_ids) for r in off]
+    assert hits >= 16 and none == 0
+    assert [r.verified_lengths for r in on] == [r.verified_lengths for r in off]
+    assert [r.accept_lengths for r in on] == [r.accept_lengths for r in off]
+    assert len({v for r in on for v in r.verified_lengths}) > 1
