@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from block_checkpoints import BlockCheckpoints, make_block_checkpoints
+from dspark_checkpoints import make_dspark_assistant
 from memory_harness import Memory, build_memory
 from spec_checkpoints import SpecCheckpoints, make_partial_drafters, make_spec_checkpoints
 
@@ -54,3 +56,17 @@ def block_ckpt(tmp_path_factory: pytest.TempPathFactory) -> BlockCheckpoints:
     """The block drafters' target with its distilled DFlash assistant and UNO adapter, built
     once (a few seconds). Shared by many modules: tests read it and never change it."""
     return make_block_checkpoints(tmp_path_factory.mktemp("block_ckpt"))
+
+
+@pytest.fixture(scope="session")
+def dspark_assistant(
+    block_ckpt: BlockCheckpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A DSpark assistant on `block_ckpt`'s DFlash assistant, its heads fitted to the target
+    (`dspark_checkpoints`), built once. Tests read it and never change it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_dspark_assistant(block_ckpt, tmp_path_factory.mktemp("dspark") / "assistant")
+    finally:
+        torch.set_num_threads(threads)

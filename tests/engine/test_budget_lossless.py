@@ -197,3 +197,34 @@ def test_ragged_budgets_are_lossless_for_the_block_drafters(
         assert all(a <= v + 1 for a, v in pairs)
     width = worker.capabilities.num_steps
     assert {v for r in reqs for v in r.verified_lengths} >= set(range(width + 1))
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+@pytest.mark.parametrize(("overlap", "page_size", "kv_tokens"), [(True, 1, 64), (False, 16, 128)])
+def test_ragged_budgets_of_the_block_drafters_under_kv_pressure(
+    block_ckpt: BlockCheckpoints, family: str, overlap: bool, page_size: int, kv_tokens: int
+) -> None:
+    """A pool too small for every request: retracted requests' slots are reused while other
+    rows run short budgets. A block draft writes nothing past its row's budget (DFLASH's
+    scratch K/V, UNO's first pass into the target's KV would land in slots a stale table
+    entry names), so the tokens stay exact and DFLASH's reads find their commits."""
+    options: dict[str, object] = {"check_commit_order": True} if family == "dflash" else {}
+    engine = Engine(
+        block_ckpt.worker(family, **options),
+        limits=RequestLimits(vocab_size=block_ckpt.vocab_size, max_context_len=96),
+        config=EngineConfig(
+            overlap=overlap,
+            page_size=page_size,
+            kv_tokens=kv_tokens,
+            check_invariants=True,
+            prefix_cache=False,
+        ),
+        verify_budget=_Ragged(),
+    )
+    params = SamplingParams(max_new_tokens=16)
+    reqs = [engine.submit(f"r{i}", p, params) for i, p in enumerate(MIXED_PROMPTS)]
+    with engine:
+        log = run_checked(engine, max_steps=800)
+    assert log.retracted, "the pool was meant to force a retraction"
+    for req, prompt in zip(reqs, MIXED_PROMPTS, strict=True):
+        assert list(req.emitted_ids) == greedy(block_ckpt.hf, list(prompt), 16)

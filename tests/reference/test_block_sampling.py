@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from dflash_oracle import assistant_config
@@ -25,9 +27,13 @@ from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantModel
 from uno_oracle import projection_names, save_adapter
 
 from specstate import RequestLimits, SamplingParams
+from specstate.engine.budgets import BudgetRows, SettledBudgets, VerifyBudgetPolicy
 from specstate.engine.config import EngineConfig
 from specstate.engine.engine import Engine
 from specstate.engine.worker import WorkerProtocol
+from specstate.memory.host_arrays import IntArray
+from specstate.reference.dspark_checkpoint import save_dspark_assistant
+from specstate.reference.dspark_heads import DSparkHeadConfig, DSparkHeads
 from specstate.reference.workers import ChainVerdict, TokenSampler, default_registry
 from specstate.reference.workers import target as target_runner
 
@@ -83,18 +89,29 @@ def _worker(models: Models, family: str) -> WorkerProtocol:
 
 
 def _generate(
-    worker: WorkerProtocol, params: SamplingParams, *, overlap: bool
+    worker: WorkerProtocol,
+    params: SamplingParams,
+    *,
+    overlap: bool,
+    verify_budget: VerifyBudgetPolicy | None = None,
+    verified: list[tuple[int, ...]] | None = None,
 ) -> tuple[list[tuple[int, ...]], dict[int, int]]:
-    """``NUM_SAMPLES`` requests of ``PROMPT``: their tokens and the accept-length histogram."""
+    """``NUM_SAMPLES`` requests of ``PROMPT``: their tokens and the accept-length histogram
+    (``verified``, if given, receives each request's verified lengths)."""
     config = EngineConfig(
         overlap=overlap, kv_tokens=256 * 2 * 24, max_running=256, check_invariants=True
     )
     with Engine(
-        worker, limits=RequestLimits(vocab_size=VOCAB, max_context_len=16), config=config
+        worker,
+        limits=RequestLimits(vocab_size=VOCAB, max_context_len=16),
+        config=config,
+        verify_budget=verify_budget,
     ) as engine:
         reqs = [engine.submit(f"s{i}", PROMPT, params) for i in range(NUM_SAMPLES)]
         engine.run_until_idle()
         histogram = dict(engine.snapshot().metrics.histogram)
+    if verified is not None:
+        verified += [r.verified_lengths for r in reqs]
     return [r.emitted_ids for r in reqs], histogram
 
 
@@ -169,3 +186,42 @@ def test_the_same_harness_rejects_a_broken_verifier(
     monkeypatch.setattr(target_runner, "verify_sampled_chain", _always_accept)
     samples, _ = _generate(_worker(models, "dflash"), T1, overlap=True)
     assert _min_p_value(models, samples, T1) < BROKEN
+
+
+class _ByRequest:
+    """Ragged rows: request ``s<i>`` verifies ``i mod (width + 1)`` drafts every round."""
+
+    def plan(self, rows: BudgetRows) -> IntArray:
+        return np.array([int(r[1:]) % (rows.width + 1) for r in rows.request_ids], np.int64)
+
+    def observe(self, settled: SettledBudgets) -> None:
+        pass
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("params", "overlap"), [(T1, True), (FILTERED, False)])
+def test_sampled_dspark_with_ragged_budgets_follows_the_target_distribution(
+    models: Models, tmp_path: Path, params: SamplingParams, overlap: bool
+) -> None:
+    """DSpark (the random assistant with random Markov and confidence heads: each draft drawn
+    from the biased distribution given the draft before it) with rows verifying 0, 1 or 2
+    drafts in one batch: each of three tokens fits the target's filtered distribution."""
+    gen = torch.Generator().manual_seed(8)
+    heads = DSparkHeads(DSparkHeadConfig(vocab_size=VOCAB, hidden_size=32, markov_rank=4))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))  # a bias, not the whole draft
+    save_dspark_assistant(tmp_path / "dspark", backbone=models.assistant, heads=heads)
+    worker = default_registry().create(
+        "dspark", target=models.target, assistant=tmp_path / "dspark", seed=11
+    )
+    verified: list[tuple[int, ...]] = []
+    samples, histogram = _generate(
+        worker, params, overlap=overlap, verify_budget=_ByRequest(), verified=verified
+    )
+    assert _min_p_value(models, samples, params) > STRICT
+    assert {v for lens in verified for v in lens} == {0, 1, 2}
+    assert histogram.get(1, 0) > 100 and histogram.get(3, 0) > 100, histogram

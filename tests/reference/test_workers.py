@@ -436,6 +436,7 @@ def test_registry_builds_every_algorithm_with_its_capabilities(ckpt: Checkpoints
     assert default_registry().names() == (
         "dflash",
         "draft_model",
+        "dspark",
         "eagle",
         "eagle3",
         "frozen_kv_mtp",

@@ -3,7 +3,8 @@
 `serve_recorded` runs requests through the checked engine with the worker's round observer on
 and returns, per request, the rounds in order: the frontier ``S``, the bonus ``x0``, the
 proposed tokens (``chain[1:]``: a DFlash block's drafts, UNO's root and drafts) and the accept
-length; `Served` also keeps the emitted tokens and the engine's mean accept length.
+length (and the drafter's confidences, if any); `Served` also keeps the emitted tokens and
+the engine's mean accept length.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class RoundRow:
     bonus: int
     proposed: tuple[int, ...]
     accept_len: int
+    confidences: tuple[float, ...] | None = None
 
 
 @attrs.frozen
@@ -54,6 +56,7 @@ def serve_recorded(
 
     def keep(verified: VerifiedRound) -> None:
         chain, lens = verified.chain.tolist(), verified.verdict.accept_lens.tolist()
+        conf = None if verified.confidences is None else verified.confidences.tolist()
         for row, rid in enumerate(verified.batch.request_ids):
             rounds.setdefault(rid, []).append(
                 RoundRow(
@@ -61,6 +64,7 @@ def serve_recorded(
                     bonus=chain[row][0],
                     proposed=tuple(chain[row][1:]),
                     accept_len=lens[row],
+                    confidences=None if conf is None else tuple(conf[row]),
                 )
             )
 

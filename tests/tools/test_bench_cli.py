@@ -234,7 +234,7 @@ def test_engine_bench_reports_each_batch_size(
         assert row["step_us_per_req"] > 0
 
 
-@pytest.mark.parametrize("algorithm", ["mtp", "eagle3", "frozen_kv_mtp", "dflash", "uno"])
+@pytest.mark.parametrize("algorithm", ["mtp", "eagle3", "frozen_kv_mtp", "dflash", "dspark", "uno"])
 def test_engine_bench_runs_with_each_drafter_family(
     algorithm: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,4 @@
-"""`specstate generate --algorithm dflash|uno`: the block drafters from the command line.
+"""`specstate generate --algorithm dflash|dspark|uno`: the block drafters from the command line.
 
 ``--draft`` names the drafter: the DFlash assistant or the UNO LoRA adapter. The tokens equal
 HF's greedy ``generate()``; ``--kv-memory`` counts the assistant's cache beside the target's.
@@ -102,3 +102,26 @@ def test_a_block_drafter_without_its_drafter_is_refused(
     assert main([*base, *out, *flags]) == 2
     err = capsys.readouterr().err
     assert "grow a draft tree (draft_model, eagle, eagle3, uno), not dflash" in err
+
+
+@pytest.mark.parametrize("loop", ["--overlap", "--no-overlap"])
+def test_generate_with_dspark_and_confidence_budgets(
+    tmp_path: Path, block_ckpt: BlockCheckpoints, dspark_assistant: Path, loop: str
+) -> None:
+    """`--algorithm dspark --verify-budget confidence`: HF's greedy tokens; the trace names
+    the worker and the policy plans from the confidences it reports."""
+    rows, header = _generate(
+        tmp_path,
+        "--model", str(block_ckpt.target),
+        "--draft", str(dspark_assistant),
+        "--algorithm", "dspark",
+        "--verify-budget", "confidence",
+        loop,
+    )  # fmt: skip
+    for row in rows:
+        assert row["output_ids"] == greedy(block_ckpt.hf, PROMPTS[str(row["id"])], 10)
+    worker = header["worker"]
+    assert isinstance(worker, dict)
+    assert worker["algorithm"] == "dspark" and worker["max_accept"] == 4
+    config = header["config"]
+    assert isinstance(config, dict) and config["verify_budget"] == "confidence"

@@ -197,7 +197,8 @@ def test_draft_with_an_algorithm_that_has_none_is_refused(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert (
-        "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, dflash, uno, not none" in err
+        "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, dflash, dspark, uno, "
+        "not none" in err
     )
 
 

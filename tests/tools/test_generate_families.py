@@ -58,8 +58,9 @@ def test_mtp_takes_no_draft_and_eagle3_needs_one(
     mtp = family_options(partial_ckpt.target, "mtp")["target"]
     argv = ["generate", "--model", str(mtp), "--draft", str(mtp), "--algorithm", "mtp", *common]
     assert main(argv) == 2
-    assert "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, dflash, uno, not mtp" in (
-        capsys.readouterr().err
+    assert (
+        "--draft is used by draft_model, eagle, eagle3, frozen_kv_mtp, dflash, dspark, uno, not mtp"
+        in (capsys.readouterr().err)
     )
     argv = ["generate", "--model", str(partial_ckpt.target), "--algorithm", "eagle3", *common]
     assert main(argv) == 2

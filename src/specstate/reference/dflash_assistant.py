@@ -210,13 +210,19 @@ class _BlockAttention(nn.Module):
         plan: ForwardPlan,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KvCache,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """The block's attention output ``[T, hidden]``; writes its K/V at ``plan``'s slots."""
+        """The block's attention output ``[T, hidden]``; writes its K/V at ``plan``'s slots.
+
+        The block reads its own K/V as computed (``positions``: their KV columns), not
+        through the slot table: under a verify budget the positions past it write to the
+        padding slot (the row's reservation may end there), whatever the table holds."""
         heads, _, dim = self.shape
         cos, sin = rope
         q = _rotate(self.q_norm(self.q_proj(x).view(x.shape[0], heads, dim)), cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        out: torch.Tensor = self.o_proj(paged_attention(q, k, v, self.layer, plan, cache))
+        attended = paged_attention(q, k, v, self.layer, plan, cache, new_columns=positions)
+        out: torch.Tensor = self.o_proj(attended)
         return out
 
 
@@ -250,8 +256,9 @@ class _AssistantLayer(nn.Module):
         plan: ForwardPlan,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KvCache,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache)
+        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache, positions)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
@@ -345,6 +352,16 @@ class DFlashAssistant(nn.Module):
             InvalidConfig: the rows hold different numbers of tokens, or the batch is
                 inconsistent with the tables.
         """
+        return self.draft_logits(self.block_hidden(batch))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on `block_hidden`'s states: draft logits (float32)."""
+        with torch.no_grad():
+            return F.linear(hidden, self._lm_head).float()
+
+    def block_hidden(self, batch: AttentionBatch) -> torch.Tensor:
+        """`forward` up to the LM head: the normed hidden states ``[B, W - 1, hidden]`` of
+        each row's block rows 1 .. W-1 (what the LM head and a DSpark head read)."""
         num_rows, num_tokens = batch.extend_lens.shape[0], batch.input_ids.shape[0]
         width = num_tokens // max(num_rows, 1)
         if num_rows and (width < 2 or bool((batch.extend_lens != width).any())):
@@ -358,9 +375,9 @@ class DFlashAssistant(nn.Module):
             rope = rope_tables(batch.positions, self.config.head_dim, self.config.rope_theta)
             x = F.embedding(batch.input_ids, self._embedding)
             for layer in self.layers:
-                x = layer(x, plan, rope, self._kv_cache)
-            drafts = self.norm(x.view(num_rows, width, -1)[:, 1:])
-            return F.linear(drafts, self._lm_head).float()
+                x = layer(x, plan, rope, self._kv_cache, batch.positions)
+            hidden: torch.Tensor = self.norm(x.view(num_rows, width, -1)[:, 1:])
+            return hidden
 
 
 def check_fits_target(config: DFlashConfig, target: ModelConfig, where: str) -> None:

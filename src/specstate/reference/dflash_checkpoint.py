@@ -25,7 +25,7 @@ the field or tensor.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -151,15 +151,25 @@ def read_dflash_config(directory: StrPath) -> DFlashConfig:
     return parse_dflash_config(raw, path)
 
 
-def _read_tensors(path: Path, config: DFlashConfig) -> dict[str, torch.Tensor]:
+def _read_tensors(
+    path: Path, config: DFlashConfig, keep: Callable[[str], bool] | None
+) -> dict[str, torch.Tensor]:
     """Every expected tensor of ``path``, names and shapes checked first."""
-    return read_checked_tensors(path, config.expected_shapes(), kind="the DFlash assistant")
+    return read_checked_tensors(
+        path, config.expected_shapes(), kind="the DFlash assistant", keep=keep
+    )
 
 
 def load_dflash_assistant(
-    directory: StrPath, target: PagedLlama, *, num_token_slots: int | None = None
+    directory: StrPath,
+    target: PagedLlama,
+    *,
+    num_token_slots: int | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> DFlashAssistant:
-    """Loads the DFlash assistant in ``directory`` for ``target`` (see `DFlashAssistant`).
+    """Loads the DFlash assistant in ``directory`` for ``target`` (see `DFlashAssistant`);
+    ``keep``: which tensors of the file are the assistant's (None: all; a DSpark assistant's
+    heads share the file, `specstate.reference.dspark_checkpoint`).
 
     Raises:
         InvalidConfig: a bad config, an assistant that does not fit the target, a missing file,
@@ -169,7 +179,7 @@ def load_dflash_assistant(
     config = read_dflash_config(root)
     check_fits_target(config, target.config, str(root / CONFIG_FILE))
     try:
-        tensors = _read_tensors(root / WEIGHTS_FILE, config)
+        tensors = _read_tensors(root / WEIGHTS_FILE, config, keep)
     except SafetensorError as error:  # a truncated or foreign file: name it, not a traceback
         raise InvalidConfig(f"{root}: unreadable safetensors weights ({error})") from None
     assistant = DFlashAssistant(config, target, num_token_slots=num_token_slots)

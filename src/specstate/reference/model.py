@@ -536,19 +536,27 @@ def paged_attention(
     layer: int,
     plan: ForwardPlan,
     cache: KvCache,
+    *,
+    new_columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of the batch's new tokens over their rows' KV, ``[N, H * d]``.
 
     Writes the new tokens' ``k`` and ``v`` (``[N, KV, d]``) of ``layer`` at ``out_cache_loc``
     first, then gathers every row's KV through the slot table and attends with the queries
     ``q`` (``[N, H, d]``) under ``plan.mask``; query head ``h`` reads KV head ``h // (H/KV)``,
-    as Hugging Face's ``repeat_kv``.
+    as Hugging Face's ``repeat_kv``. ``new_columns`` (``[N]``, each new token's KV column,
+    i.e. its position): the new tokens read their own ``k`` and ``v`` as computed rather than
+    through the table, for a forward whose writes past a row's verify budget went to the
+    padding slot (a DFlash block draft).
     """
     num_tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     # NOTE: write before gather — a new token must see its own K/V through the table.
     cache.write(layer, plan.out_cache_loc, k, v)
     keys, values = cache.gather(layer, plan.kv_slots)  # [B, max_kv, kv_heads, dim]
+    if new_columns is not None:  # the gather made copies: the cache is not touched
+        at = (plan.token_req, new_columns.long())
+        keys[at], values[at] = k.to(keys.dtype), v.to(values.dtype)
     group = heads // kv_heads
     keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
     values = values.repeat_interleave(group, dim=2).transpose(1, 2)

@@ -11,6 +11,7 @@ reference family, as the reference workers relay them::
     eagle3          draft KV; three target layers' hidden states [3H]
     frozen_kv_mtp   no draft KV; the normed hidden state [H]
     dflash          the assistant's KV; the bonus only (the context stays in that KV)
+    dspark          as dflash (its heads keep no state; confidences ride the result)
     uno             draft KV; the bonus only (tokens and lengths)
 
 At the benches' one width (3 proposals past the bonus, a verify of 4, ``L = 4``, ``R = 8``) the
@@ -53,6 +54,7 @@ DRAFT_SHAPES: Final = {
         algorithm="frozen_kv_mtp", keeps_draft_kv=False, hidden_multiple=1, topk=False
     ),
     "dflash": DraftShape(algorithm="dflash", keeps_draft_kv=True, hidden_multiple=0, topk=False),
+    "dspark": DraftShape(algorithm="dspark", keeps_draft_kv=True, hidden_multiple=0, topk=False),
     "uno": DraftShape(algorithm="uno", keeps_draft_kv=True, hidden_multiple=0, topk=False),
 }
 """Every family the benches take (``--algorithm``), by name."""

@@ -43,6 +43,7 @@ ALGORITHMS: Final = (
     "eagle3",
     "frozen_kv_mtp",
     "dflash",
+    "dspark",
     "uno",
 )
 DTYPES: Final = ("float32", "bfloat16", "float16")
@@ -82,16 +83,16 @@ def add_worker_options(parser: argparse.ArgumentParser, *, model_help: str) -> N
         "--draft",
         type=Path,
         help="the drafter: a draft checkpoint (draft_model), a head (eagle, eagle3), an "
-        "assistant (frozen_kv_mtp, dflash) or a PEFT LoRA adapter (uno); mtp drafts with the MTP "
-        "layers inside --model",
+        "assistant (frozen_kv_mtp, dflash, dspark) or a PEFT LoRA adapter (uno); mtp drafts "
+        "with the MTP layers inside --model",
     )
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="none", help="drafting")
     parser.add_argument(
         "--num-steps",
         type=int,
         default=4,
-        help="draft steps per round (dflash: at most the assistant's block_size - 1, which a "
-        "larger value takes; uno: the first output token and num_steps - 1 drafts)",
+        help="draft steps per round (dflash, dspark: at most the assistant's block_size - 1, "
+        "which a larger value takes; uno: the first output token and num_steps - 1 drafts)",
     )
     parser.add_argument(
         "--topk",

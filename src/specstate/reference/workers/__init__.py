@@ -19,6 +19,7 @@ Every worker takes ``target``, ``device``, ``dtype`` and ``seed``; besides them:
 | ``eagle3`` | `Eagle3Worker` | ``eagle3``, ``num_steps``, ``topk``, ``num_draft_tokens`` |
 | ``frozen_kv_mtp`` | `FrozenKvMtpWorker` | ``assistant``, ``num_steps`` |
 | ``dflash`` | `DFlashWorker` | ``assistant``, ``num_steps``, ``check_commit_order`` |
+| ``dspark`` | `DSparkWorker` | as ``dflash`` (a DSpark assistant; reports draft confidences) |
 | ``uno`` | `UnoWorker` | ``adapter``, ``noise_token_id``, the step and tree options of ``eagle`` |
 
 ``topk > 1`` makes ``draft_model``, ``eagle``, ``eagle3`` and ``uno`` draft a tree of
@@ -48,6 +49,7 @@ from __future__ import annotations
 from specstate.engine.worker import AlgorithmRegistry
 from specstate.reference.workers.dflash import DFlashWorker
 from specstate.reference.workers.draft_model import DraftModelWorker
+from specstate.reference.workers.dspark import DSparkWorker
 from specstate.reference.workers.eagle import EagleWorker
 from specstate.reference.workers.eagle3 import Eagle3Worker
 from specstate.reference.workers.frozen_kv_mtp import FrozenKvMtpWorker
@@ -72,6 +74,7 @@ __all__ = [
     "ChainRoundWorker",
     "ChainVerdict",
     "DFlashWorker",
+    "DSparkWorker",
     "DraftChain",
     "DraftModelWorker",
     "DraftTree",
@@ -102,7 +105,7 @@ __all__ = [
 def default_registry() -> AlgorithmRegistry:
     """A registry holding ``none``, ``draft_model``, ``eagle``, ``ngram``, the hidden-state
     drafters (``mtp``, ``eagle3``, ``frozen_kv_mtp``) and the block drafters (``dflash``,
-    ``uno``)."""
+    ``dspark``, ``uno``)."""
     registry = AlgorithmRegistry()
     registry.register("none", PlainWorker)
     registry.register("draft_model", DraftModelWorker)
@@ -112,5 +115,6 @@ def default_registry() -> AlgorithmRegistry:
     registry.register("eagle3", Eagle3Worker)
     registry.register("frozen_kv_mtp", FrozenKvMtpWorker)
     registry.register("dflash", DFlashWorker)
+    registry.register("dspark", DSparkWorker)
     registry.register("uno", UnoWorker)
     return registry

@@ -9,7 +9,8 @@ relay payload carries only the bonus. One round of row ``b`` (``S`` = frontier, 
     EXTEND chunk [P0, P1)   target extend (tapped layers -> context of P0 .. P1-1); publish;
                             materialize the chunk's context into the assistant's KV
     DECODE at S             assistant block [x0, m, .., m] @ S .. S+W-1 -> d1 .. d(W-1) (its
-                            block K/V is scratch at the block's slots); target verify
+                            block K/V is scratch at the block's slots, those up to S+b
+                            under a verify budget b); target verify
                             [x0, d1 .. dK] @ S .. S+K (tapped) -> accept a; publish S + a
                             materialize the context of the accepted S .. S+a-1 (selected on the
                             device by the accept length; rejected rows write the padding slot)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import ClassVar
 
 import attrs
 import torch
@@ -43,8 +45,8 @@ from specstate.engine.worker import WorkerCapabilities, WorkerMemory
 from specstate.reference.dflash_assistant import DFlashAssistant, DFlashConfig, check_fits_target
 from specstate.reference.dflash_checkpoint import load_dflash_assistant, read_dflash_config
 from specstate.reference.layer_tap import LayerTap
-from specstate.reference.model import ModelConfig
-from specstate.reference.workers.layout import chain_attention
+from specstate.reference.model import AttentionBatch, ModelConfig, PagedLlama
+from specstate.reference.workers.layout import budget_end, chain_attention
 from specstate.reference.workers.round import ChainRoundWorker, VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -76,7 +78,16 @@ class DFlashWorker(ChainRoundWorker):
     Raises:
         InvalidConfig: a hybrid target, ``num_steps`` outside ``[1, W - 1]``, an assistant that
             does not fit the target (naming both files), or a bad assistant config.
+
+    A subclass (`specstate.reference.workers.dspark`) changes the registry name
+    (``ALGORITHM``), whether it reports confidences (``REPORTS_CONFIDENCES``), how the
+    assistant loads (`_load_assistant`) and how a block's drafts are
+    chosen from it (`_choose_drafts`).
     """
+
+    ALGORITHM: ClassVar[str] = "dflash"
+    REPORTS_CONFIDENCES: ClassVar[bool] = False
+    """Whether the worker reports ``draft_confidences`` (`WorkerCapabilities`)."""
 
     def __init__(
         self,
@@ -92,7 +103,8 @@ class DFlashWorker(ChainRoundWorker):
         runner = TargetRunner(target, device=device, dtype=dtype)
         if not isinstance(runner.config, ModelConfig):
             raise InvalidConfig(
-                f"dflash worker needs a Llama target; {source_label(target)} is a hybrid model"
+                f"{self.ALGORITHM} worker needs a Llama target; {source_label(target)} is a "
+                "hybrid model"
             )
         config = read_dflash_config(assistant)
         where = f"{os.fspath(assistant)} with target {source_label(target)}"
@@ -101,12 +113,16 @@ class DFlashWorker(ChainRoundWorker):
         steps = block - 1 if num_steps is None else num_steps
         if not 1 <= steps <= block - 1:
             raise InvalidConfig(
-                f"dflash worker: num_steps {steps} outside [1, {block - 1}] (the assistant's "
+                f"{self.ALGORITHM} worker: num_steps {steps} outside [1, {block - 1}] (the "
+                "assistant's "
                 f"block_size {block} holds the bonus and {block - 1} masks)"
             )
-        chain = WorkerCapabilities.chain("dflash", num_steps=steps, keeps_draft_kv=True)
+        chain = WorkerCapabilities.chain(self.ALGORITHM, num_steps=steps, keeps_draft_kv=True)
         # The reservation covers the whole block: a draft writes its scratch K/V at [S, S+W).
-        super().__init__(runner, attrs.evolve(chain, num_draft_tokens=block), seed=seed)
+        caps = attrs.evolve(
+            chain, num_draft_tokens=block, reports_draft_confidences=self.REPORTS_CONFIDENCES
+        )
+        super().__init__(runner, caps, seed=seed)
         self._assistant_dir = assistant
         self._config: DFlashConfig = config
         self._check_order = check_commit_order
@@ -130,15 +146,17 @@ class DFlashWorker(ChainRoundWorker):
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         if memory.parallel is not None and memory.parallel.world_size > 1:
-            raise InvalidConfig("dflash worker: tensor parallelism is not supported")
+            raise InvalidConfig(f"{self.ALGORITHM} worker: tensor parallelism is not supported")
         target = self._target.model
-        self._assistant = load_dflash_assistant(
-            self._assistant_dir, target, num_token_slots=memory.num_token_slots
-        )
+        self._assistant = self._load_assistant(target, memory.num_token_slots)
         self._tap = LayerTap(target, self._config.target_layer_ids)
         if self._check_order:
             device = self._target.device_for(memory)
             self._ledger = CommitOrderLedger(memory.num_token_slots, device)
+
+    def _load_assistant(self, target: PagedLlama, num_token_slots: int) -> DFlashAssistant:
+        """The assistant of ``self._assistant_dir`` for ``target`` (at attach)."""
+        return load_dflash_assistant(self._assistant_dir, target, num_token_slots=num_token_slots)
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention = out.attention  # every chunk token is settled: all of them materialize
@@ -157,10 +175,22 @@ class DFlashWorker(ChainRoundWorker):
         width = self._config.block_size
         block = roots[:, None].repeat(1, width)
         block[:, 1:] = self._config.mask_token_id  # a fresh tensor: the worker's own
-        attention = chain_attention(batch.req_pool_indices, table, start, block)
-        logits = self.assistant(attention)
+        # Under a verify budget b the block's positions past S + b write to the padding slot
+        # (the row's reservation may end there); the block reads its own K/V regardless.
+        end = budget_end(batch, start)
+        attention = chain_attention(batch.req_pool_indices, table, start, block, end=end)
+        chain = self._choose_drafts(batch, attention, roots, num_drafts)
         if self._ledger is not None:
             self._ledger.overwrote(attention.out_cache_loc)
+        return chain
+
+    def _choose_drafts(
+        self, batch: ForwardBatch, attention: AttentionBatch, roots: torch.Tensor, num_drafts: int
+    ) -> DraftChain:
+        """Run the assistant on the block ``attention`` and choose the first ``num_drafts``
+        drafts after ``roots`` (inside `TokenSampler.drafting`)."""
+        del roots  # a DFlash block's positions do not read the tokens drafted before them
+        logits = self.assistant(attention)
         # One choice per drafted position, in order: inside `TokenSampler.drafting` each sees
         # the controls, seeds and grammar of the position it drafts.
         steps = [self._sampler.choose(logits[:, i], batch.sampling_info) for i in range(num_drafts)]
@@ -171,7 +201,11 @@ class DFlashWorker(ChainRoundWorker):
         # stream, and the next round's draft reads what it writes.
         batch, chain = verified.batch, verified.chain
         attention = chain_attention(
-            batch.req_pool_indices, self._target.req_to_token, verified.start, chain
+            batch.req_pool_indices,
+            self._target.req_to_token,
+            verified.start,
+            chain,
+            end=budget_end(batch, verified.start),  # the verify wrote nothing past it
         )
         if self._ledger is not None:  # the verify wrote the target's KV and hidden states
             self._ledger.wrote_source(attention.out_cache_loc)

@@ -162,11 +162,13 @@ def decode_result(
     payload: RelayPayload,
     invalid_rows: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
+    draft_confidences: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
     """DECODE result from ``run_tokens`` ``[B, D]``: row ``b``'s first ``accept_lens[b]`` count.
 
     Tokens past each run are written as 0 (the padding the result processor never reads), and
-    so are their ``logprobs`` (``[B, D]``, aligned with ``run_tokens``), when given.
+    so are their ``logprobs`` (``[B, D]``, aligned with ``run_tokens``), when given;
+    ``draft_confidences`` ``[B, D - 1]`` go to the result as they are.
     """
     width = run_tokens.shape[1]
     keep = torch.arange(width, device=run_tokens.device)[None, :] < accept_lens[:, None]
@@ -178,6 +180,7 @@ def decode_result(
         next_draft_input=payload,
         invalid_rows=invalid_rows,
         logprobs=None if logprobs is None else torch.where(keep, logprobs, 0.0).reshape(-1),
+        draft_confidences=draft_confidences,
     )
 
 

@@ -74,6 +74,7 @@ class VerifiedRound:
         chain: ``[B, D]`` verified tokens ``[x0, d1..dK]`` at ``S .. S+K``.
         verdict: accepted runs and lengths.
         target_hidden: ``[B, D, hidden]`` target features of the chain.
+        confidences: ``[B, D - 1]`` the drafter's confidences (`DraftChain.confidences`).
     """
 
     batch: ForwardBatch
@@ -81,6 +82,7 @@ class VerifiedRound:
     chain: torch.Tensor
     verdict: ChainVerdict
     target_hidden: torch.Tensor
+    confidences: torch.Tensor | None = None
 
 
 def with_sampling_controls(capabilities: WorkerCapabilities) -> WorkerCapabilities:
@@ -240,7 +242,12 @@ class ChainRoundWorker(abc.ABC):
             grammar.accept(verdict.run_tokens, verdict.accept_lens)
         chain = torch.cat([roots[:, None], drafts.tokens], dim=1)
         verified = VerifiedRound(
-            batch=batch, start=start, chain=chain, verdict=verdict, target_hidden=hidden
+            batch=batch,
+            start=start,
+            chain=chain,
+            verdict=verdict,
+            target_hidden=hidden,
+            confidences=drafts.confidences,
         )
         payload = self._commit_round(verified)
         return decode_result(
@@ -250,6 +257,7 @@ class ChainRoundWorker(abc.ABC):
             payload,
             checked.invalid_rows,
             checked.logprobs,
+            drafts.confidences,
         )
 
     @abc.abstractmethod

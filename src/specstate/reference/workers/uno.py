@@ -48,7 +48,7 @@ from specstate.core.errors import InvalidConfig
 from specstate.engine.worker import WorkerMemory
 from specstate.reference.lora import LoraAdapter, read_lora_config
 from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput
-from specstate.reference.workers.layout import chain_attention, decode_roots
+from specstate.reference.workers.layout import budget_end, chain_attention, decode_roots
 from specstate.reference.workers.round import VerifiedRound
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
@@ -155,8 +155,15 @@ class UnoWorker(TreeRoundWorker):
         else:
             noise = roots.new_full((num_rows, width - 1), self._noise)
         tokens = torch.cat([roots[:, None], noise], dim=1)
+        # Under a verify budget b the rows past S + b write the padding slot (the row's
+        # reservation may end there); pass 1 is causal, so the drafts a row verifies do not
+        # read them.
         attention = chain_attention(
-            batch.req_pool_indices, self._target.req_to_token, start, tokens
+            batch.req_pool_indices,
+            self._target.req_to_token,
+            start,
+            tokens,
+            end=budget_end(batch, start),
         )
         model = self._target.model
         with self._routing(batch, width):

@@ -52,10 +52,14 @@ class DraftChain:
         tokens: ``[B, K]`` int64 drafts ``d1..dK``.
         probs: ``[B, K, V]`` the filtered distribution each draft was drawn from; None when
             the batch is all greedy or the drafter is deterministic (then ``q`` is one-hot).
+        confidences: ``[B, K]`` float, the drafter's predicted probability that each draft is
+            accepted given the ones before it were (a confidence head; reported as the
+            result's ``draft_confidences``), or None.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
 
     @classmethod
     def from_steps(cls, steps: list[TokenChoice]) -> DraftChain:

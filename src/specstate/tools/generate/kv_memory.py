@@ -143,7 +143,7 @@ def _layouts(args: argparse.Namespace, *, reference: bool) -> tuple[KvLayout, ..
 
         count = read_mtp_spec(args.model).num_layers
         layouts = (*layouts, attrs.evolve(layouts[0], num_layers=count, name="mtp"))
-    if reference and args.algorithm == "dflash" and args.draft is not None:
+    if reference and args.algorithm in ("dflash", "dspark") and args.draft is not None:
         # The assistant keeps a KV cache per token slot too, in the target's dtype.
         assistant = KvLayout.from_config(args.draft, name="assistant")
         layouts += (attrs.evolve(assistant, dtype_bytes=layouts[0].dtype_bytes),)

@@ -140,7 +140,7 @@ def build_worker(args: argparse.Namespace) -> tuple[WorkerProtocol, RequestLimit
         if args.draft is None and args.algorithm != "uno":  # uno without one decodes plainly
             raise InvalidRequest(f"--algorithm {args.algorithm} needs --draft DIR")
         options[drafter] = args.draft
-    if args.algorithm == "dflash":  # the verified drafts fit the assistant's block
+    if args.algorithm in ("dflash", "dspark"):  # the verified drafts fit the assistant's block
         from specstate.reference.dflash_checkpoint import read_dflash_config
 
         block = read_dflash_config(args.draft).block_size
@@ -154,6 +154,7 @@ _DRAFTER_OPTION: Final = {
     "eagle3": "eagle3",
     "frozen_kv_mtp": "assistant",
     "dflash": "assistant",
+    "dspark": "assistant",
     "uno": "adapter",
 }
 """The worker option ``--draft`` fills, by algorithm (``mtp``'s layers are in ``--model``)."""
