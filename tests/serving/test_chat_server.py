@@ -185,13 +185,15 @@ def test_speculative_stats_per_choice_on_request(served: Served) -> None:
 
 def test_n_choices_with_a_seed_are_the_same_four_on_a_rerun(served: Served) -> None:
     """``n=4`` with a seed: four choices, each the engine's output under its derived seed (so
-    a rerun gives the same four), not all alike; usage counts the prompt once."""
+    a rerun gives the same four), not all alike; usage counts the prompt once, which the
+    choices read from the prefix cache (the server prefilled it once for all of them)."""
     client = served.client()
+    conversation = [{"role": "user", "content": "import numpy as np\n\n\ndef mean(xs):"}]
 
     def ask() -> Any:
         return client.chat.completions.create(
             model=MODEL,
-            messages=CONVERSATION,
+            messages=conversation,
             max_completion_tokens=16,
             n=4,
             seed=11,
@@ -203,7 +205,9 @@ def test_n_choices_with_a_seed_are_the_same_four_on_a_rerun(served: Served) -> N
     outputs = [ids_of(c) for c in first.choices]
     assert outputs == [ids_of(c) for c in again.choices]
     assert len({tuple(o) for o in outputs}) > 1
-    prompt = rendered(CONVERSATION)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert (first.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    prompt = rendered(conversation)
     direct = run_directly(
         {
             str(i): (

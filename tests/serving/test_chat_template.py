@@ -45,7 +45,7 @@ TEMPLATE = (
     "<call>{{ call.function.name }} {{ call.function.arguments }}</call>"
     "{% endfor %}{{ eos_token }}\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}"
 )
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You add numbers. Café, 東京."},
@@ -68,7 +68,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "add",
-            "description": "Add two numbers",
+            "description": "Add two numbers — à la café",
             "parameters": {
                 "type": "object",
                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -203,6 +203,7 @@ class _Routes:
             async with stream:
                 async for _ in stream:
                     pass
+            await self._released(self._front)
         streams: list[RequestStream] = []
         renamed = {"max_new_tokens": "max_completion_tokens"}
         try:
@@ -222,6 +223,17 @@ class _Routes:
                 await stream.aclose()
             raise
         return streams
+
+    @staticmethod
+    async def _released(front: AsyncEngine) -> None:
+        """Return once a request that just ended is released (its KV in the prefix cache):
+        under overlap that is when the last batch launched before it ended has retired."""
+        try:
+            launched = await front.read(lambda e: e.num_launched)
+            while not await front.read(lambda e: e.is_idle or e.num_retired >= launched):
+                pass  # each read waits for the driver's next turn: one step
+        except (EngineUnavailable, UsageError) as exc:
+            raise _unavailable(exc) from None
 
     async def _has_prefix_cache(self) -> bool:
         if self._prefix_cache is None:
