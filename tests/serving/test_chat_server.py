@@ -246,6 +246,8 @@ def test_streamed_n_choices_and_the_usage_chunk_match_the_whole_response(served:
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == {c.index: c.message.content for c in whole.choices}
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == sum(len(ids_of(c)) for c in whole.choices)
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None and whole.usage is not None
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
@@ -410,7 +412,7 @@ def test_auto_tool_calls_parse_the_documented_tags() -> None:
     spec = ToolSpec(tools=tuple(TOOLS), choice="auto")
     call = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
     content, calls = parse_tool_calls(f"Let me add. {call}", spec)
-    assert content == "Let me add." and len(calls) == 1
+    assert content == "Let me add. " and len(calls) == 1
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
     assert parse_tool_calls(call + call, spec)[0] is None
     assert len({c["id"] for c in parse_tool_calls(call + call, spec)[1]}) == 2
@@ -543,3 +545,33 @@ def test_a_model_without_a_chat_template_answers_400() -> None:
     assert status == 400
     assert body["error"]["code"] == "no_chat_template"
     assert "--chat-template" in body["error"]["message"]
+
+
+AUTO_CALL = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [1-9]\}\}</tool_call>'
+
+
+def test_auto_tool_calls_from_the_output_streaming_and_not(served: Served) -> None:
+    """``auto`` on an output that holds a tagged call (made so by a regex grammar): the call
+    comes back as ``tool_calls`` and the text around it as content; streamed, no part of the
+    tag is ever sent as content, and the client's stream helper assembles the same call."""
+    client = served.client()
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Add."}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_completion_tokens": 120,
+        "temperature": 0,
+        "extra_body": {"grammar": {"regex": AUTO_CALL}},
+    }
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        deltas = [event.delta for event in stream if event.type == "content.delta"]
+        final = stream.get_final_completion().choices[0]
+    for choice in (whole, final):
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Sure. "
+        calls = choice.message.tool_calls or []
+        assert len(calls) == 1 and calls[0].function.name == "add"
+        assert json.loads(calls[0].function.arguments)["a"] in range(1, 10)
+    assert "".join(deltas) == "Sure. " and not any("<" in d for d in deltas)

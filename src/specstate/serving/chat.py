@@ -9,7 +9,7 @@ Tool calls. With ``tool_choice`` ``required`` or a named function the output is 
 one call, the JSON object ``{"name": ..., "arguments": {...}}`` (`ToolSpec.grammar`), so it is
 a call by construction. With ``auto`` the model may call tools by writing, anywhere in its
 text, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (`TOOL_CALL_OPEN`); the text
-around the calls is the content. A choice with calls has ``finish_reason: "tool_calls"``, each
+around the calls, as it is, is the content (none when it is only whitespace). A choice with calls has ``finish_reason: "tool_calls"``, each
 call an id ``call_...``; a stream sends each call whole, in one delta, once its choice ended
 (with ``auto`` the content streams up to the first ``<tool_call>``). An output that is not a
 call after all (a forced call cut by the length cap, tags around text that is not a call)
@@ -105,8 +105,8 @@ def parse_tool_calls(text: str, tools: ToolSpec) -> tuple[str | None, list[dict[
         calls.append(call)
     if not calls:
         return text, []
-    content = _CALL.sub("", text).strip()
-    return content or None, calls
+    content = _CALL.sub("", text)
+    return (content if content.strip() else None), calls
 
 
 def _logprobs(piece: Piece, codec: TextCodec | None) -> dict[str, Any] | None:
