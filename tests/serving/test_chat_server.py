@@ -67,6 +67,16 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 
+def chat(client: Any, **kwargs: Any) -> Any:
+    """``client.chat.completions.create`` untyped (tests send dict messages and extensions)."""
+    return client.chat.completions.create(**kwargs)
+
+
+def chat_stream(client: Any, **kwargs: Any) -> Any:
+    """``client.chat.completions.stream`` untyped: the client's own stream assembly."""
+    return client.chat.completions.stream(**kwargs)
+
+
 def engine() -> Engine:
     """The embedded target with its draft model, float32, overlap on, checked every step."""
     worker = default_registry().create(
@@ -133,13 +143,11 @@ def test_chat_equals_the_engine_on_the_rendered_prompt_streaming_and_not(served:
     """Greedy chat: the text and ids are `Engine`'s greedy output on the rendered prompt, the
     stream's deltas concatenate to the same text, usage counts the rendered prompt."""
     client = served.client()
-    whole = client.chat.completions.create(
-        model=MODEL, messages=CONVERSATION, max_completion_tokens=24, temperature=0
+    whole = chat(
+        client, model=MODEL, messages=CONVERSATION, max_completion_tokens=24, temperature=0
     )
     chunks = list(
-        client.chat.completions.create(
-            model=MODEL, messages=CONVERSATION, max_tokens=24, temperature=0, stream=True
-        )
+        chat(client, model=MODEL, messages=CONVERSATION, max_tokens=24, temperature=0, stream=True)
     )
     prompt = rendered(CONVERSATION)
     direct = run_directly({"d": (prompt, SamplingParams(max_new_tokens=24))})["d"]
@@ -162,7 +170,8 @@ def test_speculative_stats_per_choice_on_request(served: Served) -> None:
     """``speculative_stats: true`` adds each choice's speculation: accepted of drafted, per
     position, and accept lengths strictly between 1 and the maximum; /metrics counts them."""
     client = served.client()
-    whole = client.chat.completions.create(
+    whole = chat(
+        client,
         model=MODEL,
         messages=CONVERSATION,
         max_completion_tokens=32,
@@ -191,7 +200,8 @@ def test_n_choices_with_a_seed_are_the_same_four_on_a_rerun(served: Served) -> N
     conversation = [{"role": "user", "content": "import numpy as np\n\n\ndef mean(xs):"}]
 
     def ask() -> Any:
-        return client.chat.completions.create(
+        return chat(
+            client,
             model=MODEL,
             messages=conversation,
             max_completion_tokens=16,
@@ -234,12 +244,8 @@ def test_streamed_n_choices_and_the_usage_chunk_match_the_whole_response(served:
         "seed": 5,
         "temperature": 0.8,
     }
-    whole = client.chat.completions.create(**kwargs)
-    chunks = list(
-        client.chat.completions.create(
-            **kwargs, stream=True, stream_options={"include_usage": True}
-        )
-    )
+    whole = chat(client, **kwargs)
+    chunks = list(chat(client, **kwargs, stream=True, stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
     for chunk in chunks[:-1]:
         assert chunk.usage is None
@@ -259,18 +265,14 @@ def test_the_second_turn_reads_the_first_from_the_prefix_cache(served: Served) -
     """A conversation's second turn repeats the first as its prompt's head: cached_tokens > 0."""
     client = served.client()
     messages = [{"role": "user", "content": "class Stack:\n    def push(self, item):"}]
-    first = client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=40, temperature=0
-    )
+    first = chat(client, model=MODEL, messages=messages, max_completion_tokens=40, temperature=0)
     reply = first.choices[0].message.content
     follow = [
         *messages,
         {"role": "assistant", "content": reply},
         {"role": "user", "content": "and pop?"},
     ]
-    second = client.chat.completions.create(
-        model=MODEL, messages=follow, max_completion_tokens=8, temperature=0
-    )
+    second = chat(client, model=MODEL, messages=follow, max_completion_tokens=8, temperature=0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and 0 < cached < second.usage.prompt_tokens
@@ -281,7 +283,8 @@ def test_logprobs_stop_and_stop_token_ids_are_the_engines(served: Served) -> Non
     the output where the engine stopped, ``stop_token_ids`` ends it at the id."""
     client = served.client()
     prompt = rendered(CONVERSATION)
-    with_lp = client.chat.completions.create(
+    with_lp = chat(
+        client,
         model=MODEL,
         messages=CONVERSATION,
         max_completion_tokens=12,
@@ -292,10 +295,16 @@ def test_logprobs_stop_and_stop_token_ids_are_the_engines(served: Served) -> Non
     direct_ids = run_directly({"d": (prompt, SamplingParams(max_new_tokens=40))})["d"]
     text = embedded.decode(direct_ids)
     stop = text[8:10]  # a string the greedy output contains
-    stopped = client.chat.completions.create(
-        model=MODEL, messages=CONVERSATION, max_completion_tokens=40, temperature=0, stop=[stop]
+    stopped = chat(
+        client,
+        model=MODEL,
+        messages=CONVERSATION,
+        max_completion_tokens=40,
+        temperature=0,
+        stop=[stop],
     ).choices[0]
-    by_id = client.chat.completions.create(
+    by_id = chat(
+        client,
         model=MODEL,
         messages=CONVERSATION,
         max_completion_tokens=40,
@@ -308,6 +317,7 @@ def test_logprobs_stop_and_stop_token_ids_are_the_engines(served: Served) -> Non
     assert with_lp.logprobs is not None and with_lp.logprobs.content is not None
     got = [(t.token, t.logprob, t.top_logprobs) for t in with_lp.logprobs.content]
     assert [g[0] for g in got] == [embedded.decode([t]) for t in lp.emitted_ids]
+    assert lp.logprobs is not None
     assert [g[1] for g in got] == pytest.approx(list(lp.logprobs), abs=1e-5)
     assert all(g[2] == [] for g in got)
     assert stopped.finish_reason == "stop"
@@ -324,17 +334,14 @@ def test_response_format_constrains_chat_as_the_engine_does(served: Served) -> N
         "required": ["n"],
         "additionalProperties": False,
     }
-    choice = (
-        served.client()
-        .chat.completions.create(
-            model=MODEL,
-            messages=CONVERSATION,
-            max_completion_tokens=30,
-            temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-        )
-        .choices[0]
-    )
+    choice = chat(
+        served.client(),
+        model=MODEL,
+        messages=CONVERSATION,
+        max_completion_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    ).choices[0]
     grammar = Grammar.json_schema(schema)
     direct = run_directly(
         {"g": (rendered(CONVERSATION), SamplingParams(max_new_tokens=30, grammar=grammar))}
@@ -359,10 +366,11 @@ def test_a_forced_tool_call_is_valid_over_20_seeds_streaming_and_not(served: Ser
     client = served.client()
     accepted = drafted = 0
     for seed in range(20):
-        choice = client.chat.completions.create(
+        choice = chat(
+            client,
             model=MODEL,
             messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
-            tools=TOOLS,  # type: ignore[arg-type]
+            tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             max_completion_tokens=64,
             temperature=1.0,
@@ -377,10 +385,11 @@ def test_a_forced_tool_call_is_valid_over_20_seeds_streaming_and_not(served: Ser
         stats = (choice.model_extra or {})["speculative"]
         accepted, drafted = accepted + stats["accepted_drafts"], drafted + stats["verified_drafts"]
     assert 0 < accepted < drafted  # speculation ran, and not every draft was accepted
-    required = client.chat.completions.create(
+    required = chat(
+        client,
         model=MODEL,
         messages=[{"role": "user", "content": "Add one."}],
-        tools=TOOLS,  # type: ignore[arg-type]
+        tools=TOOLS,
         tool_choice="required",
         max_completion_tokens=64,
         temperature=1.0,
@@ -390,10 +399,11 @@ def test_a_forced_tool_call_is_valid_over_20_seeds_streaming_and_not(served: Ser
         "get_weather",
         "add",
     )
-    with client.chat.completions.stream(
+    with chat_stream(
+        client,
         model=MODEL,
         messages=[{"role": "user", "content": "Weather in Lima?"}],
-        tools=TOOLS,  # type: ignore[arg-type]
+        tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_completion_tokens=64,
         temperature=1.0,
@@ -491,7 +501,8 @@ def test_bad_input_is_a_400_naming_the_field_while_good_requests_stay_exact() ->
         async def load() -> tuple[list[Any], list[tuple[int, dict[str, Any]]]]:
             async with running.async_client() as client:
                 good = [
-                    client.chat.completions.create(
+                    chat(
+                        client,
                         model=MODEL,
                         messages=[{"role": "user", "content": f"def f{i}(x):"}],
                         max_completion_tokens=16,
@@ -564,8 +575,8 @@ def test_auto_tool_calls_from_the_output_streaming_and_not(served: Served) -> No
         "temperature": 0,
         "extra_body": {"grammar": {"regex": AUTO_CALL}},
     }
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    with client.chat.completions.stream(**kwargs) as stream:
+    whole = chat(client, **kwargs).choices[0]
+    with chat_stream(client, **kwargs) as stream:
         deltas = [event.delta for event in stream if event.type == "content.delta"]
         final = stream.get_final_completion().choices[0]
     for choice in (whole, final):

@@ -63,7 +63,7 @@ MESSAGES: list[dict[str, Any]] = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "3"},
 ]
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -77,6 +77,11 @@ TOOLS = [
         },
     }
 ]
+
+
+def chat(client: Any, **kwargs: Any) -> Any:
+    """``client.chat.completions.create`` untyped (tests send dict messages and extensions)."""
+    return client.chat.completions.create(**kwargs)
 
 
 def _with_template(directory: Path) -> None:
@@ -104,7 +109,7 @@ def test_the_template_renders_as_transformers_apply_chat_template(tmp_path: Path
     _with_template(tmp_path)
     template = load_chat_template(tmp_path)
     assert template is not None
-    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf: Any = AutoTokenizer.from_pretrained(tmp_path)
     for tools in (None, TOOLS):
         for generation in (True, False):
             ours = template.render(MESSAGES, tools=tools, add_generation_prompt=generation)
@@ -168,11 +173,12 @@ def test_chat_on_a_subword_checkpoint_equals_the_engine_on_hf_rendered_ids(tmp_p
             BackgroundServer(create_app(front, model)) as server,
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
         ):
-            whole = client.chat.completions.create(
-                model=model.name, messages=messages, max_completion_tokens=12, temperature=0
+            whole = chat(
+                client, model=model.name, messages=messages, max_completion_tokens=12, temperature=0
             )
             chunks = list(
-                client.chat.completions.create(
+                chat(
+                    client,
                     model=model.name,
                     messages=messages,
                     max_completion_tokens=12,
