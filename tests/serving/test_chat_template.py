@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,11 @@ def test_chat_on_a_subword_checkpoint_equals_the_engine_on_hf_rendered_ids(tmp_p
     assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == expected
+
+
+def test_the_embedded_template_is_the_one_the_docs_show() -> None:
+    """docs/serving.md shows the embedded model's chat template as it ships."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+    shown = re.findall(r"```jinja\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+    shipped = (embedded.target_dir() / "chat_template.jinja").read_text(encoding="utf-8")
+    assert shown == [shipped]

@@ -9,9 +9,10 @@ Tool calls. With ``tool_choice`` ``required`` or a named function the output is 
 one call, the JSON object ``{"name": ..., "arguments": {...}}`` (`ToolSpec.grammar`), so it is
 a call by construction. With ``auto`` the model may call tools by writing, anywhere in its
 text, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (`TOOL_CALL_OPEN`); the text
-around the calls, as it is, is the content (none when it is only whitespace). A choice with calls has ``finish_reason: "tool_calls"``, each
-call an id ``call_...``; a stream sends each call whole, in one delta, once its choice ended
-(with ``auto`` the content streams up to the first ``<tool_call>``). An output that is not a
+around the calls, as it is, is the content (none when it is only whitespace). A choice with
+calls has ``finish_reason: "tool_calls"``, each call an id ``call_...``; a stream sends each
+call whole, in one delta, once its choice ended (with ``auto`` the content streams up to the
+first ``<tool_call>``). An output that is not a
 call after all (a forced call cut by the length cap, tags around text that is not a call)
 comes back as content.
 """
@@ -205,7 +206,13 @@ async def collect_chat(
         ApiError: a choice ended with an error (HTTP 500).
     """
     choices = [_Choice(i, s, request, codec) for i, s in enumerate(streams)]
-    bodies = await asyncio.gather(*(c.collect() for c in choices))
+    tasks = [asyncio.ensure_future(c.collect()) for c in choices]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:  # one choice failed (or the caller gave up): the others are aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return ids.wrap("chat.completion", list(bodies), usage=_usage(request, choices))
 
 
