@@ -147,6 +147,12 @@ def test_a_template_file_overrides_and_the_sandbox_holds(tmp_path: Path) -> None
     assert sandboxed is not None
     with pytest.raises(TemplateRenderError, match="SecurityError|unsafe"):
         sandboxed.render(MESSAGES)
+    dividing = tmp_path / "dividing.jinja"
+    dividing.write_text("{{ 1 / 0 }}", encoding="utf-8")
+    divides = load_chat_template(tmp_path, dividing)
+    assert divides is not None
+    with pytest.raises(TemplateRenderError, match="ZeroDivisionError"):
+        divides.render(MESSAGES)
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}", encoding="utf-8")
     with pytest.raises(InvalidConfig, match="broken.jinja"):

@@ -69,8 +69,6 @@ class ChatTemplate:
         Raises:
             TemplateRenderError: the template refused the messages or failed on them.
         """
-        import jinja2
-
         try:
             text: str = self._compiled.render(
                 messages=list(messages),
@@ -78,7 +76,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        except Exception as exc:  # whatever the template does wrong is this request's 400
             raise TemplateRenderError(f"{type(exc).__name__}: {exc}") from None
         return text
 
