@@ -586,3 +586,22 @@ def test_auto_tool_calls_from_the_output_streaming_and_not(served: Served) -> No
         assert len(calls) == 1 and calls[0].function.name == "add"
         assert json.loads(calls[0].function.arguments)["a"] in range(1, 10)
     assert "".join(deltas) == "Sure. " and not any("<" in d for d in deltas)
+
+
+def test_the_template_sees_the_tools_unless_tool_choice_is_none(served: Served) -> None:
+    """The prompt is the template rendered with ``tools`` (``auto``), or without (``none``)."""
+    messages = [{"role": "user", "content": "Weather?"}]
+    client = served.client()
+    counts = {}
+    for choice in ("auto", "none"):
+        reply = chat(
+            client,
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_completion_tokens=1,
+            temperature=0,
+        )
+        counts[choice] = reply.usage.prompt_tokens
+    assert counts == {"auto": len(rendered(messages, TOOLS)), "none": len(rendered(messages))}
