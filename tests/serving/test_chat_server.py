@@ -483,6 +483,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], str]] = [
     ({"functions": []}, "functions"),
     ({"model": "other"}, "model"),
     ({"seed": -1}, "seed"),
+    ({"temperature": 1e-40}, "temperature"),  # refused by the engine at submit
 ]
 
 

@@ -154,6 +154,8 @@ class ChatRequest:
         grammar_field: the field that gave the grammar, or None.
         tools: the tools, or None without any.
         speculative_stats: each choice carries its speculation statistics.
+        max_tokens_field: the field that gave the length cap (``max_completion_tokens`` or
+            ``max_tokens``), for the engine's refusals.
     """
 
     prompt_text: str
@@ -167,6 +169,7 @@ class ChatRequest:
     grammar_field: str | None
     tools: ToolSpec | None
     speculative_stats: bool
+    max_tokens_field: str = "max_completion_tokens"
 
     def choice_sampling(self, index: int) -> SamplingParams:
         """The sampling parameters of choice ``index``: its own seed, derived from the
@@ -495,4 +498,5 @@ def parse_chat(
         grammar_field=grammar_field,
         tools=tools,
         speculative_stats=flag(obj, "speculative_stats", False),
+        max_tokens_field=field,
     )

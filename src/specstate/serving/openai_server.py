@@ -205,7 +205,7 @@ class _Routes:
                     pass
             await self._released(self._front)
         streams: list[RequestStream] = []
-        renamed = {"max_new_tokens": "max_completion_tokens"}
+        renamed = {"max_new_tokens": parsed.max_tokens_field}
         try:
             for i in range(parsed.n):
                 sampling = parsed.choice_sampling(i)
