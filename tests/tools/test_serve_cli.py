@@ -130,17 +130,18 @@ def _docs_page() -> str:
 
 def _docs_curls(port: int) -> list[list[str]]:
     """The curl commands of docs/serving.md (completions: plain, structured; chat: plain,
-    streamed, n choices, a tool call, JSON), pointed at ``port``."""
+    streamed, n choices, a tool call, JSON, a second turn), pointed at ``port``."""
     text = _docs_page()
     lines = re.findall(r"^\$ (curl .*)$", text, re.M)
-    assert len(lines) == 7, lines
+    assert len(lines) == 8, lines
     return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
 
 
 def _check_chat_answers(answers: list[str], engine: Engine) -> None:
     """The chat curls' answers: the greedy chat is `Engine`'s greedy output on the rendered
     prompt, the stream the same text with a usage chunk last, two seeded choices with
-    log-probabilities and speculation, a tool call that fits its schema, a JSON object."""
+    log-probabilities and speculation, a tool call that fits its schema, a JSON object, and
+    the next turn (the first answer as its history) partly from the prefix cache."""
     from specstate.serving.chat_template import load_chat_template
 
     template = load_chat_template(embedded.target_dir())
@@ -176,6 +177,12 @@ def _check_chat_answers(answers: list[str], engine: Engine) -> None:
     arguments = json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])
     assert arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 7
     assert isinstance(json.loads(json.loads(answers[4])["choices"][0]["message"]["content"]), dict)
+    turn = json.loads(answers[5])
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert bodies[5]["messages"][2]["content"] == plain["choices"][0]["message"]["content"]
+    assert turn["choices"][0]["finish_reason"] in ("stop", "length")
+    if turn["choices"][0]["finish_reason"] == "stop":
+        assert turn["choices"][0]["token_ids"][-1] == 10
 
 
 def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
