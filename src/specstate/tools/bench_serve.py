@@ -322,30 +322,8 @@ def summary_row(runs: list[Run]) -> dict[str, float]:
 _RUNNERS: Final = {"direct": _run_direct, "async": _run_async, "http": _run_http}
 
 
-def _run_chat(args: argparse.Namespace) -> int:
-    if min(args.clients, args.requests, args.rounds, args.turns) < 1 or not 1 <= args.accept <= 4:
-        print(
-            "specstate bench serve: --clients, --requests, --rounds and --turns must be >= 1, "
-            "--accept in [1, 4]",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        import jinja2  # noqa: F401
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        print("specstate bench serve: chat needs pip install 'specstate[serve]'", file=sys.stderr)
-        return 2
-    from specstate.tools.bench_serve_chat import run_chat
-
-    return run_chat(args)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the alternated rounds; print the table (or JSON); 2 on bad options."""
-    if args.workload == "chat":
-        return _run_chat(args)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(_MODES) or min(args.clients, args.requests, args.rounds) < 1:
         print(f"specstate bench serve: modes are {','.join(_MODES)}", file=sys.stderr)

@@ -178,7 +178,22 @@ def client_main() -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Run the alternated rounds of the chat workload; print the table (or JSON)."""
+    """Run the alternated rounds of the chat workload; print the table (or JSON); 2 on bad
+    options or without the ``serve`` extra."""
+    if min(args.clients, args.requests, args.rounds, args.turns) < 1 or not 1 <= args.accept <= 4:
+        print(
+            "specstate bench serve: --clients, --requests, --rounds and --turns must be >= 1, "
+            "--accept in [1, 4]",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import jinja2  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("specstate bench serve: chat needs pip install 'specstate[serve]'", file=sys.stderr)
+        return 2
     runs: dict[str, list[Run]] = {m: [] for m in MODES}
     shares: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(args.rounds):
