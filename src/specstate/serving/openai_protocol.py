@@ -48,14 +48,14 @@ __all__ = ["ApiError", "CompletionRequest", "parse_completion", "refusal"]
 MAX_SEED: Final = 2**63
 MAX_STOPS: Final = 16
 DEFAULT_MAX_TOKENS: Final = 16
-_AT_DEFAULT: Final[Mapping[str, tuple[object, ...]]] = {
+AT_DEFAULT: Final[Mapping[str, tuple[object, ...]]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
 }
-_FIELDS: Final = frozenset(
+COMPLETION_FIELDS: Final = frozenset(
     {
         "model",
         "prompt",
@@ -71,7 +71,7 @@ _FIELDS: Final = frozenset(
         "presence_penalty",
         "response_format",
         "user",
-        *_AT_DEFAULT,
+        *AT_DEFAULT,
         # extensions
         "speculative",
         "top_k",
@@ -84,7 +84,7 @@ _FIELDS: Final = frozenset(
 )
 
 
-_TEXT_FIELDS: Final = ("prompt", "stop", "grammar", "response_format")
+TEXT_FIELDS: Final = ("prompt", "stop", "grammar", "response_format")
 """The fields whose strings reach a tokenizer or a grammar compiler."""
 _PARAMS: Final[Mapping[str, str]] = {
     "prompt_ids": "prompt",
@@ -189,7 +189,7 @@ def _loads(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def check_text(obj: Mapping[str, Any], names: tuple[str, ...] = _TEXT_FIELDS) -> None:
+def check_text(obj: Mapping[str, Any], names: tuple[str, ...] = TEXT_FIELDS) -> None:
     """Refuse a string that is not Unicode text (a lone surrogate) in the text fields.
 
     JSON may escape half a surrogate pair (``"\\ud800"``); such a string has no UTF-8 form, so
@@ -360,8 +360,8 @@ def check_known(
     obj: Mapping[str, Any],
     model: str,
     *,
-    fields: frozenset[str] = _FIELDS,
-    at_default: Mapping[str, tuple[object, ...]] = _AT_DEFAULT,
+    fields: frozenset[str] = COMPLETION_FIELDS,
+    at_default: Mapping[str, tuple[object, ...]] = AT_DEFAULT,
     required: str = "prompt",
 ) -> None:
     """Refuse unknown fields, fields not at their only value, a missing ``model`` or
