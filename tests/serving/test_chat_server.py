@@ -147,7 +147,15 @@ def test_chat_equals_the_engine_on_the_rendered_prompt_streaming_and_not(served:
         client, model=MODEL, messages=CONVERSATION, max_completion_tokens=24, temperature=0
     )
     chunks = list(
-        chat(client, model=MODEL, messages=CONVERSATION, max_tokens=24, temperature=0, stream=True)
+        chat(
+            client,
+            model=MODEL,
+            messages=CONVERSATION,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"speculative_stats": True},
+        )
     )
     prompt = rendered(CONVERSATION)
     direct = run_directly({"d": (prompt, SamplingParams(max_new_tokens=24))})["d"]
@@ -163,6 +171,8 @@ def test_chat_equals_the_engine_on_the_rendered_prompt_streaming_and_not(served:
     assert "".join(pieces) == embedded.decode(direct)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "length"
+    last = chunks[-1].choices[0].model_extra or {}  # the extensions come on the last chunk
+    assert last["token_ids"] == direct and last["speculative"]["verifies"] > 0
     assert "speculative" not in (choice.model_extra or {})  # off unless asked for
 
 
