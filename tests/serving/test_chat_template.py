@@ -219,3 +219,22 @@ def test_the_embedded_template_is_the_one_the_docs_show() -> None:
     shown = re.findall(r"```jinja\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
     shipped = (embedded.target_dir() / "chat_template.jinja").read_text(encoding="utf-8")
     assert shown == [shipped]
+
+
+def test_serve_takes_the_chat_template_flag(tmp_path: Path) -> None:
+    """``specstate serve --chat-template FILE`` serves that template; without it the embedded
+    model's own; ``--max-n`` reaches the app's limit on ``n``."""
+    override = tmp_path / "mine.jinja"
+    override.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    for argv, origin in (
+        (["--chat-template", str(override)], str(override)),
+        ([], str(embedded.target_dir() / "chat_template.jinja")),
+    ):
+        front, model = serve.build(parser.parse_args(["--algorithm", "ngram", *argv]))
+        bounded(front.close())
+        assert model.chat_template is not None and model.chat_template.origin == origin
+    assert parser.parse_args(["--max-n", "3"]).max_n == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-n", "0"])
