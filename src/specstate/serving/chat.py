@@ -238,7 +238,9 @@ class _ChoiceStream(_Choice):
         self._sent = 0  # characters of it sent as content
         self._open = True  # no <tool_call> seen yet (auto)
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None, piece: Piece | None) -> Any:
+    def _chunk(
+        self, delta: dict[str, Any], finish: str | None, piece: Piece | None
+    ) -> dict[str, Any]:
         logprobs = None if piece is None else _logprobs(piece, self.codec)
         return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
