@@ -559,13 +559,19 @@ def test_models_health_and_metrics(served: Served) -> None:
     assert "specstate_kv_free_pages" in text
 
 
-SERVED_ROUTES = ["POST /v1/completions", "GET /v1/models", "GET /health", "GET /metrics"]
+SERVED_ROUTES = [
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "GET /v1/models",
+    "GET /health",
+    "GET /metrics",
+]
 
 
 @pytest.mark.parametrize(
     ("method", "path", "status", "hint"),
     [
-        ("POST", "/v1/chat/completions", 404, "no chat endpoint"),
+        ("POST", "/v1/embeddings", 404, "POST /v1/chat/completions"),
         ("GET", "/v2/models", 404, "POST /v1/completions"),
         ("GET", "/v1/completions", 405, "POST /v1/completions"),
     ],
@@ -586,7 +592,7 @@ def test_an_unknown_route_answers_with_the_served_routes(
     table = page.split("### Routes")[1].split("###")[0]
     documented = re.findall(r"^\| `(\w+ /[\w/]+)` \|", table, re.M)
     assert documented == SERVED_ROUTES
-    if path == "/v1/chat/completions":  # the page shows this answer whole
+    if path == "/v1/embeddings":  # the page shows this answer whole
         shown = re.search(r"```json\n(.*?)\n```", table, re.S)
         assert shown is not None and json.loads(shown.group(1)) == body
 

@@ -19,7 +19,7 @@ from openai.types import Completion, CompletionChoice
 
 from specstate import AsyncEngine, AsyncEngineSnapshot, Engine
 from specstate.serving.background import BackgroundServer
-from specstate.serving.openai_server import ServedModel, create_app
+from specstate.serving.openai_server import DEFAULT_MAX_N, ServedModel, create_app
 
 _T = TypeVar("_T")
 BOUND_S = 300.0
@@ -81,11 +81,12 @@ class Served:
 
 
 @contextmanager
-def serving(engine: Engine, model: ServedModel) -> Iterator[Served]:
+def serving(engine: Engine, model: ServedModel, *, max_n: int = DEFAULT_MAX_N) -> Iterator[Served]:
     """Serve ``engine`` as ``model`` for the ``with`` block; then stop and close everything."""
     front = AsyncEngine(engine)
     try:
-        with BackgroundServer(create_app(front, model), front=front) as server:
+        app = create_app(front, model, max_n=max_n)
+        with BackgroundServer(app, front=front) as server:
             yield Served(url=server.url, front=front, model=model.name)
     finally:
         bounded(front.close())

@@ -35,3 +35,23 @@ def test_the_table_and_bad_modes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert " direct " in out and " async " in out and " http " not in out
     assert main([*argv, "--modes", "direct,telepathy"]) == 2
+
+
+def test_the_chat_workload_delivers_every_turn_and_reuses_history(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--workload chat``: with and without speculation, every turn of every conversation
+    delivers all its tokens, and the prefix cache supplies part of the prompts (each turn
+    repeats the history)."""
+    argv = ["bench", "serve", "--workload", "chat", "--clients", "2", "--requests", "3"]
+    argv += ["--turns", "3", "--max-tokens", "8", "--device-ms", "1", "--rounds", "1", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "chat" and report["config"]["turns"] == 3
+    results = report["results"]
+    assert set(results) == {"spec", "nospec"}
+    for mode, row in results.items():
+        assert row["tokens"] == 3 * 3 * 8, mode
+        assert 0 < row["cached_share"] < 1, mode
+        assert row["ttft_p50_ms"] > 0 and row["itl_p99_ms"] >= row["itl_p50_ms"] > 0, mode
+    assert main(["bench", "serve", "--workload", "chat", "--accept", "9"]) == 2

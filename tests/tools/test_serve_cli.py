@@ -129,11 +129,60 @@ def _docs_page() -> str:
 
 
 def _docs_curls(port: int) -> list[list[str]]:
-    """The curl commands of docs/serving.md (plain, structured), pointed at ``port``."""
+    """The curl commands of docs/serving.md (completions: plain, structured; chat: plain,
+    streamed, n choices, a tool call, JSON, a second turn), pointed at ``port``."""
     text = _docs_page()
     lines = re.findall(r"^\$ (curl .*)$", text, re.M)
-    assert len(lines) == 2, lines
+    assert len(lines) == 8, lines
     return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
+
+
+def _check_chat_answers(answers: list[str], engine: Engine) -> None:
+    """The chat curls' answers: the greedy chat is `Engine`'s greedy output on the rendered
+    prompt, the stream the same text with a usage chunk last, two seeded choices with
+    log-probabilities and speculation, a tool call that fits its schema, a JSON object, and
+    the next turn (the first answer as its history) partly from the prefix cache."""
+    from specstate.serving.chat_template import load_chat_template
+
+    template = load_chat_template(embedded.target_dir())
+    assert template is not None
+    curls = [shlex.split(line) for line in re.findall(r"^\$ (curl .*)$", _docs_page(), re.M)]
+    bodies = [json.loads(curl[curl.index("-d") + 1]) for curl in curls[2:]]
+    prompts = [
+        [embedded.BOS_ID, *embedded.encode(template.render(b["messages"]))] for b in bodies[:2]
+    ]
+    reqs = [
+        engine.submit(f"chat{i}", p, SamplingParams(max_new_tokens=16))
+        for i, p in enumerate(prompts)
+    ]
+    engine.run_until_idle()
+    plain = json.loads(answers[0])
+    assert plain["object"] == "chat.completion"
+    assert plain["choices"][0]["token_ids"] == list(reqs[0].emitted_ids)
+    assert plain["choices"][0]["message"]["content"] == embedded.decode(reqs[0].emitted_ids)
+    events = [
+        line[len("data: ") :] for line in answers[1].splitlines() if line.startswith("data: ")
+    ]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == embedded.decode(reqs[1].emitted_ids)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    many = json.loads(answers[2])["choices"]
+    assert [c["index"] for c in many] == [0, 1]
+    assert all(len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0 for c in many)
+    assert all(c["speculative"]["verifies"] >= 0 for c in many)
+    call = json.loads(answers[3])["choices"][0]
+    assert call["finish_reason"] == "tool_calls"
+    arguments = json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])
+    assert arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 7
+    assert isinstance(json.loads(json.loads(answers[4])["choices"][0]["message"]["content"]), dict)
+    turn = json.loads(answers[5])
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert bodies[5]["messages"][2]["content"] == plain["choices"][0]["message"]["content"]
+    assert turn["choices"][0]["finish_reason"] in ("stop", "length")
+    if turn["choices"][0]["finish_reason"] == "stop":
+        assert turn["choices"][0]["token_ids"][-1] == 10
 
 
 def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
@@ -164,7 +213,7 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
     )
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server)
-        plain, structured = (
+        plain, structured, *chats = (
             subprocess.run(curl, capture_output=True, text=True, check=True, timeout=BOUND_S)
             for curl in _docs_curls(port)
         )
@@ -195,6 +244,7 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
         )
         obj = engine.submit("o", [embedded.BOS_ID, *embedded.encode("x = ")], as_object)
         engine.run_until_idle()
+        _check_chat_answers([c.stdout for c in chats], engine)
     assert answer["model"] == "specstate-embedded"
     assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
     assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)

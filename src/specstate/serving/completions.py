@@ -30,7 +30,7 @@ from specstate.serving.text import TextCodec, TextStream
 
 __all__ = ["ChoiceOutput", "CompletionIds", "Piece", "collect_completion", "stream_completion"]
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.ABORT: "abort",
@@ -115,29 +115,40 @@ class ChoiceOutput:
         }
 
 
-def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[str, Any]:
+def speculation_body(stream: RequestStream) -> dict[str, Any]:
+    """The speculative statistics of an ended request (module docstring)."""
     accept_lengths = stream.accept_lengths
     verifies = len(accept_lengths)
     accepted = sum(accept_lengths)
+    return {
+        "accepted_tokens": accepted,
+        "verifies": verifies,
+        "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
+        "verified_drafts": sum(v for _, v in stream.draft_acceptance),
+        "accepted_drafts": sum(a for a, _ in stream.draft_acceptance),
+        "by_position": [{"accepted": a, "verified": v} for a, v in stream.draft_acceptance],
+    }
+
+
+def usage_body(prompt_tokens: int, generated: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage counts, with the prefix cache's share of the prompt."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": generated,
         "total_tokens": prompt_tokens + generated,
         # The prefix cache's share of the prompt (a re-admitted request's count may include
         # its earlier outputs, which OpenAI does not count as prompt).
-        "prompt_tokens_details": {"cached_tokens": min(stream.cached_tokens, prompt_tokens)},
-        "speculative": {
-            "accepted_tokens": accepted,
-            "verifies": verifies,
-            "mean_accept_length": round(accepted / verifies, 4) if verifies else 0.0,
-            "verified_drafts": sum(v for _, v in stream.draft_acceptance),
-            "accepted_drafts": sum(a for a, _ in stream.draft_acceptance),
-            "by_position": [{"accepted": a, "verified": v} for a, v in stream.draft_acceptance],
-        },
+        "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)},
     }
 
 
-def _error(finish: FinishState) -> ApiError:
+def _usage(prompt_tokens: int, generated: int, stream: RequestStream) -> dict[str, Any]:
+    usage = usage_body(prompt_tokens, generated, stream.cached_tokens)
+    return {**usage, "speculative": speculation_body(stream)}
+
+
+def finish_error(finish: FinishState) -> ApiError:
+    """The 500 of a request that ended with an error."""
     return ApiError(
         f"the request failed: {finish.detail}", status=500, kind="server_error", code="engine_error"
     )
@@ -186,8 +197,8 @@ async def collect_completion(
     async with stream:
         async for event in stream:
             if event.finish is not None and event.finish.reason is FinishReason.ERROR:
-                raise _error(event.finish)
-            lps = _new_logprobs(stream, event.tokens)
+                raise finish_error(event.finish)
+            lps = new_logprobs(stream, event.tokens)
             parts.append(output.push(event.tokens, lps, event.finish))
     finish = stream.finish
     assert finish is not None
@@ -198,10 +209,10 @@ async def collect_completion(
         tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), logprobs
     )
     usage = _usage(len(request.prompt_ids), output.num_generated, stream)
-    return ids.wrap([_choice(output, whole, _FINISH_REASONS[finish.reason])], usage=usage)
+    return ids.wrap([_choice(output, whole, FINISH_REASONS[finish.reason])], usage=usage)
 
 
-def _new_logprobs(stream: RequestStream, tokens: Sequence[int]) -> tuple[float, ...] | None:
+def new_logprobs(stream: RequestStream, tokens: Sequence[int]) -> tuple[float, ...] | None:
     """The log-probabilities of the event just yielded (the last ``len(tokens)``)."""
     if stream.logprobs is None:
         return None
@@ -220,11 +231,11 @@ async def stream_completion(
         async for event in stream:
             finish = event.finish
             if finish is not None and finish.reason is FinishReason.ERROR:
-                yield _error(finish).body()
+                yield finish_error(finish).body()
                 return
-            piece = output.push(event.tokens, _new_logprobs(stream, event.tokens), finish)
+            piece = output.push(event.tokens, new_logprobs(stream, event.tokens), finish)
             if finish is not None:
-                yield ids.wrap([_choice(output, piece, _FINISH_REASONS[finish.reason])])
+                yield ids.wrap([_choice(output, piece, FINISH_REASONS[finish.reason])])
             elif piece.token_ids:
                 yield ids.wrap([_choice(output, piece, None)])
     if request.include_usage:

@@ -48,14 +48,14 @@ __all__ = ["ApiError", "CompletionRequest", "parse_completion", "refusal"]
 MAX_SEED: Final = 2**63
 MAX_STOPS: Final = 16
 DEFAULT_MAX_TOKENS: Final = 16
-_AT_DEFAULT: Final[Mapping[str, tuple[object, ...]]] = {
+AT_DEFAULT: Final[Mapping[str, tuple[object, ...]]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
 }
-_FIELDS: Final = frozenset(
+COMPLETION_FIELDS: Final = frozenset(
     {
         "model",
         "prompt",
@@ -71,7 +71,7 @@ _FIELDS: Final = frozenset(
         "presence_penalty",
         "response_format",
         "user",
-        *_AT_DEFAULT,
+        *AT_DEFAULT,
         # extensions
         "speculative",
         "top_k",
@@ -84,7 +84,7 @@ _FIELDS: Final = frozenset(
 )
 
 
-_TEXT_FIELDS: Final = ("prompt", "stop", "grammar", "response_format")
+TEXT_FIELDS: Final = ("prompt", "stop", "grammar", "response_format")
 """The fields whose strings reach a tokenizer or a grammar compiler."""
 _PARAMS: Final[Mapping[str, str]] = {
     "prompt_ids": "prompt",
@@ -189,14 +189,14 @@ def _loads(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _check_text(obj: Mapping[str, Any]) -> None:
+def check_text(obj: Mapping[str, Any], names: tuple[str, ...] = TEXT_FIELDS) -> None:
     """Refuse a string that is not Unicode text (a lone surrogate) in the text fields.
 
     JSON may escape half a surrogate pair (``"\\ud800"``); such a string has no UTF-8 form, so
     no tokenizer or grammar compiler can take it. Walked without recursion: the body's depth
     is bounded only by the JSON parser.
     """
-    for name in _TEXT_FIELDS:
+    for name in names:
         todo = [obj.get(name)]
         while todo:
             value = todo.pop()
@@ -228,7 +228,7 @@ def _number(obj: Mapping[str, Any], name: str, default: float, low: float, high:
     return float(value)
 
 
-def _count(obj: Mapping[str, Any], name: str, default: int | None, low: int) -> int | None:
+def count(obj: Mapping[str, Any], name: str, default: int | None, low: int) -> int | None:
     value = obj.get(name)
     if value is None:
         return default
@@ -237,7 +237,7 @@ def _count(obj: Mapping[str, Any], name: str, default: int | None, low: int) -> 
     return int(value)
 
 
-def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+def flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
     value = obj.get(name)
     if value is None:
         return default
@@ -246,7 +246,7 @@ def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _ids(value: object, name: str, limits: RequestLimits) -> tuple[int, ...]:
+def token_ids(value: object, name: str, limits: RequestLimits) -> tuple[int, ...]:
     """A non-empty list of token ids inside the vocabulary."""
     if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
         raise ApiError(f"{name} must be a non-empty list of token ids", param=name)
@@ -270,11 +270,11 @@ def _prompt(value: object, limits: RequestLimits, codec: TextCodec | None) -> tu
             )
         if not value:
             raise ApiError("prompt must not be empty", param="prompt")
-        ids = _ids(codec.encode(value), "prompt", limits)
+        ids = token_ids(codec.encode(value), "prompt", limits)
     elif isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
         raise ApiError("one prompt per request (a batch of prompts is not served)", param="prompt")
     else:
-        ids = _ids(value, "prompt", limits)
+        ids = token_ids(value, "prompt", limits)
     if len(ids) >= limits.max_context_len:
         raise ApiError(
             f"prompt has {len(ids)} tokens; the context holds {limits.max_context_len} "
@@ -305,13 +305,15 @@ def _stops(
                 )
             if not item:
                 raise ApiError("a stop string must not be empty", param="stop")
-            sequences.append(_ids(codec.encode_plain(item), "stop", limits))
+            sequences.append(token_ids(codec.encode_plain(item), "stop", limits))
         else:
-            sequences.append(_ids(item, "stop", limits))
+            sequences.append(token_ids(item, "stop", limits))
     return tuple(sequences)
 
 
-def _grammar(obj: Mapping[str, Any], limits: RequestLimits) -> tuple[Grammar | None, str | None]:
+def request_grammar(
+    obj: Mapping[str, Any], limits: RequestLimits
+) -> tuple[Grammar | None, str | None]:
     """The request's grammar: ``grammar`` (the extension) or a constraining ``response_format``;
     and the field that gave it."""
     raw, fmt = obj.get("grammar"), obj.get("response_format")
@@ -354,15 +356,24 @@ def _response_format(fmt: object) -> Grammar | None:
     )
 
 
-def _check_known(obj: Mapping[str, Any], model: str) -> None:
-    unknown = sorted(set(obj) - _FIELDS)
+def check_known(
+    obj: Mapping[str, Any],
+    model: str,
+    *,
+    fields: frozenset[str] = COMPLETION_FIELDS,
+    at_default: Mapping[str, tuple[object, ...]] = AT_DEFAULT,
+    required: str = "prompt",
+) -> None:
+    """Refuse unknown fields, fields not at their only value, a missing ``model`` or
+    ``required`` field, another model's name."""
+    unknown = sorted(set(obj) - fields)
     if unknown:
         raise ApiError(
             f"unrecognized request argument: {unknown[0]}",
             param=unknown[0],
             code="unknown_parameter",
         )
-    for name, allowed in _AT_DEFAULT.items():
+    for name, allowed in at_default.items():
         if name in obj and not any(obj[name] == a and type(obj[name]) is type(a) for a in allowed):
             raise ApiError(f"{name}={obj[name]!r:.40} is not supported", param=name)
     if "model" not in obj:
@@ -373,13 +384,14 @@ def _check_known(obj: Mapping[str, Any], model: str) -> None:
             param="model",
             code="model_not_found",
         )
-    if "prompt" not in obj:
-        raise ApiError("prompt is required", param="prompt", code="missing_required_parameter")
+    if required not in obj:
+        raise ApiError(f"{required} is required", param=required, code="missing_required_parameter")
     if "user" in obj and not isinstance(obj["user"], str):
         raise ApiError("user must be a string", param="user")
 
 
-def _stream_options(obj: Mapping[str, Any], stream: bool) -> bool:
+def stream_options(obj: Mapping[str, Any], stream: bool) -> bool:
+    """``stream_options.include_usage`` (only with ``stream``)."""
     options = obj.get("stream_options")
     if options is None:
         return False
@@ -387,7 +399,7 @@ def _stream_options(obj: Mapping[str, Any], stream: bool) -> bool:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError("stream_options takes include_usage only", param="stream_options")
-    return _flag(options, "include_usage", False)
+    return flag(options, "include_usage", False)
 
 
 def parse_completion(
@@ -400,18 +412,9 @@ def parse_completion(
             the field.
     """
     obj = _loads(body)
-    _check_known(obj, model)
-    _check_text(obj)
+    check_known(obj, model)
+    check_text(obj)
     prompt = _prompt(obj["prompt"], limits, codec)
-    max_tokens = _count(obj, "max_tokens", DEFAULT_MAX_TOKENS, 1)
-    assert max_tokens is not None
-    if len(prompt) + max_tokens > limits.max_context_len:
-        raise ApiError(
-            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-            f"of {limits.max_context_len}",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
     logprobs = obj.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
         raise ApiError(
@@ -419,54 +422,96 @@ def parse_completion(
             f"alternatives are not computed (got {logprobs!r:.40})",
             param="logprobs",
         )
-    seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
-        raise ApiError(f"seed must be an integer in [0, 2^63), got {seed!r:.40}", param="seed")
-    stop_ids = obj.get("stop_token_ids")
-    stop_tokens = () if stop_ids is None else _ids(stop_ids, "stop_token_ids", limits)
-    stream = _flag(obj, "stream", False)
-    stops = _stops(obj.get("stop"), limits, codec)
-    min_tokens = _count(obj, "min_tokens", 0, 0)
-    assert min_tokens is not None
-    if min_tokens > max_tokens:
-        raise ApiError(
-            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
-        )
-    grammar, grammar_field = _grammar(obj, limits)
-    sampling = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=_number(obj, "temperature", 1.0, 0.0, 100.0),
-        top_p=_number(obj, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_count(obj, "top_k", None, 1),
-        seed=seed,
-        stop_sequences=stops,
-        stop_token_ids=stop_tokens,
-        ignore_eos=_flag(obj, "ignore_eos", False),
-        frequency_penalty=_number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_number(obj, "presence_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(obj, "repetition_penalty", 1.0, 1e-6, 100.0),
-        min_new_tokens=min_tokens,
-        speculative=_flag(obj, "speculative", True),
-        logprobs=logprobs is not None,
-        grammar=grammar,
+    grammar, grammar_field = request_grammar(obj, limits)
+    sampling = sampling_params(
+        obj, prompt, limits, codec, max_tokens_field="max_tokens", logprobs=logprobs is not None
     )
+    stream = flag(obj, "stream", False)
     return CompletionRequest(
         prompt_ids=prompt,
-        sampling=sampling,
+        sampling=attrs.evolve(sampling, grammar=grammar),
         stream=stream,
-        include_usage=_stream_options(obj, stream),
+        include_usage=stream_options(obj, stream),
         logprobs=logprobs is not None,
-        stop_sequences=stops,
+        stop_sequences=sampling.stop_sequences,
         grammar_field=grammar_field,
     )
 
 
-def refusal(error: InvalidRequest, request: CompletionRequest) -> ApiError:
-    """The 400 of ``request``, which the engine refused with ``error``: ``param`` is the request
-    field that set the first engine field ``error`` names (`InvalidRequest.fields`), or None
-    when it names none."""
+def load_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object (``ApiError`` when it is not one)."""
+    return _loads(body)
+
+
+def sampling_params(
+    obj: Mapping[str, Any],
+    prompt: tuple[int, ...],
+    limits: RequestLimits,
+    codec: TextCodec | None,
+    *,
+    max_tokens_field: str,
+    logprobs: bool,
+    max_tokens: int | None = None,
+) -> SamplingParams:
+    """The sampling fields both endpoints share, checked (no grammar): ``max_tokens_field``
+    gives the length cap unless ``max_tokens`` is given; ``speculative`` defaults to true."""
+    if max_tokens is None:
+        max_tokens = count(obj, max_tokens_field, DEFAULT_MAX_TOKENS, 1)
+    assert max_tokens is not None
+    if len(prompt) + max_tokens > limits.max_context_len:
+        raise ApiError(
+            f"prompt ({len(prompt)} tokens) plus {max_tokens_field} ({max_tokens}) exceeds the "
+            f"context of {limits.max_context_len}",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )
+    seed = obj.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+        raise ApiError(f"seed must be an integer in [0, 2^63), got {seed!r:.40}", param="seed")
+    stop_ids = obj.get("stop_token_ids")
+    stop_tokens = () if stop_ids is None else token_ids(stop_ids, "stop_token_ids", limits)
+    stops = _stops(obj.get("stop"), limits, codec)
+    min_tokens = count(obj, "min_tokens", 0, 0)
+    assert min_tokens is not None
+    if min_tokens > max_tokens:
+        raise ApiError(
+            f"min_tokens ({min_tokens}) exceeds {max_tokens_field} ({max_tokens})",
+            param="min_tokens",
+        )
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_number(obj, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(obj, "top_p", 1.0, 1e-9, 1.0),
+        top_k=count(obj, "top_k", None, 1),
+        seed=seed,
+        stop_sequences=stops,
+        stop_token_ids=stop_tokens,
+        ignore_eos=flag(obj, "ignore_eos", False),
+        frequency_penalty=_number(obj, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(obj, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(obj, "repetition_penalty", 1.0, 1e-6, 100.0),
+        min_new_tokens=min_tokens,
+        speculative=flag(obj, "speculative", True),
+        logprobs=logprobs,
+    )
+
+
+def refusal(
+    error: InvalidRequest,
+    request: CompletionRequest | None = None,
+    *,
+    grammar_field: str | None = None,
+    renamed: Mapping[str, str] | None = None,
+) -> ApiError:
+    """The 400 of a request the engine refused with ``error``: ``param`` is the request field
+    that set the first engine field ``error`` names (`InvalidRequest.fields`), or None when it
+    names none. The grammar's field is ``request``'s (or ``grammar_field``); ``renamed`` maps
+    engine fields to another endpoint's request fields."""
+    if request is not None:
+        grammar_field = request.grammar_field
+    names = {**_PARAMS, **(renamed or {})}
     for field in error.fields:
-        param = request.grammar_field if field == "grammar" else _PARAMS.get(field)
+        param = grammar_field if field == "grammar" else names.get(field)
         if param is not None:
             return ApiError(str(error), param=param)
     return ApiError(str(error))

@@ -8,6 +8,10 @@ Routes:
 * ``POST /v1/completions`` (`specstate.serving.openai_protocol` says what it accepts): the
   whole completion, or server-sent events (``data: {chunk}`` ... ``data: [DONE]``) with
   ``stream: true``. A client that disconnects has its request aborted (its KV released).
+* ``POST /v1/chat/completions`` (`specstate.serving.chat_protocol` says what it accepts): the
+  conversation rendered with the model's chat template, answered as a ``chat.completion`` or
+  as ``chat.completion.chunk`` events; ``n`` choices are ``n`` engine requests
+  (`specstate.serving.chat`).
 * ``GET /v1/models``: the one model served.
 * ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine can no
   longer step.
@@ -43,20 +47,21 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from specstate.core.errors import EngineUnavailable, InvalidRequest, QueueFull, UsageError
-from specstate.core.params import RequestLimits
+from specstate.core.params import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.serving.async_engine import AsyncEngine
+from specstate.serving.chat import ChatIds, collect_chat, stream_chat
+from specstate.serving.chat_protocol import ChatRequest, parse_chat
+from specstate.serving.chat_template import ChatTemplate, load_chat_template
 from specstate.serving.completions import CompletionIds, collect_completion, stream_completion
-from specstate.serving.openai_protocol import (
-    ApiError,
-    CompletionRequest,
-    parse_completion,
-    refusal,
-)
+from specstate.serving.openai_protocol import ApiError, parse_completion, refusal
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, load_codec
 
-__all__ = ["ServedModel", "create_app"]
+__all__ = ["DEFAULT_MAX_N", "ServedModel", "create_app"]
+
+DEFAULT_MAX_N = 8
+"""The most choices (``n``) a chat request may ask for, unless the app is told otherwise."""
 
 _log = logging.getLogger("specstate")
 _Handler = Callable[[Request], Awaitable[Response]]
@@ -70,18 +75,32 @@ class ServedModel:
         name: its name in ``/v1/models`` and the ``model`` field requests must give.
         limits: its vocabulary, context and EOS ids (request checks).
         codec: text <-> ids, or None (prompts and stops as token ids only).
+        chat_template: renders chat messages, or None (``/v1/chat/completions`` answers 400).
         created: Unix seconds, shown in ``/v1/models``.
     """
 
     name: str
     limits: RequestLimits
     codec: TextCodec | None = None
+    chat_template: ChatTemplate | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
 
     @classmethod
-    def from_checkpoint(cls, path: Path, limits: RequestLimits, *, name: str) -> ServedModel:
-        """The model of the checkpoint at ``path``, its codec found by `load_codec`."""
-        return cls(name=name, limits=limits, codec=load_codec(path))
+    def from_checkpoint(
+        cls, path: Path, limits: RequestLimits, *, name: str, chat_template: Path | None = None
+    ) -> ServedModel:
+        """The model of the checkpoint at ``path``: its codec found by `load_codec`, its chat
+        template by `load_chat_template` (``chat_template``, a file, overrides it).
+
+        Raises:
+            InvalidConfig: a tokenizer or a chat template that cannot be loaded.
+        """
+        return cls(
+            name=name,
+            limits=limits,
+            codec=load_codec(path),
+            chat_template=load_chat_template(path, chat_template),
+        )
 
 
 def _unavailable(exc: Exception) -> ApiError:
@@ -126,10 +145,12 @@ async def _disconnected(request: Request) -> None:
 class _Routes:
     """The route handlers of one app over one front door."""
 
-    def __init__(self, front: AsyncEngine, model: ServedModel) -> None:
+    def __init__(self, front: AsyncEngine, model: ServedModel, max_n: int) -> None:
         self._front = front
         self._model = model
+        self._max_n = max_n
         self._registry: Any = None
+        self._prefix_cache: bool | None = None
 
     async def completions(self, request: Request) -> Response:
         model = self._model
@@ -138,18 +159,103 @@ class _Routes:
                 await request.body(), model=model.name, limits=model.limits, codec=model.codec
             )
             ids = CompletionIds(id=f"cmpl-{uuid.uuid4().hex}", model=model.name)
-            stream = await self._submit(ids.id, parsed)
+            stream = await self._submit(
+                ids.id, parsed.prompt_ids, parsed.sampling, grammar_field=parsed.grammar_field
+            )
         except ApiError as exc:
             return _json(exc.body(), exc.status)
         if parsed.stream:
-            return _EventStream(self._events(stream, parsed, ids))
-        return await self._whole(request, stream, parsed, ids)
+            chunks = stream_completion(stream, parsed, ids, model.codec)
+            return _EventStream(self._sse_events(chunks))
+        work = collect_completion(stream, parsed, ids, model.codec)
+        return await self._answer(request, work, [stream])
 
-    async def _submit(self, rid: str, parsed: CompletionRequest) -> RequestStream:
+    async def chat(self, request: Request) -> Response:
+        model = self._model
         try:
-            return await self._front.submit(rid, parsed.prompt_ids, parsed.sampling)
+            parsed = parse_chat(
+                await request.body(),
+                model=model.name,
+                limits=model.limits,
+                codec=model.codec,
+                template=model.chat_template,
+                max_n=self._max_n,
+            )
+            ids = ChatIds(id=f"chatcmpl-{uuid.uuid4().hex}", model=model.name)
+            streams = await self._submit_choices(ids.id, parsed)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        if parsed.stream:
+            chunks = stream_chat(streams, parsed, ids, model.codec)
+            return _EventStream(self._sse_events(chunks))
+        work = collect_chat(streams, parsed, ids, model.codec)
+        return await self._answer(request, work, streams)
+
+    async def _submit_choices(self, rid: str, parsed: ChatRequest) -> list[RequestStream]:
+        """Submit the request's choices; with ``n > 1`` and the prefix cache on, the prompt
+        is prefilled first (a one-token request of its own), so every choice reads it from the
+        cache instead of computing it again."""
+        if parsed.n > 1 and await self._has_prefix_cache():
+            warm = attrs.evolve(
+                parsed.sampling, max_new_tokens=1, min_new_tokens=0, grammar=None, logprobs=False
+            )
+            stream = await self._submit(f"{rid}-prompt", parsed.prompt_ids, warm)
+            async with stream:
+                async for _ in stream:
+                    pass
+            await self._released(self._front)
+        streams: list[RequestStream] = []
+        renamed = {"max_new_tokens": parsed.max_tokens_field}
+        try:
+            for i in range(parsed.n):
+                sampling = parsed.choice_sampling(i)
+                streams.append(
+                    await self._submit(
+                        f"{rid}-{i}",
+                        parsed.prompt_ids,
+                        sampling,
+                        grammar_field=parsed.grammar_field,
+                        renamed=renamed,
+                    )
+                )
+        except BaseException:
+            for stream in streams:  # the choices already running are aborted
+                await stream.aclose()
+            raise
+        return streams
+
+    @staticmethod
+    async def _released(front: AsyncEngine) -> None:
+        """Return once a request that just ended is released (its KV in the prefix cache):
+        under overlap that is when the last batch launched before it ended has retired."""
+        try:
+            launched = await front.read(lambda e: e.num_launched)
+            while not await front.read(lambda e: e.is_idle or e.num_retired >= launched):
+                pass  # each read waits for the driver's next turn: one step
+        except (EngineUnavailable, UsageError) as exc:
+            raise _unavailable(exc) from None
+
+    async def _has_prefix_cache(self) -> bool:
+        if self._prefix_cache is None:
+            try:
+                self._prefix_cache = await self._front.read(lambda e: e.config.prefix_cache)
+            except (EngineUnavailable, UsageError) as exc:
+                raise _unavailable(exc) from None
+        return self._prefix_cache
+
+    async def _submit(
+        self,
+        rid: str,
+        prompt_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        *,
+        grammar_field: str | None = None,
+        renamed: dict[str, str] | None = None,
+    ) -> RequestStream:
+        try:
+            return await self._front.submit(rid, prompt_ids, sampling)
         except InvalidRequest as exc:  # the engine's own checks (a grammar that does not compile)
-            raise refusal(exc, parsed) from None
+            raise refusal(exc, grammar_field=grammar_field, renamed=renamed) from None
         except QueueFull as exc:
             raise ApiError(
                 str(exc), status=429, kind="rate_limit_error", code="queue_full"
@@ -157,10 +263,14 @@ class _Routes:
         except (EngineUnavailable, UsageError) as exc:
             raise _unavailable(exc) from None
 
-    async def _whole(
-        self, request: Request, stream: RequestStream, parsed: CompletionRequest, ids: CompletionIds
+    async def _answer(
+        self,
+        request: Request,
+        body: Awaitable[dict[str, Any]],
+        streams: list[RequestStream],
     ) -> Response:
-        work = asyncio.ensure_future(collect_completion(stream, parsed, ids, self._model.codec))
+        """``body``'s object, or nothing if the client leaves first (``streams`` aborted)."""
+        work = asyncio.ensure_future(body)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +278,8 @@ class _Routes:
             gone.cancel()
             if not work.done():  # the client left (or the server stops): abort the request
                 work.cancel()
-                await stream.aclose()
+                for stream in streams:
+                    await stream.aclose()
         if work not in done:
             return Response(status_code=499)  # nobody reads it
         try:
@@ -179,10 +290,9 @@ class _Routes:
             error = _unavailable(exc)
             return _json(error.body(), error.status)
 
-    async def _events(
-        self, stream: RequestStream, parsed: CompletionRequest, ids: CompletionIds
+    async def _sse_events(
+        self, chunks: AsyncGenerator[dict[str, Any], None]
     ) -> AsyncGenerator[bytes, None]:
-        chunks = stream_completion(stream, parsed, ids, self._model.codec)
         async with contextlib.aclosing(chunks):
             try:
                 async for chunk in chunks:
@@ -249,13 +359,8 @@ def _http_errors(served: list[str]) -> Callable[[Request, Exception], Awaitable[
             error = ApiError(str(getattr(exc, "detail", exc)), status=status, code=None)
             return _json(error.body(), status)
         asked = f"{request.method} {request.url.path}"
-        hint = (
-            " (no chat endpoint: send the prompt as text to POST /v1/completions)"
-            if request.url.path.endswith("/chat/completions")
-            else ""
-        )
         error = ApiError(
-            f"this server has no route {asked}{hint}; it serves {', '.join(served)}",
+            f"this server has no route {asked}; it serves {', '.join(served)}",
             status=status,
             code="unknown_route",
         )
@@ -265,7 +370,11 @@ def _http_errors(served: list[str]) -> Callable[[Request, Exception], Awaitable[
 
 
 def create_app(
-    front: AsyncEngine, model: ServedModel, *, close_on_shutdown: bool = False
+    front: AsyncEngine,
+    model: ServedModel,
+    *,
+    close_on_shutdown: bool = False,
+    max_n: int = DEFAULT_MAX_N,
 ) -> Starlette:
     """The server's ASGI app over ``front`` (module docstring).
 
@@ -274,8 +383,9 @@ def create_app(
         model: the model served.
         close_on_shutdown: close ``front`` (aborting what still runs) when the app shuts down;
             leave False when the caller owns ``front``.
+        max_n: the most choices a chat request may ask for (``n``; more is a 400).
     """
-    routes = _Routes(front, model)
+    routes = _Routes(front, model, max_n)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -287,6 +397,7 @@ def create_app(
 
     table = [
         Route("/v1/completions", _guarded(routes.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(routes.chat), methods=["POST"]),
         Route("/v1/models", _guarded(routes.models), methods=["GET"]),
         Route("/health", _guarded(routes.health), methods=["GET"]),
         Route("/metrics", _guarded(routes.metrics), methods=["GET"]),

@@ -275,6 +275,10 @@ def _run_budget(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.workload == "chat":
+        from specstate.tools import bench_serve_chat
+
+        return bench_serve_chat.run_chat(args)
     from specstate.tools import bench_serve
 
     return bench_serve.run(args)

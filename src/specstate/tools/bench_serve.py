@@ -11,6 +11,9 @@ is enqueued and its result is ready ``--device-ms`` later, as on a GPU), three w
 * ``http``: the same clients in a separate process, over HTTP with server-sent events, against
   ``specstate serve``'s app (uvicorn) in this process.
 
+``--workload chat`` runs multi-turn conversations over ``/v1/chat/completions`` instead, with and
+without speculation (`specstate.tools.bench_serve_chat`).
+
 Each mode runs ``--rounds`` times, alternated (direct, async, http, direct, ...), and the report
 gives medians over rounds: requests/s, output tokens/s, time to first token (TTFT) and the
 time between a request's token deliveries (ITL; a delivery carries the tokens one verify
@@ -58,10 +61,21 @@ def add_parser(benches: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--modes", default=",".join(_MODES), help="comma-separated: direct,async,http"
     )
     parser.add_argument("--json", action="store_true", help="print JSON, not a table")
+    parser.add_argument(
+        "--workload",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions (the modes above) or chat: multi-turn conversations over HTTP, with "
+        "and without speculation (specstate.tools.bench_serve_chat)",
+    )
+    parser.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    parser.add_argument(
+        "--accept", type=int, default=2, help="chat: tokens a verify accepts with speculation"
+    )
 
 
 @attrs.frozen(kw_only=True)
-class _Run:
+class Run:
     """One round of one mode: every request's timings, seconds."""
 
     wall_s: float
@@ -71,7 +85,7 @@ class _Run:
     requests: int
 
 
-class _Timings:
+class Timings:
     """Per-request clocks, filled as tokens reach the client."""
 
     def __init__(self) -> None:
@@ -96,8 +110,8 @@ class _Timings:
             self.itl.append(now - last)
         self.last[rid] = now
 
-    def result(self, wall_s: float, requests: int) -> _Run:
-        return _Run(
+    def result(self, wall_s: float, requests: int) -> Run:
+        return Run(
             wall_s=wall_s,
             ttft=tuple(self.ttft),
             itl=tuple(self.itl),
@@ -131,11 +145,11 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 # ---------------------------------------------------------------------- direct
-def _run_direct(args: argparse.Namespace) -> _Run:
+def _run_direct(args: argparse.Namespace) -> Run:
     from specstate.engine.stream import StreamCursor
 
     sampling = _sampling(args)
-    clock = _Timings()
+    clock = Timings()
     todo = deque(f"r{i}" for i in range(args.requests))
     with _engine(args) as engine:
         cursor = StreamCursor(engine)
@@ -156,11 +170,11 @@ def _run_direct(args: argparse.Namespace) -> _Run:
 
 
 # ------------------------------------------------------------------------ async
-def _run_async(args: argparse.Namespace) -> _Run:
+def _run_async(args: argparse.Namespace) -> Run:
     from specstate.serving.async_engine import AsyncEngine
 
     sampling = _sampling(args)
-    clock = _Timings()
+    clock = Timings()
     todo = deque(f"r{i}" for i in range(args.requests))
 
     async def client(front: AsyncEngine) -> None:
@@ -181,7 +195,7 @@ def _run_async(args: argparse.Namespace) -> _Run:
 
 
 # ------------------------------------------------------------------------- http
-def _run_http(args: argparse.Namespace) -> _Run:
+def _run_http(args: argparse.Namespace) -> Run:
     from specstate import RequestLimits
     from specstate.serving.async_engine import AsyncEngine
     from specstate.serving.background import BackgroundServer
@@ -212,7 +226,7 @@ def _run_http(args: argparse.Namespace) -> _Run:
     finally:
         asyncio.run(front.close())
     found = json.loads(proc.stdout)
-    return _Run(
+    return Run(
         wall_s=found["wall_s"],
         ttft=tuple(found["ttft"]),
         itl=tuple(found["itl"]),
@@ -221,7 +235,7 @@ def _run_http(args: argparse.Namespace) -> _Run:
     )
 
 
-async def _http_request(job: dict[str, Any], rid: str, clock: _Timings) -> None:
+async def _http_request(job: dict[str, Any], rid: str, clock: Timings) -> None:
     """One streamed completion over a raw connection; its chunks timed as they arrive."""
     body = json.dumps(
         {
@@ -259,7 +273,7 @@ async def _http_request(job: dict[str, Any], rid: str, clock: _Timings) -> None:
 def client_main() -> None:
     """The HTTP clients' process: run the job in ``sys.argv[1]``; print timings as JSON."""
     job = json.loads(sys.argv[1])
-    clock = _Timings()
+    clock = Timings()
     todo = deque(f"r{i}" for i in range(job["requests"]))
 
     async def client() -> None:
@@ -284,10 +298,10 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-def _row(runs: list[_Run]) -> dict[str, float]:
+def summary_row(runs: list[Run]) -> dict[str, float]:
     """Medians over rounds of one mode's numbers (latencies in ms)."""
 
-    def median(fn: Callable[[_Run], float]) -> float:
+    def median(fn: Callable[[Run], float]) -> float:
         return round(statistics.median(fn(r) for r in runs), 3)
 
     row = {
@@ -298,7 +312,7 @@ def _row(runs: list[_Run]) -> dict[str, float]:
     for name in ("ttft", "itl"):
         for q in (0.5, 0.9, 0.99):
 
-            def latency_ms(r: _Run, name: str = name, q: float = q) -> float:
+            def latency_ms(r: Run, name: str = name, q: float = q) -> float:
                 return 1e3 * _percentile(getattr(r, name), q)
 
             row[f"{name}_p{round(q * 100)}_ms"] = median(latency_ms)
@@ -323,12 +337,12 @@ def run(args: argparse.Namespace) -> int:
                 "specstate bench serve: http needs pip install 'specstate[serve]'", file=sys.stderr
             )
             return 2
-    runs: dict[str, list[_Run]] = {m: [] for m in modes}
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
     for i in range(args.rounds):
         for mode in modes:
             print(f"bench serve: round {i + 1}/{args.rounds}, {mode}", file=sys.stderr, flush=True)
             runs[mode].append(_RUNNERS[mode](args))
-    rows = {mode: _row(found) for mode, found in runs.items()}
+    rows = {mode: summary_row(found) for mode, found in runs.items()}
     base = rows.get("direct")
     for row in rows.values():
         if base is not None:

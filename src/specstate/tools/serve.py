@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specstate.core.errors import SpecStateError
@@ -47,12 +48,13 @@ EMBEDDED_NAME = "specstate-embedded"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` command's arguments: ``generate``'s worker and engine flags, the server's."""
     parser.description = (
-        "Serve an OpenAI-compatible /v1/completions endpoint over one engine (--tp N: over N "
-        "tensor-parallel ranks, this process rank 0)."
+        "Serve OpenAI-compatible /v1/completions and /v1/chat/completions endpoints over one "
+        "engine (--tp N: over N tensor-parallel ranks, this process rank 0)."
     )
     parser.epilog = (
         "Without --model it serves the embedded byte-level model (--draft defaults to its "
-        "draft model or EAGLE head). Routes: POST /v1/completions, GET /v1/models, "
+        "draft model or EAGLE head). Routes: POST /v1/completions, POST /v1/chat/completions, "
+        "GET /v1/models, "
         "GET /health, GET /metrics. Needs: pip install 'specstate[serve]'."
     )
     add_worker_options(parser, model_help="HF Llama checkpoint dir (default: the embedded model)")
@@ -60,6 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests (429 past)")
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja2 chat template for /v1/chat/completions, instead of the checkpoint's "
+        "(chat_template.jinja, or tokenizer_config.json's chat_template)",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=positive,
+        default=8,
+        metavar="N",
+        help="the most choices (n) a chat request may ask for (default 8)",
+    )
     add_engine_options(parser)
     parser.add_argument("--threads", type=positive, metavar="N", help=THREADS_NOTE)
     parser.add_argument(
@@ -118,9 +134,14 @@ def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
     factory = load_factory(args.worker) if args.worker is not None else None
     engine = load_engine(args, config, None, factory)
     if args.model is not None:
-        model = ServedModel.from_checkpoint(args.model, engine.limits, name=name)
+        model = ServedModel.from_checkpoint(
+            args.model, engine.limits, name=name, chat_template=args.chat_template
+        )
     else:
-        model = ServedModel(name=name, limits=engine.limits)
+        from specstate.serving.chat_template import load_chat_template
+
+        template = load_chat_template(None, args.chat_template)
+        model = ServedModel(name=name, limits=engine.limits, chat_template=template)
     return AsyncEngine(engine, max_waiting=args.max_waiting), model
 
 
@@ -147,6 +168,14 @@ def run(args: argparse.Namespace) -> int:
         f"specstate serve: {model.name} ({codec}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    app = create_app(front, model)  # the server closes the front door: live requests first
+    if model.chat_template is None:
+        print(
+            "specstate serve: no chat template (give --chat-template FILE): "
+            "/v1/chat/completions answers 400",
+            file=sys.stderr,
+        )
+    app = create_app(
+        front, model, max_n=args.max_n
+    )  # the server closes the front door: live requests first
     serve_front_door(app, front, host=args.host, port=args.port, log_level=args.log_level)
     return 0
