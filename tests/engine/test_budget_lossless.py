@@ -1,10 +1,11 @@
 """Verify budgets on the reference workers: every chain family is exact against HF ``generate()``
 with ragged budgets (0 to the width), and a row at budget 0 for many rounds speculates again with
-a fresh request's acceptance."""
+a fresh request's acceptance (the chain families and the block drafters dflash, uno, dspark)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +14,11 @@ from engine_driver import run_checked
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
-from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
+from specstate import Engine, EngineConfig, Req, RequestLimits, SamplingParams
 from specstate.engine.budgets import BudgetRows, SettledBudgets
+from specstate.engine.worker import WorkerProtocol
 from specstate.memory.host_arrays import IntArray
+from specstate.reference.workers import default_registry
 
 NEW_TOKENS = 14
 ALGORITHMS = ("draft_model", "eagle", "ngram", "mtp", "eagle3", "frozen_kv_mtp")
@@ -166,6 +169,52 @@ def test_a_row_back_from_budget_zero_accepts_as_a_fresh_request(
         fresh = fresh_engine.submit("fresh", text, SamplingParams(max_new_tokens=12))
         run_checked(fresh_engine, max_steps=400)
     assert list(late.emitted_ids[off:]) == list(fresh.emitted_ids)
+    assert resumed[: len(fresh.accept_lengths)] == fresh.accept_lengths
+    assert any(a > 1 for a in resumed)  # it really speculates again
+
+
+def _block_worker(
+    ckpt: BlockCheckpoints, family: str, dspark_assistant: Path, **options: object
+) -> WorkerProtocol:
+    if family == "dspark":
+        return default_registry().create(
+            "dspark", target=ckpt.target, assistant=dspark_assistant, **options
+        )
+    return ckpt.worker(family, **options)
+
+
+@pytest.mark.parametrize("family", [*BLOCK_FAMILIES, "dspark"])
+@pytest.mark.parametrize(("overlap", "page_size"), [(False, 1), (True, 16)])
+def test_a_block_drafter_back_from_budget_zero_accepts_as_a_fresh_request(
+    block_ckpt: BlockCheckpoints,
+    dspark_assistant: Path,
+    family: str,
+    overlap: bool,
+    page_size: int,
+) -> None:
+    """The block drafters keep their state up while a row verifies nothing (the TensorRT-LLM
+    #16888 class): ten rounds at budget 0, then the full width, accept as a fresh request
+    started on the same text does."""
+    prompt = list(MIXED_PROMPTS[1])
+    off = 10
+
+    def serve(rid: str, text: list[int], rounds_off: int, new: int) -> Req:
+        engine = Engine(
+            _block_worker(block_ckpt, family, dspark_assistant),
+            limits=RequestLimits(vocab_size=block_ckpt.vocab_size, max_context_len=96),
+            config=EngineConfig(overlap=overlap, page_size=page_size, check_invariants=True),
+            verify_budget=_ZeroThenFull(rounds_off),
+        )
+        with engine:
+            req = engine.submit(rid, text, SamplingParams(max_new_tokens=new))
+            run_checked(engine, max_steps=400)
+        return req
+
+    late = serve("late", prompt, off, off + 16)
+    assert late.accept_lengths[:off] == (1,) * off and late.verified_lengths[:off] == (0,) * off
+    fresh = serve("fresh", prompt + list(late.emitted_ids[:off]), 0, 16)
+    assert list(late.emitted_ids[off:]) == list(fresh.emitted_ids)
+    resumed = late.accept_lengths[off:]
     assert resumed[: len(fresh.accept_lengths)] == fresh.accept_lengths
     assert any(a > 1 for a in resumed)  # it really speculates again
 
