@@ -297,6 +297,11 @@ class RoundPipeline:
             )
         return ended
 
+    def release_retired(self) -> None:
+        """Release now the KV of ended requests that no launched batch can still read (a
+        request ended between steps: `Engine.release_handoff`)."""
+        self._release()
+
     def _release(self, retired: int | None = None) -> None:
         """Release the KV of ended requests that no batch up to ``retired`` can read."""
         parts = self._parts
