@@ -249,6 +249,11 @@ class Engine:
         self._handoff.num_imported += 1
         return req
 
+    def handoff_ready(self) -> tuple[str, ...]:
+        """Ids of the parked requests whose first token has settled and that were not exported
+        yet: what `export_handoff` can take now."""
+        return self._handoff.ready()
+
     @property
     def handoff_counts(self) -> tuple[int, int]:
         """(records exported, records admitted) so far."""

@@ -100,6 +100,14 @@ class HandoffDesk:
         return self._descriptor
 
     # ---------------------------------------------------------------- prefill
+    def ready(self) -> tuple[str, ...]:
+        """Parked requests with a settled first token, not exported yet."""
+        return tuple(
+            req.request_id
+            for req in self._scheduler.parked
+            if req.num_outputs >= 1 and req not in self.exported and not req.is_finished
+        )
+
     def export(self, request_id: str) -> HandoffRecord:
         """The record of a parked request whose first token has settled; it stays parked.
 

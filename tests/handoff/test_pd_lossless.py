@@ -1,0 +1,142 @@
+"""Prefill → decode is lossless: every algorithm × loop × page size, prefix cache on.
+
+A prefill engine runs each request's prefill and first token, the record crosses in its wire
+form, a decode engine continues it. Greedy requests (every other one stopping inside an accepted
+run) must emit exactly transformers' ``generate()`` tokens and one engine's; seeded sampled
+requests exactly one engine's. A second wave repeats each prompt with a longer tail, so the
+decode engine's prefix cache supplies part of an arriving request's KV (the import writes only
+the rest). The decode engine prefills nothing for a handed-off request, target or drafter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from engine_driver import checked_config, with_stops
+from handoff_harness import PrefillCounter, run_one, run_pd
+from hf_oracle import greedy
+from spec_checkpoints import (
+    ALGORITHMS,
+    MIXED_PROMPTS,
+    SpecCheckpoints,
+    make_partial_drafters,
+    make_spec_checkpoints,
+)
+
+from specstate import RequestLimits, SamplingParams
+from specstate.engine.engine import Engine
+from specstate.engine.worker import WorkerProtocol
+
+NEW_TOKENS = 12
+WAVE1 = [list(p) for p in MIXED_PROMPTS]
+WAVE2 = [[*p, (7 * i + 3) % 90 + 1, 11] for i, p in enumerate(WAVE1)]  # wave 1's prefixes
+PROMPTS = WAVE1 + WAVE2
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
+    """Drafters that agree with the target for a few tokens, then diverge."""
+    root = tmp_path_factory.mktemp("pd")
+    return make_partial_drafters(make_spec_checkpoints(root), Path(root))
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt: SpecCheckpoints) -> list[list[int]]:
+    """transformers' greedy continuations."""
+    return [greedy(ckpt.hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def _worker(ckpt: SpecCheckpoints, algorithm: str) -> WorkerProtocol:
+    return ckpt.worker(algorithm, agreeing=False)
+
+
+def _requests(
+    stops: list[int | None], *, sampled: bool
+) -> list[tuple[str, list[int], SamplingParams]]:
+    out = []
+    for i, (prompt, stop) in enumerate(zip(PROMPTS, stops, strict=True)):
+        if sampled:
+            params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, seed=100 + i)
+        else:
+            params = SamplingParams(
+                max_new_tokens=NEW_TOKENS, stop_token_ids=() if stop is None else (stop,)
+            )
+        out.append((f"r{i}", prompt, params))
+    return out
+
+
+def _waves(
+    requests: list[tuple[str, list[int], SamplingParams]],
+) -> list[list[tuple[str, list[int], SamplingParams]]]:
+    return [requests[: len(WAVE1)], requests[len(WAVE1) :]]
+
+
+MATRIX = list(itertools.product(ALGORITHMS, [False, True], [1, 16]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "overlap", "page_size"), MATRIX)
+def test_greedy_through_prefill_and_decode_equals_hf_and_one_engine(
+    ckpt: SpecCheckpoints,
+    expected: list[list[int]],
+    algorithm: str,
+    overlap: bool,
+    page_size: int,
+) -> None:
+    """Greedy requests, stops inside runs: HF's tokens, one engine's tokens, no recompute."""
+    stops, wants = with_stops(expected)
+    requests = _requests(stops, sampled=False)
+    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    run = run_pd(
+        _worker(ckpt, algorithm),
+        _worker(ckpt, algorithm),
+        _waves(requests),
+        vocab_size=ckpt.vocab_size,
+        **options,
+    )
+    one = run_one(_worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options)
+    got = [run.outputs[f"r{i}"] for i in range(len(PROMPTS))]
+    assert got == wants
+    assert run.outputs == one
+    # A request that stops at its first token ends on the prefill engine and never crosses.
+    assert run.handoffs == sum(len(w) > 1 for w in wants) > 0
+    assert run.prefill_tokens_on_decode == 0
+    assert run.drafter_prefill_tokens_on_decode == 0
+    if algorithm != "none":
+        assert 1.0 < run.mean_accept < 4.0  # partial acceptance on the decode side
+    if page_size == 1:
+        assert run.decode_cached_tokens > 0  # wave 2 arrived onto cached prefixes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "overlap", "page_size"), MATRIX)
+def test_seeded_sampling_through_prefill_and_decode_equals_one_engine(
+    ckpt: SpecCheckpoints, algorithm: str, overlap: bool, page_size: int
+) -> None:
+    """Seeded sampled requests: a token is a function of (seed, position), so the split does
+    not change one."""
+    requests = _requests([None] * len(PROMPTS), sampled=True)
+    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    run = run_pd(
+        _worker(ckpt, algorithm),
+        _worker(ckpt, algorithm),
+        _waves(requests),
+        vocab_size=ckpt.vocab_size,
+        **options,
+    )
+    one = run_one(_worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options)
+    assert run.outputs == one
+    assert run.prefill_tokens_on_decode == 0 and run.drafter_prefill_tokens_on_decode == 0
+
+
+def test_one_engine_prefills_what_the_decode_engine_does_not(ckpt: SpecCheckpoints) -> None:
+    """The counter sees a drafter prefill where one happens (one engine, same requests)."""
+    worker = _worker(ckpt, "draft_model")
+    counter = PrefillCounter(worker)
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    with Engine(worker, limits=limits, config=checked_config()) as engine:
+        engine.generate(WAVE1, SamplingParams(max_new_tokens=4))
+    assert counter.drafter_tokens == sum(map(len, WAVE1))
+    assert counter.target_tokens == sum(map(len, WAVE1))
