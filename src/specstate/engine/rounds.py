@@ -331,9 +331,14 @@ class RoundPipeline:
 
     @property
     def is_idle(self) -> bool:
-        """True when nothing waits, runs or is in flight."""
+        """True when nothing waits, runs or is in flight, and no abort is pending (an abort of
+        a request parked for a handoff is the next step's work)."""
         parts = self._parts
-        return not parts.scheduler.has_work and not parts.launcher.num_in_flight
+        return (
+            not parts.scheduler.has_work
+            and not parts.launcher.num_in_flight
+            and not parts.lifecycle.abort_reasons
+        )
 
     @property
     def ledger(self) -> LedgerReader:

@@ -1,0 +1,72 @@
+"""Aborts during a handoff free the request on both sides; nothing leaks.
+
+The two-process faults (a process dying mid-transfer, a malformed record on the wire) are in
+test_pd_processes.py; these are the aborts a user makes while a request is between engines.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_driver import run_checked
+from handoff_harness import PrefillCounter, linked, pools_full
+from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
+
+from specstate import FinishReason, SamplingParams
+from specstate.core.errors import UsageError
+from specstate.handoff.codec import decode, encode
+
+PROMPT = list(MIXED_PROMPTS[0])
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
+    """Checkpoints shared by the module."""
+    return make_spec_checkpoints(tmp_path_factory.mktemp("faults"))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_during_transfer_frees_both_sides(ckpt: SpecCheckpoints, overlap: bool) -> None:
+    """Exported and admitted, not yet acknowledged: the user aborts on both engines. Each
+    ends it with ABORT and frees everything; the decode side never imported it."""
+    decode_worker = ckpt.worker("eagle")
+    counter = PrefillCounter(decode_worker)
+    with linked(
+        ckpt.worker("eagle"), decode_worker, vocab_size=ckpt.vocab_size, overlap=overlap
+    ) as link:
+        prefill_req = link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        record = link.prefill.export_handoff("r")
+        decode_req = link.decode.admit_handoff(decode(encode(record)))
+        assert link.prefill.abort("r") and link.decode.abort("r")
+        run_checked(link.prefill)
+        run_checked(link.decode)
+        for req in (prefill_req, decode_req):
+            assert req.finish is not None and req.finish.reason is FinishReason.ABORT
+        assert pools_full(link.prefill) and pools_full(link.decode)
+        assert counter.target_tokens == 0 and decode_req.num_outputs == 0
+        with pytest.raises(UsageError, match="not parked"):
+            link.prefill.release_handoff("r")  # the acknowledgement came too late
+
+
+def test_abort_of_a_parked_request_frees_its_pages(ckpt: SpecCheckpoints) -> None:
+    """A request parked after its prefill (never exported) is aborted like any other."""
+    with linked(ckpt.worker("none"), ckpt.worker("none"), vocab_size=ckpt.vocab_size) as link:
+        req = link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        assert not pools_full(link.prefill)  # parked: its pages are held
+        link.prefill.abort("r")
+        link.prefill.step()
+        assert req.finish is not None and req.finish.reason is FinishReason.ABORT
+        assert pools_full(link.prefill) and link.prefill.handoff_ready() == ()
+
+
+def test_closing_a_decode_engine_ends_arriving_requests(ckpt: SpecCheckpoints) -> None:
+    """A record admitted but not imported when the decode engine closes ends with ABORT."""
+    with linked(ckpt.worker("ngram"), ckpt.worker("ngram"), vocab_size=ckpt.vocab_size) as link:
+        link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        req = link.transfer("r")
+        link.decode.close()
+        assert req.finish is not None and req.finish.reason is FinishReason.ABORT
+        assert pools_full(link.prefill)
