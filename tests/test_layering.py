@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "specstate.reference",
             "specstate.handoff.link",
             "specstate.handoff.transport",
+            "specstate.handoff.launch",
         ),
     ),
     ("testing", ("specstate.testing",)),
