@@ -96,10 +96,13 @@ def test_greedy_through_prefill_and_decode_equals_hf_and_one_engine(
         vocab_size=ckpt.vocab_size,
         **options,
     )
-    one = run_one(_worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options)
+    one, one_accepts = run_one(
+        _worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options
+    )
     got = [run.outputs[f"r{i}"] for i in range(len(PROMPTS))]
     assert got == wants
     assert run.outputs == one
+    assert run.accepts == one_accepts  # the drafter's state crossed whole: the same drafts
     # A request that stops at its first token ends on the prefill engine and never crosses.
     assert run.handoffs == sum(len(w) > 1 for w in wants) > 0
     assert run.prefill_tokens_on_decode == 0
@@ -126,8 +129,11 @@ def test_seeded_sampling_through_prefill_and_decode_equals_one_engine(
         vocab_size=ckpt.vocab_size,
         **options,
     )
-    one = run_one(_worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options)
+    one, one_accepts = run_one(
+        _worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options
+    )
     assert run.outputs == one
+    assert run.accepts == one_accepts
     assert run.prefill_tokens_on_decode == 0 and run.drafter_prefill_tokens_on_decode == 0
 
 

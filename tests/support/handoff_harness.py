@@ -22,6 +22,7 @@ class PdRun:
     """What a prefill → decode run emitted, and what each engine did."""
 
     outputs: dict[str, list[int]]
+    accepts: dict[str, tuple[int, ...]]  # accept length of every verify (the drafter's state)
     finish: dict[str, str]
     prefill_tokens_on_decode: int  # tokens the decode worker's target prefilled
     drafter_prefill_tokens_on_decode: int  # tokens the decode worker's drafter prefilled
@@ -100,6 +101,7 @@ def run_pd(
         decoded = [r for r in reqs.values() if r.finish and r.finish.reason.value != "handed_off"]
         return PdRun(
             outputs={rid: list(r.emitted_ids) for rid, r in reqs.items()},
+            accepts={rid: r.accept_lengths for rid, r in reqs.items()},
             finish={rid: r.finish.reason.value for rid, r in reqs.items() if r.finish},
             prefill_tokens_on_decode=counter.target_tokens,
             drafter_prefill_tokens_on_decode=counter.drafter_tokens,
@@ -115,14 +117,16 @@ def run_one(
     *,
     vocab_size: int,
     **options: Any,
-) -> dict[str, list[int]]:
-    """The same waves on one checked engine."""
+) -> tuple[dict[str, list[int]], dict[str, tuple[int, ...]]]:
+    """The same waves on one checked engine: outputs and accept lengths by id."""
     limits = RequestLimits(vocab_size=vocab_size, max_context_len=64)
     out: dict[str, list[int]] = {}
+    accepts: dict[str, tuple[int, ...]] = {}
     with Engine(worker, limits=limits, config=checked_config(**options)) as engine:
         for wave in waves:
             reqs = [engine.submit(rid, p, s) for rid, p, s in wave]
             run_checked(engine)
             assert pools_full(engine)
             out.update({r.request_id: list(r.emitted_ids) for r in reqs})
-    return out
+            accepts.update({r.request_id: r.accept_lengths for r in reqs})
+    return out, accepts
