@@ -12,7 +12,9 @@ from handoff_harness import PrefillCounter, linked, pools_full
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import FinishReason, SamplingParams
-from specstate.core.errors import UsageError
+from specstate.core.errors import InvariantViolation, UsageError
+from specstate.core.status import ReqStatus
+from specstate.engine.invariants import check_engine
 from specstate.handoff.codec import decode, encode
 
 PROMPT = list(MIXED_PROMPTS[0])
@@ -70,3 +72,21 @@ def test_closing_a_decode_engine_ends_arriving_requests(ckpt: SpecCheckpoints) -
         link.decode.close()
         assert req.finish is not None and req.finish.reason is FinishReason.ABORT
         assert pools_full(link.prefill)
+
+
+def test_the_handoff_invariant_catches_a_request_in_two_places(ckpt: SpecCheckpoints) -> None:
+    """A parked request that also sits in the running set (it would be decoded here while the
+    decode engine owns it), or an arriving one holding a slot, fails the checker by name."""
+    with linked(ckpt.worker("none"), ckpt.worker("none"), vocab_size=ckpt.vocab_size) as link:
+        req = link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        check_engine(link.prefill.rounds)
+        link.prefill.scheduler._running[req] = None  # injected: parked and running
+        with pytest.raises(InvariantViolation, match=r"\[handoff\] request r: parked"):
+            check_engine(link.prefill.rounds)
+        del link.prefill.scheduler._running[req]
+        arriving = link.decode.admit_handoff(link.prefill.export_handoff("r"))
+        check_engine(link.decode.rounds)
+        arriving.transition(ReqStatus.PREFILL)  # injected: arriving, not waiting
+        with pytest.raises(InvariantViolation, match=r"\[handoff\] request r: arriving"):
+            check_engine(link.decode.rounds)

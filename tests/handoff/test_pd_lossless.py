@@ -14,8 +14,8 @@ import itertools
 from pathlib import Path
 
 import pytest
-from engine_driver import checked_config, with_stops
-from handoff_harness import PrefillCounter, run_one, run_pd
+from engine_driver import checked_config, run_checked, with_stops
+from handoff_harness import PrefillCounter, linked, pools_full, run_one, run_pd
 from hf_oracle import greedy
 from spec_checkpoints import (
     ALGORITHMS,
@@ -27,7 +27,9 @@ from spec_checkpoints import (
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
+from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol
+from specstate.handoff.link import serve_disaggregated
 
 NEW_TOKENS = 12
 WAVE1 = [list(p) for p in MIXED_PROMPTS]
@@ -146,3 +148,29 @@ def test_one_engine_prefills_what_the_decode_engine_does_not(ckpt: SpecCheckpoin
         engine.generate(WAVE1, SamplingParams(max_new_tokens=4))
     assert counter.drafter_tokens == sum(map(len, WAVE1))
     assert counter.target_tokens == sum(map(len, WAVE1))
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model", "eagle"])
+def test_a_decode_engine_prefills_on_top_of_imported_state(
+    ckpt: SpecCheckpoints, algorithm: str
+) -> None:
+    """After wave 1 crossed, wave 2 is submitted to the decode engine itself: its prefix cache
+    maps the imported KV, features and histories into the new rows, and its prefill continues
+    from them: the same tokens and the same accept lengths as one engine serving both waves."""
+    requests = _requests([None] * len(PROMPTS), sampled=False)
+    waves = _waves(requests)
+    options = {"page_size": 1, "prefix_cache": True}
+    want, want_accepts = run_one(
+        _worker(ckpt, algorithm), waves, vocab_size=ckpt.vocab_size, **options
+    )
+    with linked(
+        _worker(ckpt, algorithm), _worker(ckpt, algorithm), vocab_size=ckpt.vocab_size, **options
+    ) as link:
+        first = serve_disaggregated(link, waves[0], after_step=check_engine)
+        second = [link.decode.submit(rid, p, s) for rid, p, s in waves[1]]
+        run_checked(link.decode)
+        assert sum(r.cached_tokens for r in second) > 0
+        assert pools_full(link.prefill) and pools_full(link.decode)
+        reqs = {**first, **{r.request_id: r for r in second}}
+    assert {rid: list(r.emitted_ids) for rid, r in reqs.items()} == want
+    assert {rid: r.accept_lengths for rid, r in reqs.items()} == want_accepts
