@@ -64,10 +64,12 @@ def linked(
     *,
     vocab_size: int,
     prefill_options: dict[str, Any] | None = None,
+    limits: RequestLimits | None = None,
     **options: Any,
 ) -> Iterator[HandoffLink]:
-    """Two checked engines (``options`` for both; ``prefill_options`` override the prefill's)."""
-    limits = RequestLimits(vocab_size=vocab_size, max_context_len=64)
+    """Two checked engines (``options`` for both; ``prefill_options`` override the prefill's);
+    ``limits`` default to the vocabulary and a 64-token context."""
+    limits = limits or RequestLimits(vocab_size=vocab_size, max_context_len=64)
     prefill = Engine(
         prefill_worker,
         limits=limits,
@@ -87,13 +89,16 @@ def run_pd(
     waves: Sequence[Sequence[tuple[str, Sequence[int], SamplingParams]]],
     *,
     vocab_size: int,
+    limits: RequestLimits | None = None,
     **options: Any,
 ) -> PdRun:
     """Serve each wave of requests prefill → decode to idle in turn (a later wave can hit the
     prefix caches an earlier one filled), with the invariant checker after every step of both
     engines; both pools must be back to full after each wave."""
     counter = PrefillCounter(decode_worker)
-    with linked(prefill_worker, decode_worker, vocab_size=vocab_size, **options) as link:
+    with linked(
+        prefill_worker, decode_worker, vocab_size=vocab_size, limits=limits, **options
+    ) as link:
         reqs = {}
         for wave in waves:
             reqs.update(serve_disaggregated(link, wave, after_step=check_engine))
@@ -116,10 +121,11 @@ def run_one(
     waves: Sequence[Sequence[tuple[str, Sequence[int], SamplingParams]]],
     *,
     vocab_size: int,
+    limits: RequestLimits | None = None,
     **options: Any,
 ) -> tuple[dict[str, list[int]], dict[str, tuple[int, ...]]]:
     """The same waves on one checked engine: outputs and accept lengths by id."""
-    limits = RequestLimits(vocab_size=vocab_size, max_context_len=64)
+    limits = limits or RequestLimits(vocab_size=vocab_size, max_context_len=64)
     out: dict[str, list[int]] = {}
     accepts: dict[str, tuple[int, ...]] = {}
     with Engine(worker, limits=limits, config=checked_config(**options)) as engine:

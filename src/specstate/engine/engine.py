@@ -226,8 +226,7 @@ class Engine:
         """
         self._check_caller("release_handoff")
         req = self._handoff.release(request_id, error=error, until_batch=self.rounds.num_launched)
-        self.lifecycle.remember_ended([req])
-        self.rounds.release_retired()
+        self.rounds.report_ended([req])
         return req
 
     def admit_handoff(self, record: HandoffRecord) -> Req:

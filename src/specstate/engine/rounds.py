@@ -297,10 +297,12 @@ class RoundPipeline:
             )
         return ended
 
-    def release_retired(self) -> None:
-        """Release now the KV of ended requests that no launched batch can still read (a
-        request ended between steps: `Engine.release_handoff`)."""
+    def report_ended(self, ended: list[Req]) -> StepReport:
+        """Tell every capability that ``ended`` ended between steps (`Engine.release_handoff`:
+        the grammar table drops their states, streams deliver their ends), and release now the
+        KV no launched batch can still read."""
         self._release()
+        return self._report(None, ended, ())
 
     def _release(self, retired: int | None = None) -> None:
         """Release the KV of ended requests that no batch up to ``retired`` can read."""
