@@ -14,6 +14,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 from engine_driver import checked_config, run_checked, with_stops
 from handoff_harness import PrefillCounter, linked, pools_full, run_one, run_pd
 from hf_oracle import greedy
@@ -25,10 +26,10 @@ from spec_checkpoints import (
     make_spec_checkpoints,
 )
 
-from specstate import RequestLimits, SamplingParams
+from specstate import HandoffUnsupported, RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
-from specstate.engine.worker import WorkerProtocol
+from specstate.engine.worker import WorkerProtocol, handoff_worker
 from specstate.handoff.link import serve_disaggregated
 
 NEW_TOKENS = 12
@@ -150,7 +151,7 @@ def test_one_engine_prefills_what_the_decode_engine_does_not(ckpt: SpecCheckpoin
     assert counter.target_tokens == sum(map(len, WAVE1))
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model", "eagle", "mtp", "eagle3"])
 def test_a_decode_engine_prefills_on_top_of_imported_state(
     ckpt: SpecCheckpoints, algorithm: str
 ) -> None:
@@ -174,3 +175,70 @@ def test_a_decode_engine_prefills_on_top_of_imported_state(
         reqs = {**first, **{r.request_id: r for r in second}}
     assert {rid: list(r.emitted_ids) for rid, r in reqs.items()} == want
     assert {rid: r.accept_lengths for rid, r in reqs.items()} == want_accepts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algorithm", "overlap", "page_size"),
+    list(itertools.product(["mtp", "eagle3"], [False, True], [1, 16])),
+)
+def test_hidden_state_families_through_prefill_and_decode(
+    ckpt: SpecCheckpoints,
+    expected: list[list[int]],
+    algorithm: str,
+    overlap: bool,
+    page_size: int,
+) -> None:
+    """MTP (its feature store by slot, [L, slots, H]) and EAGLE-3 (features of three layers):
+    HF's tokens, one engine's tokens and accept lengths, no drafter prefill on the decode side."""
+    requests = _requests([None] * len(PROMPTS), sampled=False)
+    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    run = run_pd(
+        _worker(ckpt, algorithm),
+        _worker(ckpt, algorithm),
+        _waves(requests),
+        vocab_size=ckpt.vocab_size,
+        **options,
+    )
+    one, one_accepts = run_one(
+        _worker(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options
+    )
+    assert [run.outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert run.outputs == one and run.accepts == one_accepts
+    assert run.prefill_tokens_on_decode == 0 and run.drafter_prefill_tokens_on_decode == 0
+    assert 1.0 < run.mean_accept < 3.0  # partial acceptance (two MTP layers; eagle3 at 2 steps+)
+
+
+def test_a_family_without_an_export_is_refused(ckpt: SpecCheckpoints) -> None:
+    """Frozen-KV MTP does not hand off yet: refused at submit_prefill, nothing queued."""
+    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
+    with Engine(_worker(ckpt, "frozen_kv_mtp"), limits=limits, config=checked_config()) as engine:
+        with pytest.raises(HandoffUnsupported, match="frozen_kv_mtp"):
+            engine.submit_prefill("r", WAVE1[0], SamplingParams(max_new_tokens=3))
+        assert engine.is_idle and pools_full(engine)
+
+
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "mtp", "eagle3"])
+def test_the_decode_engine_holds_exactly_the_state_that_crossed(
+    ckpt: SpecCheckpoints, algorithm: str
+) -> None:
+    """After its import batch, every slot-kept buffer of the decode worker (target and drafter
+    KV, features, histories) holds the record's values bit for bit at the request's new slots
+    (the relayed draft state is checked by the accept lengths of the tests above)."""
+    prefill_worker, decode_worker = _worker(ckpt, algorithm), _worker(ckpt, algorithm)
+    with linked(prefill_worker, decode_worker, vocab_size=ckpt.vocab_size, page_size=4) as link:
+        link.prefill.submit_prefill("r", WAVE1[2], SamplingParams(max_new_tokens=5))
+        run_checked(link.prefill)
+        record = link.prefill.export_handoff("r")
+        req = link.decode.admit_handoff(record)
+        while req.num_outputs == 0:  # the import batch settles (a decode round may follow)
+            link.decode.step()
+        assert req.output_ids[:1] == record.output_ids
+        slot = link.decode.allocator.slot_of(req)  # rounds write only at C and above
+        locs = link.decode.allocator.req_to_token[slot, : record.committed_len]
+        held = handoff_worker(decode_worker).export_handoff(locs)
+        assert list(held) == list(record.slot_state)
+        for name, tensor in record.slot_state.items():
+            assert torch.equal(held[name], tensor), name
+        link.prefill.release_handoff("r")
+        run_checked(link.decode)
