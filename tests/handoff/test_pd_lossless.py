@@ -230,6 +230,10 @@ def test_the_decode_engine_holds_exactly_the_state_that_crossed(
         link.prefill.submit_prefill("r", WAVE1[2], SamplingParams(max_new_tokens=5))
         run_checked(link.prefill)
         record = link.prefill.export_handoff("r")
+        parked = link.prefill.request("r")
+        prefill_locs = link.prefill.allocator.req_to_token[
+            link.prefill.allocator.slot_of(parked), : record.committed_len
+        ]
         req = link.decode.admit_handoff(record)
         while req.num_outputs == 0:  # the import batch settles (a decode round may follow)
             link.decode.step()
@@ -240,5 +244,21 @@ def test_the_decode_engine_holds_exactly_the_state_that_crossed(
         assert list(held) == list(record.slot_state)
         for name, tensor in record.slot_state.items():
             assert torch.equal(held[name], tensor), name
+        # Read apart from the export: every KV cache, and a feature store ([slots, W] for the
+        # EAGLE heads, [L, slots, H] for MTP), equal at both engines' slots of the request.
+        for owner, cache in decode_worker.kv_caches().items():  # type: ignore[attr-defined]
+            source = prefill_worker.kv_caches()[owner]  # type: ignore[attr-defined]
+            for layer in range(cache.num_layers):
+                for ours, theirs in zip(
+                    cache.gather(layer, locs), source.gather(layer, prefill_locs), strict=True
+                ):
+                    assert torch.equal(ours, theirs), (owner, layer)
+        features = getattr(decode_worker, "features", None)
+        if features is not None:
+            source = prefill_worker.features  # type: ignore[attr-defined]
+            dim = features.dim() - 2
+            assert torch.equal(
+                features.index_select(dim, locs), source.index_select(dim, prefill_locs)
+            )
         link.prefill.release_handoff("r")
         run_checked(link.decode)
