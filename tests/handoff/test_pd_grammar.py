@@ -4,6 +4,8 @@ spec and replays the first token through it; the output equals transformers' gre
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from grammar_oracle import EOS, GRAMMARS, VOCAB, ascii_vocabulary, hf_grammar_greedy
 from handoff_harness import run_one, run_pd
@@ -30,7 +32,7 @@ def test_grammar_requests_through_prefill_and_decode(
         (f"g{i}", list(p), SamplingParams(max_new_tokens=NEW_TOKENS, grammar=GRAMMARS[kind][0]))
         for i, (p, kind) in enumerate(zip(MIXED_PROMPTS, KINDS, strict=False))
     ]
-    options = {"overlap": overlap, "page_size": 4}
+    options: dict[str, Any] = {"overlap": overlap, "page_size": 4}
 
     def worker() -> WorkerProtocol:
         return partial_ckpt.worker(algorithm, agreeing=False)

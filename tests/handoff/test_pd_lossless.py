@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def test_greedy_through_prefill_and_decode_equals_hf_and_one_engine(
     """Greedy requests, stops inside runs: HF's tokens, one engine's tokens, no recompute."""
     stops, wants = with_stops(expected)
     requests = _requests(stops, sampled=False)
-    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    options: dict[str, Any] = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
     run = run_pd(
         _worker(ckpt, algorithm),
         _worker(ckpt, algorithm),
@@ -124,7 +125,7 @@ def test_seeded_sampling_through_prefill_and_decode_equals_one_engine(
     """Seeded sampled requests: a token is a function of (seed, position), so the split does
     not change one."""
     requests = _requests([None] * len(PROMPTS), sampled=True)
-    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    options: dict[str, Any] = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
     run = run_pd(
         _worker(ckpt, algorithm),
         _worker(ckpt, algorithm),
@@ -160,7 +161,7 @@ def test_a_decode_engine_prefills_on_top_of_imported_state(
     from them: the same tokens and the same accept lengths as one engine serving both waves."""
     requests = _requests([None] * len(PROMPTS), sampled=False)
     waves = _waves(requests)
-    options = {"page_size": 1, "prefix_cache": True}
+    options: dict[str, Any] = {"page_size": 1, "prefix_cache": True}
     want, want_accepts = run_one(
         _worker(ckpt, algorithm), waves, vocab_size=ckpt.vocab_size, **options
     )
@@ -192,7 +193,7 @@ def test_hidden_state_families_through_prefill_and_decode(
     """MTP (its feature store by slot, [L, slots, H]) and EAGLE-3 (features of three layers):
     HF's tokens, one engine's tokens and accept lengths, no drafter prefill on the decode side."""
     requests = _requests([None] * len(PROMPTS), sampled=False)
-    options = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    options: dict[str, Any] = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
     run = run_pd(
         _worker(ckpt, algorithm),
         _worker(ckpt, algorithm),
