@@ -136,6 +136,7 @@ class Engine:
             allocator=self.allocator,
             ledger=self.ledger,
             launcher=self.rounds.launcher,
+            recurrent=self.recurrent,
         )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call

@@ -38,11 +38,13 @@ from specstate.engine.settle.lifecycle import RequestLifecycle
 from specstate.engine.worker import WorkerProtocol, handoff_worker
 from specstate.handoff.record import (
     HANDOFF_VERSION,
+    ROW,
     CompatibilityDescriptor,
     DraftState,
     HandoffRecord,
 )
 from specstate.memory.allocation import KvAllocator
+from specstate.memory.recurrent import RecurrentStatePool
 
 __all__ = ["HandoffDesk"]
 
@@ -61,6 +63,7 @@ class HandoffDesk:
         allocator: KvAllocator,
         ledger: LedgerReader,
         launcher: Launcher,
+        recurrent: RecurrentStatePool | None = None,
     ) -> None:
         self._worker = worker
         self._config = config
@@ -70,6 +73,7 @@ class HandoffDesk:
         self._allocator = allocator
         self._ledger = ledger
         self._launcher = launcher
+        self._recurrent = recurrent
         self._descriptor: CompatibilityDescriptor | None = None
         self.exported: dict[Req, HandoffRecord] = {}
         self.num_exported = 0
@@ -130,7 +134,12 @@ class HandoffDesk:
                 f"request {request_id!r}: parked with committed {committed}, seqlen {req.seqlen}",
             )
         locs = self._allocator.req_to_token[slot, :committed]
-        state = handoff_worker(self._worker).export_handoff(locs)
+        state_row = None
+        if self._recurrent is not None:  # the state after the committed tokens
+            state_row = self._recurrent.layout.rows(at, torch.tensor([committed]))
+        state = handoff_worker(self._worker).export_handoff(locs, state_row=state_row)
+        rows = {name: t for name, t in state.items() if name.startswith(ROW)}
+        state = {name: t for name, t in state.items() if not name.startswith(ROW)}
         relay = self._launcher.future_map.resolve_forward_inputs(at.to(self._config.device))
         bonus = int(relay.bonus_tokens[0])
         if bonus != req.output_ids[-1]:
@@ -158,6 +167,7 @@ class HandoffDesk:
                 topk_p=row(relay.topk_p),
                 topk_index=row(relay.topk_index),
             ),
+            recurrent_state=rows,
         )
         self.exported[req] = record
         self.num_exported += 1

@@ -298,9 +298,12 @@ class HandoffWorker(Protocol):
         """
         ...
 
-    def export_handoff(self, locs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def export_handoff(
+        self, locs: torch.Tensor, *, state_row: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Copies of every slot-kept buffer at token slots ``locs`` ``[C]`` (positions 0..C-1),
-        in `handoff_layout` order."""
+        then, for a worker with recurrent state, of every state buffer at ``state_row`` ``[1]``
+        (the state after C tokens; named with the `ROW` prefix), in `handoff_layout` order."""
         ...
 
     def import_handoff(
@@ -312,8 +315,9 @@ class HandoffWorker(Protocol):
     ) -> GenerationBatchResult:
         """An EXTEND forward that computes nothing: row ``i`` takes ``records[i]``'s slot state
         for positions ``[prefix_lens[i], seq_lens[i])`` at its ``out_cache_loc`` (a prefix the
-        decode engine's cache supplied is not written), and returns the record's bonus token as
-        the sampled token with its draft state as the next round's payload."""
+        decode engine's cache supplied is not written) and, with recurrent state, its state row
+        at the row of ``seq_lens[i]``; it returns the record's bonus token as the sampled token
+        with its draft state as the next round's payload."""
         ...
 
 

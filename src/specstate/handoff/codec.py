@@ -5,7 +5,8 @@ The wire form is what a transport sends point to point::
     [0] header   uint8 [n]: UTF-8 JSON — magic, version, the request fields, the sampling
                  parameters, the compatibility descriptor, and the manifest: (name, dtype,
                  shape) of every tensor that follows, in order
-    [1..]        the slot-state tensors (descriptor layout order), then the draft extras
+    [1..]        the slot-state tensors (descriptor layout order), the recurrent state rows,
+                 then the draft extras
 
 `decode` checks everything before it builds a record: the magic and version, the count of
 tensors, each tensor's dtype and shape against the manifest, the clocks (``committed_len ==
@@ -27,6 +28,7 @@ from specstate.core.params import SamplingParams
 from specstate.grammar.spec import Grammar
 from specstate.handoff.record import (
     HANDOFF_VERSION,
+    ROW,
     CompatibilityDescriptor,
     DraftState,
     HandoffRecord,
@@ -102,9 +104,13 @@ def _sampling_from(value: Any) -> SamplingParams:
 def header_tensor(record: HandoffRecord) -> torch.Tensor:
     """The header of ``record``: UTF-8 JSON as a ``uint8`` tensor."""
     d = record.descriptor
-    manifest = [[name, str(t.dtype), list(t.shape)] for name, t in record.slot_state.items()] + [
-        [_DRAFT + name, str(t.dtype), list(t.shape)]
-        for name, t in record.draft_state.tensors().items()
+    manifest = [
+        *([name, str(t.dtype), list(t.shape)] for name, t in record.slot_state.items()),
+        *([name, str(t.dtype), list(t.shape)] for name, t in record.recurrent_state.items()),
+        *(
+            [_DRAFT + name, str(t.dtype), list(t.shape)]
+            for name, t in record.draft_state.tensors().items()
+        ),
     ]
     header = {
         "magic": MAGIC,
@@ -135,7 +141,11 @@ def header_tensor(record: HandoffRecord) -> torch.Tensor:
 def encode(record: HandoffRecord) -> list[torch.Tensor]:
     """``record`` as ``[header, *tensors]`` (contiguous CPU-or-device tensors, not copies of
     the header's data)."""
-    tensors = [*record.slot_state.values(), *record.draft_state.tensors().values()]
+    tensors = [
+        *record.slot_state.values(),
+        *record.recurrent_state.values(),
+        *record.draft_state.tensors().values(),
+    ]
     return [header_tensor(record), *(t.contiguous() for t in tensors)]
 
 
@@ -254,10 +264,14 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
         )
     descriptor = _descriptor(header.get("descriptor"))
     slot_state: dict[str, torch.Tensor] = {}
+    rows: dict[str, torch.Tensor] = {}
     draft: dict[str, torch.Tensor] = {}
     for (name, _, shape), t in zip(manifest, body, strict=True):
         if name.startswith(_DRAFT):
             draft[name[len(_DRAFT) :]] = t
+            continue
+        if name.startswith(ROW):
+            rows[name] = t
             continue
         if not shape or shape[0] != committed:
             raise MalformedRecord(
@@ -266,9 +280,9 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
             )
         slot_state[name] = t
     layout_names = [n for n, _, _ in descriptor.layout]
-    if list(slot_state) != layout_names:
+    if [*slot_state, *rows] != layout_names:
         raise MalformedRecord(
-            f"request {request_id!r}: slot state {list(slot_state)} does not follow the "
+            f"request {request_id!r}: state {[*slot_state, *rows]} does not follow the "
             f"descriptor's layout {layout_names}"
         )
     unknown = set(draft) - {"hidden_states", "topk_p", "topk_index"}
@@ -284,4 +298,5 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
         descriptor=descriptor,
         slot_state=slot_state,
         draft_state=DraftState(bonus_token=outputs[-1], **draft),
+        recurrent_state=rows,
     )

@@ -14,6 +14,8 @@ token; a decode engine continues it. What crosses is exactly the request's commi
                 that does not depend on either side's page size or slot numbering)
     draft state the relay payload of the next round: the bonus token and the family's extras
                 (EAGLE's hidden state of position C - 1, a tree drafter's top-k)
+    state row   a hybrid model's recurrent state after C tokens (target and drafter), one row
+                of every state buffer; empty for a model without recurrent state
     descriptor  what the decode engine must match to serve it (`CompatibilityDescriptor`)
 
 Derived, not stored (each rebuilt exactly from the fields above): the penalty counts (the counts
@@ -39,6 +41,7 @@ from specstate.core.params import SamplingParams
 
 __all__ = [
     "HANDOFF_VERSION",
+    "ROW",
     "CompatibilityDescriptor",
     "DraftState",
     "HandoffRecord",
@@ -49,7 +52,11 @@ HANDOFF_VERSION = 1
 """The record format version; a decoder refuses any other."""
 
 StateLayout = tuple[tuple[str, str, tuple[int, ...]], ...]
-"""``(name, dtype, per-position shape)`` of every slot-state buffer, in export order."""
+"""``(name, dtype, per-position shape)`` of every slot-state buffer, in export order; a name
+that starts with `ROW` is a recurrent state buffer (its shape is one state row's)."""
+
+ROW = "row:"
+"""The prefix of a recurrent state buffer's name in a `StateLayout`."""
 
 
 @attrs.frozen(kw_only=True)
@@ -151,6 +158,8 @@ class HandoffRecord:
         descriptor: the prefill engine's compatibility descriptor.
         slot_state: ``name -> [committed_len, ...]`` by position, in ``descriptor.layout`` order.
         draft_state: the next round's relay inputs.
+        recurrent_state: ``name -> one state row`` (the `ROW` names of the layout, in order):
+            a hybrid model's state after ``committed_len`` tokens; empty without one.
     """
 
     version: int
@@ -162,6 +171,7 @@ class HandoffRecord:
     descriptor: CompatibilityDescriptor
     slot_state: Mapping[str, torch.Tensor]
     draft_state: DraftState
+    recurrent_state: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
 
     @property
     def sampler_position(self) -> int:
@@ -176,5 +186,9 @@ class HandoffRecord:
     @property
     def num_bytes(self) -> int:
         """Bytes of tensor data the record carries."""
-        tensors = [*self.slot_state.values(), *self.draft_state.tensors().values()]
+        tensors = [
+            *self.slot_state.values(),
+            *self.recurrent_state.values(),
+            *self.draft_state.tensors().values(),
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)

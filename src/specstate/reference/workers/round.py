@@ -49,7 +49,7 @@ from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
 from specstate.core.errors import HandoffUnsupported, InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
-from specstate.handoff.record import HandoffRecord, StateLayout
+from specstate.handoff.record import ROW, HandoffRecord, StateLayout
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.reference.model import KvCache, PagedLlama
 from specstate.reference.workers.layout import (
@@ -205,17 +205,25 @@ class ChainRoundWorker(abc.ABC):
 
     def handoff_layout(self) -> StateLayout:
         """Every buffer this worker keeps by KV token slot: name, dtype, one position's shape."""
-        return tuple(
-            (name, str(buf.dtype), tuple(buf.shape[1:]))
-            for name, buf in self._handoff_buffers().items()
-        )
+        buffers = {**self._handoff_buffers(), **self._handoff_state_rows()}
+        return tuple((name, str(buf.dtype), tuple(buf.shape[1:])) for name, buf in buffers.items())
 
-    def export_handoff(self, locs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of every slot-kept buffer at token slots ``locs`` (`HandoffWorker`)."""
-        return {
+    def export_handoff(
+        self, locs: torch.Tensor, *, state_row: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copies of every slot-kept buffer at token slots ``locs``, and of every recurrent
+        state buffer at ``state_row`` (`HandoffWorker`)."""
+        out = {
             name: buf.index_select(0, locs.to(buf.device).long())
             for name, buf in self._handoff_buffers().items()
         }
+        rows = self._handoff_state_rows()
+        if rows and state_row is None:
+            raise InvalidConfig("export_handoff: a hybrid worker's export needs its state row")
+        for name, buf in rows.items():
+            assert state_row is not None
+            out[name] = buf.index_select(0, state_row.to(buf.device).long())[0]
+        return out
 
     def import_handoff(
         self,
@@ -239,8 +247,19 @@ class ChainRoundWorker(abc.ABC):
             at = locs[offset : offset + count].long()
             offset += count
             for name, buf in buffers.items():
-                rows = record.slot_state[name][start : start + count]
-                buf.index_copy_(0, at.to(buf.device), rows.to(device=buf.device, dtype=buf.dtype))
+                part = record.slot_state[name][start : start + count]
+                buf.index_copy_(0, at.to(buf.device), part.to(device=buf.device, dtype=buf.dtype))
+        state_rows = self._handoff_state_rows()
+        if state_rows:  # each row's state after seq_lens tokens, at its own slot's rows
+            layout = self._target.memory.recurrent
+            if layout is None:
+                raise InvalidConfig("import_handoff: recurrent state without a state layout")
+            at_rows = layout.rows(batch.req_pool_indices, batch.seq_lens)
+            for name, buf in state_rows.items():
+                values = torch.stack([r.recurrent_state[name] for r in records])
+                buf.index_copy_(
+                    0, at_rows.to(buf.device), values.to(device=buf.device, dtype=buf.dtype)
+                )
         device = batch.seq_lens.device
         tokens = torch.tensor(
             [r.draft_state.bonus_token for r in records], dtype=torch.int64, device=device
@@ -275,10 +294,6 @@ class ChainRoundWorker(abc.ABC):
                 does not say what its drafter keeps (`_draft_handoff_buffers`).
         """
         caps = self._capabilities
-        if caps.recurrent is not None:
-            raise HandoffUnsupported(
-                f"{caps.algorithm}: a hybrid target's recurrent state row does not cross yet"
-            )
         if caps.topk > 1:
             raise HandoffUnsupported(f"{caps.algorithm}: a tree drafter (topk {caps.topk})")
         out: dict[str, torch.Tensor] = {}
@@ -286,6 +301,16 @@ class ChainRoundWorker(abc.ABC):
             out.update({f"{owner}.{name}": buf for name, buf in cache.buffers().items()})
         out["target.history"] = self._target.history.slot_tokens
         out.update(self._draft_handoff_buffers())
+        return out
+
+    def _handoff_state_rows(self) -> dict[str, torch.Tensor]:
+        """Every recurrent state buffer (a hybrid target's, a hybrid drafter's), by name with
+        the `ROW` prefix, indexed by state row on dim 0; empty without recurrent state."""
+        out: dict[str, torch.Tensor] = {}
+        for owner, model in (("target", self.target_network), ("draft", self._handoff_drafter())):
+            states = getattr(model, "states", None)
+            if states is not None:
+                out.update({f"{ROW}{owner}.{n}": b for n, b in states.buffers().items()})
         return out
 
     def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
