@@ -90,3 +90,18 @@ def test_the_handoff_invariant_catches_a_request_in_two_places(ckpt: SpecCheckpo
         arriving.transition(ReqStatus.PREFILL)  # injected: arriving, not waiting
         with pytest.raises(InvariantViolation, match=r"\[handoff\] request r: arriving"):
             check_engine(link.decode.rounds)
+
+
+def test_a_closed_decode_engine_fails_the_transfer_and_frees_the_pages(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """The decode engine closed before the record arrived: the prefill side ends the request
+    with ERROR naming it and frees its pages."""
+    with linked(ckpt.worker("none"), ckpt.worker("none"), vocab_size=ckpt.vocab_size) as link:
+        req = link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        link.decode.close()
+        with pytest.raises(UsageError, match="after close"):
+            link.pump()
+        assert req.finish is not None and req.finish.reason is FinishReason.ERROR
+        assert "UsageError" in req.finish.detail and pools_full(link.prefill)

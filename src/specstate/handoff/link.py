@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from specstate.core.errors import HandoffError, InvalidRequest
+from specstate.core.errors import SpecStateError
 from specstate.core.params import SamplingParams
 from specstate.core.request import Req
 from specstate.engine.engine import Engine
@@ -56,14 +56,15 @@ class HandoffLink:
             The request on the decode engine.
 
         Raises:
-            HandoffError: the record was refused (the prefill side ended the request with
-                ERROR and freed its pages); InvalidRequest likewise.
+            SpecStateError: the decode engine refused the record (`HandoffError`,
+                `InvalidRequest`, or `UsageError` once it closed): the prefill side ended the
+                request with ERROR naming why and freed its pages.
         """
         record = self.prefill.export_handoff(request_id)
         wire = encode(record)
         try:
             req = self.decode.admit_handoff(decode(wire))
-        except (HandoffError, InvalidRequest) as exc:
+        except SpecStateError as exc:
             self.stats.refused += 1
             self.prefill.release_handoff(request_id, error=f"{type(exc).__name__}: {exc}")
             raise
