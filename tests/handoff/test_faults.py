@@ -105,3 +105,16 @@ def test_a_closed_decode_engine_fails_the_transfer_and_frees_the_pages(
             link.pump()
         assert req.finish is not None and req.finish.reason is FinishReason.ERROR
         assert "UsageError" in req.finish.detail and pools_full(link.prefill)
+
+
+def test_the_link_catches_a_request_live_on_both_engines(ckpt: SpecCheckpoints) -> None:
+    """Admitted on the decode side but never released on the prefill side: both own it."""
+    with linked(ckpt.worker("none"), ckpt.worker("none"), vocab_size=ckpt.vocab_size) as link:
+        link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        link.check()
+        link.decode.admit_handoff(link.prefill.export_handoff("r"))
+        with pytest.raises(InvariantViolation, match=r"\[handoff-owner\].*'r'"):
+            link.check()
+        link.prefill.release_handoff("r")
+        link.check()

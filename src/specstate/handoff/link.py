@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from specstate.core.errors import SpecStateError
+from specstate.core.errors import InvariantViolation, SpecStateError
 from specstate.core.params import SamplingParams
 from specstate.core.request import Req
 from specstate.engine.engine import Engine
@@ -73,6 +73,21 @@ class HandoffLink:
         self.stats.bytes += sum(t.numel() * t.element_size() for t in wire)
         return req
 
+    def check(self) -> None:
+        """``handoff-owner``: between transfers, no request is live on both engines (ownership
+        moves inside `transfer`, from the admission to the release).
+
+        Raises:
+            InvariantViolation: naming the requests live on both.
+        """
+        both = {r.request_id for r in self.prefill.lifecycle.live()} & {
+            r.request_id for r in self.decode.lifecycle.live()
+        }
+        if both:
+            raise InvariantViolation(
+                "handoff-owner", f"requests {sorted(both)} are live on both engines"
+            )
+
     def pump(self) -> list[Req]:
         """Transfer every request ready on the prefill engine; the decode side's requests."""
         return [self.transfer(rid) for rid in self.prefill.handoff_ready()]
@@ -88,7 +103,7 @@ def serve_disaggregated(
     """Submit ``requests`` (id, prompt, sampling) to the prefill engine and drive both engines
     until idle; each id's final request (the decode engine's, or the prefill engine's when it
     ended there: a stop at its first token). ``after_step`` runs after every step of either
-    engine (an invariant check).
+    engine (an invariant check); with it, `HandoffLink.check` runs after every pump too.
 
     Raises:
         InvalidConfig: not idle after ``max_steps`` steps of both.
@@ -106,5 +121,7 @@ def serve_disaggregated(
                     after_step(engine)
         for req in link.pump():
             out[req.request_id] = req
+        if after_step is not None:
+            link.check()
     link.prefill.run_until_idle(max_steps=1)  # raises InvalidConfig: not idle
     return out
