@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 
 import pytest
 from engine_driver import checked_config
@@ -122,3 +123,64 @@ def test_a_silent_prefill_side_ends_the_decode_loop(ckpt: SpecCheckpoints) -> No
         outcome = serve_decode(decoder, theirs, idle_timeout_s=0.3)
         assert outcome.failure is not None and "0.3 s" in outcome.failure
         assert time.monotonic() - started < 5.0 and pools_full(decoder)
+
+
+class LateTransport(QueueTransport):
+    """Each record lands ``delay`` polls after it was sent (its KV still in flight until then);
+    ``on_land`` runs just before a record is handed over."""
+
+    def __init__(
+        self,
+        outbox: queue.Queue[Message],
+        inbox: queue.Queue[Message],
+        *,
+        delay: int,
+        on_land: Callable[[str], None],
+    ) -> None:
+        super().__init__(outbox, inbox)
+        self._delay, self._on_land = delay, on_land
+        self._held: Message | None = None
+        self._left = 0
+
+    def poll(self, timeout_s: float) -> Message | None:
+        if self._held is None:
+            message = super().poll(timeout_s)
+            if not isinstance(message, Arrival):
+                return message
+            self._held, self._left = message, self._delay
+        if self._left > 0:
+            self._left -= 1
+            return None
+        message, self._held = self._held, None
+        assert isinstance(message, Arrival)
+        self._on_land(message.request_id)
+        return message
+
+
+def test_a_record_joins_only_once_landed_while_the_decode_engine_keeps_decoding(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """While a record is in flight the decode engine keeps stepping its running requests; the
+    request is unknown to it until every tensor has landed."""
+    prefill_end, decode_end = QueueTransport.pair()
+    seen: dict[str, tuple[bool, int]] = {}
+    with _engine(ckpt) as prefill, _engine(ckpt) as decoder:
+
+        def on_land(request_id: str) -> None:
+            known = decoder.lifecycle.find(request_id) is not None
+            first = decoder.lifecycle.find("r0")
+            seen[request_id] = (known, 0 if first is None else first.num_outputs)
+
+        late = LateTransport(decode_end._outbox, decode_end._inbox, delay=4, on_land=on_land)
+
+        def answer(record: HandoffRecord) -> HandoffRecord:
+            prefill_end._inbox.put(Ack(request_id=record.request_id, ok=True))
+            return record
+
+        serve_prefill(prefill, prefill_end, REQUESTS[:2], ack_timeout_s=5.0, on_export=answer)
+        outcome = serve_decode(decoder, late, idle_timeout_s=5.0, after_step=check_engine)
+        assert seen["r0"][0] is False and seen["r1"][0] is False  # unknown until landed
+        assert seen["r1"][1] > 1  # r0 decoded on while r1's record was in flight
+        want = {rid: greedy(ckpt.hf, p, 8) for rid, p, _ in REQUESTS[:2]}
+        assert {rid: list(r.emitted_ids) for rid, r in outcome.requests.items()} == want
+        assert pools_full(decoder)
