@@ -7,12 +7,14 @@ test_pd_processes.py; these are the aborts a user makes while a request is betwe
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_driver import run_checked
 from handoff_harness import PrefillCounter, linked, pools_full
+from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import FinishReason, SamplingParams
-from specstate.core.errors import InvariantViolation, UsageError
+from specstate.core.errors import InvariantViolation, KvPoolExhausted, UsageError
 from specstate.core.status import ReqStatus
 from specstate.engine.invariants import check_engine
 from specstate.handoff.codec import decode, encode
@@ -118,3 +120,33 @@ def test_the_link_catches_a_request_live_on_both_engines(ckpt: SpecCheckpoints) 
             link.check()
         link.prefill.release_handoff("r")
         link.check()
+
+
+def test_an_import_that_cannot_allocate_waits_and_is_never_prefilled(
+    ckpt: SpecCheckpoints,
+) -> None:
+    """The pool refuses the import batch's allocation once (after admission): the arrival
+    keeps its slot, the next step imports it; the decode engine prefills nothing."""
+    decode_worker = ckpt.worker("draft_model")
+    counter = PrefillCounter(decode_worker)
+    with linked(ckpt.worker("draft_model"), decode_worker, vocab_size=ckpt.vocab_size) as link:
+        link.prefill.submit_prefill("r", PROMPT, PARAMS)
+        run_checked(link.prefill)
+        req = link.transfer("r")
+        allocator = link.decode.allocator
+        real = allocator.alloc_for_extend
+        refusals: list[torch.Tensor] = []
+
+        def refuse_once(slots: torch.Tensor, ends: torch.Tensor) -> None:
+            if not refusals:
+                refusals.append(ends)
+                raise KvPoolExhausted("injected: the pool refuses once")
+            real(slots, ends)
+
+        allocator.alloc_for_extend = refuse_once  # type: ignore[method-assign,assignment]
+        link.decode.step()
+        assert refusals and req.num_outputs == 0
+        run_checked(link.decode)
+        assert counter.target_tokens == 0 and counter.drafter_tokens == 0
+        assert list(req.emitted_ids) == greedy(ckpt.hf, PROMPT, PARAMS.max_new_tokens)
+        assert pools_full(link.decode) and pools_full(link.prefill)

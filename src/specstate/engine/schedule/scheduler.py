@@ -123,6 +123,9 @@ class Scheduler:
         self._to_park: set[Req] = set()
         self.parked: dict[Req, None] = {}
         self.arriving: deque[tuple[Req, HandoffRecord]] = deque()
+        # Arrivals admitted (slot and room taken) whose import batch is not launched yet: the
+        # next schedule imports them first; they never prefill.
+        self._importing: dict[Req, HandoffRecord] = {}
         self._progress: dict[int, _Progress] = {}
         # The persistent decode rows.
         self._columns = RowColumns(
@@ -195,6 +198,7 @@ class Scheduler:
                             self.arriving.remove(entry)
                             break
                 self._to_park.discard(req)
+                self._importing.pop(req, None)
         deque(map(self._progress.pop, map(id, reqs), repeat(None)), maxlen=0)
 
     @property
@@ -223,9 +227,12 @@ class Scheduler:
             return self._schedule_decode()
 
     def _schedule_arrivals(self) -> LaunchPlan | None:
-        """Admit arriving handed-off requests, whole, in a batch of their own (module docstring)."""
-        rows: list[tuple[Req, int, int]] = []
-        records: list[HandoffRecord] = []
+        """Admit arriving handed-off requests, whole, in a batch of their own (module docstring);
+        those admitted earlier whose import could not be launched go first."""
+        rows = [
+            (req, self._progress[id(req)].done, self._progress[id(req)].target)
+            for req in self._importing
+        ]
         room = self._admission_room()
         while self.arriving and self._num_admitted() < self._config.max_running:
             req, record = self.arriving[0]
@@ -234,12 +241,17 @@ class Scheduler:
                 break
             room, start = admitted
             self.arriving.popleft()
+            self._importing[req] = record
             rows.append((req, start, req.seqlen))
-            records.append(record)
-        return self._extend_plan(rows, handoff=tuple(records)) if rows else None
+        if not rows:
+            return None
+        plan = self._extend_plan(rows, handoff=tuple(self._importing[r] for r, _, _ in rows))
+        if plan is not None:
+            self._importing.clear()  # launched: they run from the next batch
+        return plan
 
     def _schedule_prefill(self) -> LaunchPlan | None:
-        if self.arriving:
+        if self.arriving or self._importing:
             arrivals = self._schedule_arrivals()
             if arrivals is not None:
                 return arrivals
@@ -248,6 +260,8 @@ class Scheduler:
         for req in list(self.prefilling):
             if budget <= 0:
                 break
+            if req in self._importing:  # an arrival: imported, never prefilled
+                continue
             prog = self._progress[id(req)]
             n = min(prog.target - prog.done, budget)
             rows.append((req, prog.done, prog.done + n))
