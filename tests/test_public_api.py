@@ -28,6 +28,7 @@ SUBPACKAGES = {
     "distributed",
     "engine",
     "grammar",
+    "handoff",
     "internals",
     "lint",
     "memory",

@@ -72,6 +72,13 @@ class SpecCheckpoints:
         self, algorithm: str, *, num_steps: int = 3, agreeing: bool = True
     ) -> WorkerProtocol:
         """A reference worker; ``agreeing`` drafters accept (draft_model drafts with the target)."""
+        options = self.options(algorithm, num_steps=num_steps, agreeing=agreeing)
+        return default_registry().create(algorithm, **options)
+
+    def options(
+        self, algorithm: str, *, num_steps: int = 3, agreeing: bool = True
+    ) -> dict[str, object]:
+        """The registry options of `worker` (picklable: paths and ints, for another process)."""
         options: dict[str, object] = {"target": self.target}
         if algorithm != "none":
             options["num_steps"] = num_steps
@@ -81,7 +88,7 @@ class SpecCheckpoints:
             options["eagle"] = self.eagle
         if algorithm in FAMILIES:
             options.update(family_options(self.target, algorithm))
-        return default_registry().create(algorithm, **options)
+        return options
 
 
 def family_options(target: Path, algorithm: str) -> dict[str, object]:

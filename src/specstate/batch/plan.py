@@ -13,6 +13,7 @@ import torch
 
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.schedule_batch import ScheduleBatch
+from specstate.handoff.record import HandoffRecord
 from specstate.memory.host_arrays import IntArray
 
 __all__ = ["LaunchPlan", "PrefillPart"]
@@ -30,6 +31,9 @@ class LaunchPlan:
         prefill: the host-known prefill part of a MIXED batch, else None.
         relay_rows: ``[n]`` device index of the rows whose inputs come from the FutureMap
             (continuing chunks, running tails), built at scheduling; None when none does.
+        handoff: an EXTEND batch of handed-off requests (one record per row): the launcher
+            writes their state (`HandoffWorker.import_handoff`) instead of running a forward;
+            None for every other batch.
     """
 
     batch: ScheduleBatch
@@ -38,6 +42,7 @@ class LaunchPlan:
     last_chunk: tuple[bool, ...] = ()
     prefill: PrefillPart | None = None
     relay_rows: torch.Tensor | None = None
+    handoff: tuple[HandoffRecord, ...] | None = None
     slots_host: IntArray = attrs.field(
         default=attrs.Factory(lambda plan: plan.slots.numpy(), takes_self=True)
     )

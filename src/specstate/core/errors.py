@@ -31,6 +31,12 @@ An operation that raises leaves the state it was asked to change exactly as it w
     │                           retry later)
     ├── EngineUnavailable       an `AsyncEngine` whose engine can no longer step (a forward
     │                           timed out, its driver thread died): open streams end with it
+    ├── HandoffError            a prefill → decode handoff of a request could not go on
+    │   ├── HandoffMismatch     a record this engine cannot serve (page size, dtype, model digest,
+    │   │                       algorithm, ...): refused before anything was written
+    │   ├── MalformedRecord     a record that does not decode: truncated, corrupted, wrong version
+    │   ├── HandoffUnsupported  a worker or request whose state does not cross (yet)
+    │   └── HandoffFailed       the other side failed or went silent during a transfer
     └── RankError               the ranks of a tensor-parallel group stopped agreeing
         ├── RankDivergence      two ranks planned or settled a round differently (checking mode)
         └── RankFailure         a rank failed, died or wedged; its batch fails on every rank
@@ -45,12 +51,17 @@ __all__ = [
     "EngineUnavailable",
     "ForwardTimeout",
     "GrammarError",
+    "HandoffError",
+    "HandoffFailed",
+    "HandoffMismatch",
+    "HandoffUnsupported",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidTransition",
     "InvariantViolation",
     "KvPoolExhausted",
     "LedgerViolation",
+    "MalformedRecord",
     "OwnershipError",
     "QueueFull",
     "RankDivergence",
@@ -160,6 +171,39 @@ class EngineUnavailable(SpecStateError):
     """An `AsyncEngine` whose engine can no longer step (a forward timed out, or its driver
     thread died): every open stream ends with this error and new requests are refused.
     ``__cause__`` is the failure."""
+
+
+class HandoffError(SpecStateError):
+    """A prefill → decode handoff of a request could not go on (`specstate.handoff`)."""
+
+
+class HandoffMismatch(HandoffError):
+    """A decode engine cannot serve a handoff record; nothing was written.
+
+    Attributes:
+        field: the compatibility field that differs (``page_size``, ``dtype``,
+            ``model_digest``, ``algorithm``, ...).
+        expected: this engine's value.
+        found: the record's value.
+    """
+
+    def __init__(self, message: str, *, field: str, expected: object, found: object) -> None:
+        super().__init__(message)
+        self.field = field
+        self.expected = expected
+        self.found = found
+
+
+class MalformedRecord(HandoffError):
+    """A handoff record that does not decode (truncated, corrupted, an unknown version)."""
+
+
+class HandoffUnsupported(HandoffError):
+    """A worker, or a request, whose state cannot be handed off (nothing was exported)."""
+
+
+class HandoffFailed(HandoffError):
+    """The other side of a transfer failed, closed, or did not answer in time."""
 
 
 class RankError(SpecStateError):

@@ -65,6 +65,8 @@ class FinishReason(enum.Enum):
     """The user aborted it, or the KV pool could not hold even this one request."""
     ERROR = "error"
     """The worker raised while running a batch that held it."""
+    HANDED_OFF = "handed_off"
+    """A prefill engine handed it to a decode engine, which acknowledged it; it goes on there."""
 
     __hash__ = object.__hash__  # by identity, in C (as `ReqStatus`): releases look reasons up
 

@@ -38,11 +38,13 @@ from specstate.engine.capabilities.agreement import RoundAgreement
 from specstate.engine.compose import compose
 from specstate.engine.config import EngineConfig, EngineSnapshot, StepReport
 from specstate.engine.draft_policy import DraftPolicy
+from specstate.engine.handoff import HandoffDesk
 from specstate.engine.hooks import RoundHooks
 from specstate.engine.launch.outcome import InFlightView
 from specstate.engine.schedule.intake import check_request
 from specstate.engine.trace import TraceRecorder
 from specstate.engine.worker import WorkerProtocol
+from specstate.handoff.record import CompatibilityDescriptor, HandoffRecord
 
 __all__ = ["Engine"]
 
@@ -125,6 +127,17 @@ class Engine:
         self.deliveries = parts.deliveries
         self._draft_guard = parts.draft_guard
         self._budget_guard = parts.budget_guard
+        self._handoff = HandoffDesk(
+            worker=worker,
+            config=config,
+            limits=limits,
+            scheduler=self.scheduler,
+            lifecycle=self.lifecycle,
+            allocator=self.allocator,
+            ledger=self.ledger,
+            launcher=self.rounds.launcher,
+            recurrent=self.recurrent,
+        )
         self._num_generated = 0
         self._driver: int | None = None  # the driving thread's ident, set by the first call
         self._closed = False
@@ -133,6 +146,15 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> Req:
         """Validate and queue a request; `InvalidRequest` leaves the engine unchanged."""
         self._check_caller("submit")
+        req = self._new_request(request_id, prompt_ids, sampling)
+        self.lifecycle.register(req)
+        self.scheduler.enqueue(req)
+        return req
+
+    def _new_request(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> Req:
+        """A validated WAITING request the submit hooks accepted (not registered yet)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(
                 f"request id must be a non-empty string, got {request_id!r}",
@@ -154,9 +176,88 @@ class Engine:
         )
         for on_submit in self.rounds.hooks.on_submit:  # grammar compiles (or refuses), trace
             on_submit(req)
+        return req
+
+    # ----------------------------------------------------------------- handoff
+    def handoff_descriptor(self) -> CompatibilityDescriptor:
+        """What a record must match to be admitted here (`specstate.handoff`).
+
+        Raises:
+            HandoffUnsupported: the worker does not hand off.
+        """
+        return self._handoff.descriptor()
+
+    def submit_prefill(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> Req:
+        """The prefill role: `submit` a request that is *parked* after its prefill and first
+        token, for `export_handoff`, instead of decoding here (docs/handoff.md).
+
+        Raises:
+            InvalidRequest: as `submit`.
+            HandoffUnsupported: the worker does not hand off (checked first).
+        """
+        self._check_caller("submit_prefill")
+        self._handoff.descriptor()
+        req = self._new_request(request_id, prompt_ids, sampling)
         self.lifecycle.register(req)
+        self.scheduler.mark_handoff(req)
         self.scheduler.enqueue(req)
         return req
+
+    def export_handoff(self, request_id: str) -> HandoffRecord:
+        """The record of a parked request (its first token settled); it stays parked, its
+        pages held, until `release_handoff`.
+
+        Raises:
+            UsageError: the request is not parked here, or its prefill has not settled.
+            HandoffUnsupported: the worker or the request cannot hand off.
+        """
+        self._check_caller("export_handoff")
+        return self._handoff.export(request_id)
+
+    def release_handoff(self, request_id: str, *, error: str | None = None) -> Req:
+        """End a parked request: acknowledged by the decode side (``error`` None: it finishes
+        with `FinishReason.HANDED_OFF`) or failed there (`FinishReason.ERROR`, ``error`` its
+        detail). Its pages are freed as soon as no launched batch can read them (now, when
+        none is in flight).
+
+        Raises:
+            UsageError: the request is not parked here.
+        """
+        self._check_caller("release_handoff")
+        req = self._handoff.release(request_id, error=error, until_batch=self.rounds.num_launched)
+        self.rounds.report_ended([req])
+        return req
+
+    def admit_handoff(self, record: HandoffRecord) -> Req:
+        """The decode role: admit a handed-off request; it joins the running batch after one
+        import batch that writes its state into this engine's pages (no prefill, no drafter
+        prefill). Checked first, nothing written on a refusal.
+
+        Raises:
+            HandoffMismatch: the record's descriptor differs from `handoff_descriptor`.
+            HandoffUnsupported: the worker does not hand off, or the record is not one this
+                engine admits (module `specstate.engine.handoff`).
+            InvalidRequest: as `submit` (a live request has this id, a bad prompt).
+        """
+        self._check_caller("admit_handoff")
+        self._handoff.check_arrival(record)
+        req = self._new_request(record.request_id, record.prompt_ids, record.sampling)
+        self.lifecycle.register(req)
+        self.scheduler.enqueue_arrival(req, record)
+        self._handoff.num_imported += 1
+        return req
+
+    def handoff_ready(self) -> tuple[str, ...]:
+        """Ids of the parked requests whose first token has settled and that were not exported
+        yet: what `export_handoff` can take now."""
+        return self._handoff.ready()
+
+    @property
+    def handoff_counts(self) -> tuple[int, int]:
+        """(records exported, records admitted) so far."""
+        return self._handoff.num_exported, self._handoff.num_imported
 
     def abort(self, request_id: str, reason: str = "aborted by user") -> bool:
         """Abort a live request; True if it was live. Applied at the next step."""

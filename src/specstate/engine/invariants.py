@@ -24,8 +24,12 @@ request and the numbers. Each has a name (`InvariantViolation.invariant`):
 * ``reserve``: a running request in the decode batch in flight has ``allocated >= committed +
   L`` (L the speculative window): the verify in flight writes from the frontier, at most
   ``committed`` now, for L positions (the 2·L reserve, minus the round settled meanwhile);
-* ``idle-empty``: at idle, nothing is open and every page is free or cached and unreferenced
-  (unless KV is quarantined);
+* ``handoff``: a request parked for a handoff (prefilled, held for a decode engine) is RUNNING
+  (PREFILL until its last chunk settles), holds a slot and sits in no other scheduler place;
+  a handed-off request arriving at a decode engine is WAITING and holds no slot
+  (`specstate.engine.handoff`);
+* ``idle-empty``: at idle (nothing parked), nothing is open and every page is free or cached
+  and unreferenced (unless KV is quarantined);
 * ``output-rows``: every prefilling or running request holds the output row of its KV slot, and
   every open output row belongs to such a request;
 * ``recurrent-slots`` (a worker with recurrent state): the open state records are exactly the
@@ -116,7 +120,8 @@ def check_engine(engine: EngineView) -> None:
     except SpecStateError as exc:
         raise InvariantViolation("pool-balance", f"KV pool does not balance: {exc}") from exc
     sched = engine.scheduler
-    admitted = [*sched.prefilling, *sched.running]
+    admitted = [*sched.prefilling, *sched.running, *sched.parked]
+    _check_handoff(engine)
     _check_slot_owners(engine, entries, admitted)
     _check_prefill_progress(engine, admitted)
     _check_steady_state(engine)
@@ -126,13 +131,35 @@ def check_engine(engine: EngineView) -> None:
     _check_page_owners(engine)
     for check in engine.hooks.check:  # each capability's own invariants
         check(engine)
-    if engine.is_idle and not engine.deferred.held():  # quarantined KV outlives idleness
+    if engine.is_idle and not engine.deferred.held() and not sched.parked:
+        # quarantined KV outlives idleness, and so does the KV of a request parked for handoff
         pool = engine.allocator.token_pool
         free = engine.allocator.available_tokens() // pool.page_size
         if entries or free != pool.num_pages - 1:
             _fail(
                 "idle-empty",
                 f"idle engine holds {len(entries)} slots and {pool.num_pages - 1 - free} pages",
+            )
+
+
+def _check_handoff(engine: EngineView) -> None:
+    """``handoff``: parked requests run, hold a slot, and are nowhere else; arrivals wait."""
+    sched, allocator = engine.scheduler, engine.allocator
+    others = {*sched.waiting, *sched.prefilling, *sched.running}
+    for req in sched.parked:
+        status_ok = req.status in (ReqStatus.PREFILL, ReqStatus.RUNNING)  # PREFILL: unsettled
+        if not status_ok or not allocator.holds_slot(req) or req in others:
+            _fail(
+                "handoff",
+                f"request {req.request_id}: parked as {req.status.value}, holds a slot "
+                f"{allocator.holds_slot(req)}, also elsewhere in the scheduler {req in others}",
+            )
+    for req, _ in sched.arriving:
+        if req.status is not ReqStatus.WAITING or allocator.holds_slot(req):
+            _fail(
+                "handoff",
+                f"request {req.request_id}: arriving as {req.status.value}, holds a slot "
+                f"{allocator.holds_slot(req)}",
             )
 
 

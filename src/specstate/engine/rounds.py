@@ -297,6 +297,13 @@ class RoundPipeline:
             )
         return ended
 
+    def report_ended(self, ended: list[Req]) -> StepReport:
+        """Tell every capability that ``ended`` ended between steps (`Engine.release_handoff`:
+        the grammar table drops their states, streams deliver their ends), and release now the
+        KV no launched batch can still read."""
+        self._release()
+        return self._report(None, ended, ())
+
     def _release(self, retired: int | None = None) -> None:
         """Release the KV of ended requests that no batch up to ``retired`` can read."""
         parts = self._parts
@@ -326,9 +333,14 @@ class RoundPipeline:
 
     @property
     def is_idle(self) -> bool:
-        """True when nothing waits, runs or is in flight."""
+        """True when nothing waits, runs or is in flight, and no abort is pending (an abort of
+        a request parked for a handoff is the next step's work)."""
         parts = self._parts
-        return not parts.scheduler.has_work and not parts.launcher.num_in_flight
+        return (
+            not parts.scheduler.has_work
+            and not parts.launcher.num_in_flight
+            and not parts.lifecycle.abort_reasons
+        )
 
     @property
     def ledger(self) -> LedgerReader:

@@ -37,7 +37,7 @@ returns tensors it will not write again (the scheduler owns them once returned).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -45,20 +45,23 @@ import torch
 
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.errors import InvalidConfig
+from specstate.core.errors import HandoffUnsupported, InvalidConfig
 from specstate.core.ledger import WorkerLedgerView
+from specstate.handoff.record import HandoffRecord, StateLayout
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.memory.recurrent_layout import RecurrentLayout, RecurrentStateSpec
 from specstate.memory.sizing import SpecWindow
 
 __all__ = [
     "AlgorithmRegistry",
+    "HandoffWorker",
     "OnPublish",
     "ParallelGroup",
     "WorkerCapabilities",
     "WorkerFactory",
     "WorkerMemory",
     "WorkerProtocol",
+    "handoff_worker",
 ]
 
 OnPublish = Callable[[torch.Tensor], None]
@@ -270,6 +273,66 @@ class WorkerProtocol(Protocol):
             The result; its tensors belong to the scheduler from now on.
         """
         ...
+
+
+@runtime_checkable
+class HandoffWorker(Protocol):
+    """A worker whose requests' state can move from a prefill engine to a decode engine.
+
+    Optional: `handoff_worker` refuses, with `HandoffUnsupported`, a worker that does not
+    implement it. Each family says what it keeps by KV token slot (`handoff_layout`): the
+    target's KV, its drafter's KV, feature stores, token histories; a decode engine writes them
+    back at its own slots (`import_handoff`) instead of running the prefill again.
+    """
+
+    def handoff_identity(self) -> tuple[str, str]:
+        """Digests of the target's and the drafter's parameters ("" for no drafter weights)."""
+        ...
+
+    def handoff_layout(self) -> StateLayout:
+        """(name, dtype, per-position shape) of every buffer kept by KV token slot.
+
+        Raises:
+            HandoffUnsupported: the worker's state does not cross (a hybrid's recurrent
+                state, a tree drafter), naming why.
+        """
+        ...
+
+    def export_handoff(
+        self, locs: torch.Tensor, *, state_row: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copies of every slot-kept buffer at token slots ``locs`` ``[C]`` (positions 0..C-1),
+        then, for a worker with recurrent state, of every state buffer at ``state_row`` ``[1]``
+        (the state after C tokens; named with the `ROW` prefix), in `handoff_layout` order."""
+        ...
+
+    def import_handoff(
+        self,
+        batch: ForwardBatch,
+        records: Sequence[HandoffRecord],
+        *,
+        on_publish: OnPublish | None = None,
+    ) -> GenerationBatchResult:
+        """An EXTEND forward that computes nothing: row ``i`` takes ``records[i]``'s slot state
+        for positions ``[prefix_lens[i], seq_lens[i])`` at its ``out_cache_loc`` (a prefix the
+        decode engine's cache supplied is not written) and, with recurrent state, its state row
+        at the row of ``seq_lens[i]``; it returns the record's bonus token as the sampled token
+        with its draft state as the next round's payload."""
+        ...
+
+
+def handoff_worker(worker: WorkerProtocol) -> HandoffWorker:
+    """``worker`` as a `HandoffWorker`.
+
+    Raises:
+        HandoffUnsupported: the worker does not implement the handoff methods.
+    """
+    if not isinstance(worker, HandoffWorker):
+        raise HandoffUnsupported(
+            f"worker {type(worker).__name__} ({worker.capabilities.algorithm!r}) does not "
+            "implement HandoffWorker: its requests cannot be handed off"
+        )
+    return worker
 
 
 WorkerFactory = Callable[..., WorkerProtocol]

@@ -215,6 +215,18 @@ class KvCache:
         """Layers whose K and V this cache holds."""
         return len(self._keys)
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by name (``k0``, ``v0``, ``k1``, ...): indexed by token slot on dim 0.
+
+        The buffers themselves, not copies: a prefill → decode handoff reads and writes them at
+        a request's slots (`specstate.handoff`), as `write` would.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for layer, (keys, values) in enumerate(zip(self._keys, self._values, strict=True)):
+            out[f"k{layer}"] = keys
+            out[f"v{layer}"] = values
+        return out
+
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores ``k``/``v`` ``[T, kv_heads, head_dim]`` of ``layer`` at token slots ``loc``.
 

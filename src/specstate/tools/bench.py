@@ -234,6 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specstate.tools import bench_budget
 
     bench_budget.add_parser(benches)
+    from specstate.tools import bench_pd
+
+    bench_pd.add_parser(benches)
     for sub in benches.choices.values():  # the benches of other modules show defaults too
         sub.formatter_class = shown
 
@@ -264,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "prefix": _run_prefix,
         "tp": bench_tp.run,
         "budget": _run_budget,
+        "pd": _run_pd,
     }
     return benches[args.bench](args)
 
@@ -272,6 +276,12 @@ def _run_budget(args: argparse.Namespace) -> int:
     from specstate.tools import bench_budget
 
     return bench_budget.run(args)
+
+
+def _run_pd(args: argparse.Namespace) -> int:
+    from specstate.tools import bench_pd
+
+    return bench_pd.run(args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ Subcommands:
 * ``specstate lint PATH...`` — the ownership linter (`specstate.tools.lint`).
 * ``specstate generate --model DIR ...`` — JSONL in, JSONL out (`specstate.tools.generate`).
 * ``specstate serve [--model DIR]`` — an OpenAI-compatible server (`specstate.tools.serve`).
-* ``specstate bench {host,compare,engine,overlap,serve,recurrent,grammar,prefix,tp}`` — host
+* ``specstate bench {host,compare,engine,overlap,serve,recurrent,grammar,prefix,tp,pd}`` — host
   time per round, serving load, the capabilities' costs (`specstate.tools.bench`).
 * ``specstate trace FILE`` — summarize a recorded trace, one request, Perfetto
   (`specstate.tools.trace`).

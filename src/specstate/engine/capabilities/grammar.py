@@ -298,7 +298,8 @@ class GrammarTable(RoundHook):
     def check(self, view: EngineView) -> None:
         """The invariants of the module docstring (`InvariantViolation` names the first broken)."""
         sched = view.scheduler
-        live = [*sched.waiting, *sched.prefilling, *sched.running]
+        arriving = [r for r, _ in sched.arriving]  # handed-off requests: not admitted yet
+        live = [*sched.waiting, *arriving, *sched.prefilling, *sched.running, *sched.parked]
         with_grammar = {r for r in live if r.sampling.grammar is not None}
         for req in with_grammar - self._states.keys():
             _fail_check("grammar-records", f"request {req.request_id}: a grammar but no state")
@@ -307,7 +308,7 @@ class GrammarTable(RoundHook):
                 _fail_check("grammar-records", f"request {req.request_id}: a state but not live")
         flight = view.in_flight
         busy = set() if flight is None else {id(r) for r in flight.plan.batch.reqs}
-        for req in [*sched.prefilling, *sched.running]:
+        for req in [*sched.prefilling, *sched.running, *sched.parked]:
             state = self._states.get(req)
             if state is None:
                 continue

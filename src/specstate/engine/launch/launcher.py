@@ -66,7 +66,7 @@ from specstate.engine.launch.result_check import (
     check_values,
 )
 from specstate.engine.launch.result_copy import HostResult, ResultCopy
-from specstate.engine.worker import WorkerProtocol
+from specstate.engine.worker import WorkerProtocol, handoff_worker
 from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
 from specstate.relay.streams import Event, Stream, make_stream
 
@@ -414,9 +414,15 @@ class Launcher:
                     flight.marks.append(time.perf_counter_ns())
                 with self._checker.acting(Role.WORKER):
                     try:
-                        result = self._worker.forward_batch_generation(
-                            forward, on_publish=on_publish
-                        )
+                        records = flight.plan.handoff
+                        if records is None:
+                            result = self._worker.forward_batch_generation(
+                                forward, on_publish=on_publish
+                            )
+                        else:  # handed-off requests: their state is written, not computed
+                            result = handoff_worker(self._worker).import_handoff(
+                                forward, records, on_publish=on_publish
+                            )
                     finally:
                         publish.returned = True  # a later call is refused
                 check_result_type(result)

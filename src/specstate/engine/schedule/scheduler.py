@@ -12,8 +12,15 @@ decode round for every running request, after retracting under KV pressure. The 
 (slots, sampling state, epochs) come from `specstate.engine.schedule.column_builder`; a decode
 round's persist from round to round in `specstate.engine.schedule.decode_rows`.
 
-Invariant: a waiting request holds no KV slot; a running or prefilling request holds exactly
-one; ``committed == prefill progress`` while a request prefills.
+Prefill → decode handoff (docs/handoff.md): a request submitted for handoff (`mark_handoff`) is
+*parked* once its last prefill chunk is launched instead of joining the running set: it holds its
+slot and pages, and no decode round is scheduled for it, until the engine releases it. A handed-off
+request arriving at a decode engine (`enqueue_arrival`) waits in ``arriving``; the next schedule
+admits arrivals first, whole (never chunked), in a batch of their own whose rows carry their
+records (`LaunchPlan.handoff`), and they join the running set like any finished prefill.
+
+Invariant: a waiting or arriving request holds no KV slot; a running, prefilling or parked request
+holds exactly one; ``committed == prefill progress`` while a request prefills.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from specstate.engine.schedule.column_builder import RowColumns
 from specstate.engine.schedule.decode_columns import DecodeColumns
 from specstate.engine.schedule.decode_rows import DecodeRows, DecodeRowsSnapshot
 from specstate.engine.settle.outputs import OutputTable
+from specstate.handoff.record import HandoffRecord
 from specstate.memory.allocation import KvAllocator
 from specstate.memory.host_arrays import IntArray
 from specstate.memory.prefix_cache import PrefixMatch
@@ -110,6 +118,14 @@ class Scheduler:
         self._running: dict[Req, None] = {}
         self.prefilling: list[Req] = []  # admitted, prefill not fully launched
         self.admitted: list[Req] = []  # admitted by the last `schedule` call (trace events)
+        # Handoff: requests to park after prefill, the parked ones (prefilled, held for a
+        # decode engine), and handed-off requests arriving with their records.
+        self._to_park: set[Req] = set()
+        self.parked: dict[Req, None] = {}
+        self.arriving: deque[tuple[Req, HandoffRecord]] = deque()
+        # Arrivals admitted (slot and room taken) whose import batch is not launched yet: the
+        # next schedule imports them first; they never prefill.
+        self._importing: dict[Req, HandoffRecord] = {}
         self._progress: dict[int, _Progress] = {}
         # The persistent decode rows.
         self._columns = RowColumns(
@@ -148,6 +164,14 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    def mark_handoff(self, req: Req) -> None:
+        """Park ``req`` (not yet admitted) after its prefill instead of decoding it."""
+        self._to_park.add(req)
+
+    def enqueue_arrival(self, req: Req, record: HandoffRecord) -> None:
+        """Queue a handed-off WAITING request with its record (admitted before any prefill)."""
+        self.arriving.append((req, record))
+
     def drop(self, req: Req) -> None:
         """Forget ``req`` wherever it is (it ended, or was retracted)."""
         self.drop_many((req,))
@@ -158,12 +182,23 @@ class Scheduler:
         popped = list(map(self._running.pop, reqs, repeat(False)))
         pairs = list(zip(reqs, popped, strict=True))
         self._rows.leave_many([req for req, was in pairs if was is None])
-        if False in popped:  # some were not running: prefilling or waiting
+        if False in popped:  # some were not running: prefilling, waiting, parked, arriving
             for req, was in pairs:
-                if was is False and req in self.prefilling:
+                if was is not False:
+                    continue
+                if req in self.prefilling:
                     self.prefilling.remove(req)
-                elif was is False and req in self.waiting:
+                elif req in self.waiting:
                     self.waiting.remove(req)
+                elif req in self.parked:
+                    del self.parked[req]
+                else:
+                    for entry in self.arriving:
+                        if entry[0] is req:
+                            self.arriving.remove(entry)
+                            break
+                self._to_park.discard(req)
+                self._importing.pop(req, None)
         deque(map(self._progress.pop, map(id, reqs), repeat(None)), maxlen=0)
 
     @property
@@ -179,7 +214,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """True while anything waits, prefills or runs."""
-        return bool(self.waiting or self._running or self.prefilling)
+        return bool(self.waiting or self._running or self.prefilling or self.arriving)
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> tuple[LaunchPlan | None, RetractionOutcome | None]:
@@ -191,12 +226,42 @@ class Scheduler:
                 return plan, None
             return self._schedule_decode()
 
+    def _schedule_arrivals(self) -> LaunchPlan | None:
+        """Admit arriving handed-off requests, whole, in a batch of their own (module docstring);
+        those admitted earlier whose import could not be launched go first."""
+        rows = [
+            (req, self._progress[id(req)].done, self._progress[id(req)].target)
+            for req in self._importing
+        ]
+        room = self._admission_room()
+        while self.arriving and self._num_admitted() < self._config.max_running:
+            req, record = self.arriving[0]
+            admitted = self._admit(req, room, req.seqlen, alone=True)
+            if admitted is None:
+                break
+            room, start = admitted
+            self.arriving.popleft()
+            self._importing[req] = record
+            rows.append((req, start, req.seqlen))
+        if not rows:
+            return None
+        plan = self._extend_plan(rows, handoff=tuple(self._importing[r] for r, _, _ in rows))
+        if plan is not None:
+            self._importing.clear()  # launched: they run from the next batch
+        return plan
+
     def _schedule_prefill(self) -> LaunchPlan | None:
+        if self.arriving or self._importing:
+            arrivals = self._schedule_arrivals()
+            if arrivals is not None:
+                return arrivals
         rows: list[tuple[Req, int, int]] = []  # (req, start, stop)
         budget = self._config.prefill_token_budget
         for req in list(self.prefilling):
             if budget <= 0:
                 break
+            if req in self._importing:  # an arrival: imported, never prefilled
+                continue
             prog = self._progress[id(req)]
             n = min(prog.target - prog.done, budget)
             rows.append((req, prog.done, prog.done + n))
@@ -278,7 +343,9 @@ class Scheduler:
             slots = self._decode_rows().slots_host
         return self._allocator.decode_tokens_needed(slots)
 
-    def _extend_plan(self, rows: list[tuple[Req, int, int]]) -> LaunchPlan | None:
+    def _extend_plan(
+        self, rows: list[tuple[Req, int, int]], *, handoff: tuple[HandoffRecord, ...] | None = None
+    ) -> LaunchPlan | None:
         reqs = [r for r, _, _ in rows]
         slots = self._columns.slots(reqs)
         ends = torch.tensor([stop for _, _, stop in rows], dtype=torch.int64)
@@ -287,7 +354,7 @@ class Scheduler:
         except KvPoolExhausted:
             return None  # memory went to decodes; try again after they settle or retract
         self._ledger.commit_extend(slots, ends)
-        tails = self._reserve_tails() if self._config.mixed_chunk else []
+        tails = self._reserve_tails() if self._config.mixed_chunk and handoff is None else []
         last_chunk: list[bool] = []
         ids: list[int] = []
         for req, start, stop in rows:
@@ -297,7 +364,11 @@ class Scheduler:
             ids.extend(fill[start:stop])
             last = stop == prog.target
             last_chunk.append(last)
-            if last:  # the last chunk is launched: the request decodes from the next batch
+            if last and req in self._to_park:  # handoff: held for a decode engine
+                self.prefilling.remove(req)
+                self._to_park.discard(req)
+                self.parked[req] = None
+            elif last:  # the last chunk is launched: the request decodes from the next batch
                 self.prefilling.remove(req)
                 self._running[req] = None
                 self._rows.join(req)
@@ -332,6 +403,7 @@ class Scheduler:
             epochs=epochs,
             last_chunk=tuple(last_chunk),
             relay_rows=self._device_index(continuing) if continuing else None,
+            handoff=handoff,
         )
 
     def _device_index(self, rows: Sequence[int]) -> torch.Tensor:

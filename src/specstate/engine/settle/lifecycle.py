@@ -114,7 +114,9 @@ class RequestLifecycle:
         if not self._aborts:
             return []
         sched = self._scheduler
-        reqs = [r for r in (*sched.waiting, *sched.prefilling, *sched.running) if r in self._aborts]
+        arriving = (r for r, _ in sched.arriving)
+        places = (*sched.waiting, *arriving, *sched.prefilling, *sched.running, *sched.parked)
+        reqs = [r for r in places if r in self._aborts]
         self.finish(reqs, [abort_finish(r, self._aborts[r]) for r in reqs], until_batch=until_batch)
         return reqs
 

@@ -141,6 +141,15 @@ class StateBuffers:
         """Bytes of every buffer held (what the state rows of this group cost)."""
         return sum(b.numel() * b.element_size() for layer in self._buffers for b in layer)
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer by name (``{group}.{layer}.{tensor}``), indexed by state row on dim 0:
+        the buffers themselves (a prefill → decode handoff copies one row of each)."""
+        return {
+            f"{self.group.name}.{layer}.{spec.name}": buffer
+            for layer, buffers in enumerate(self._buffers)
+            for spec, buffer in zip(self.group.tensors, buffers, strict=True)
+        }
+
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies of the state tensors of ``layer`` at ``rows``, in the group's order."""
         return tuple(buffer[rows] for buffer in self._buffers[layer])

@@ -120,6 +120,12 @@ class DraftModelWorker(TreeRoundWorker):
     def _draft_kv_caches(self) -> dict[str, KvCache]:
         return {"draft": self.draft_model.kv_cache}
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        return {}  # the drafter keeps only its KV (`kv_caches`)
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        return self.draft_model
+
     def _attach_draft(self, memory: WorkerMemory) -> None:
         self._drafter = build_model(
             self._draft_source,

@@ -140,6 +140,13 @@ class FeatureHeadWorker(TreeRoundWorker, Generic[HeadT]):
     def _draft_kv_caches(self) -> dict[str, KvCache]:
         return {"head": self.head.kv_cache}
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        return {"features": self.features}  # the target feature of every committed position
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        head = self.head
+        return head if isinstance(head, torch.nn.Module) else None
+
     def _attach_draft(self, memory: WorkerMemory) -> None:
         self._head = self._load_head(memory)
         self._features = torch.zeros(

@@ -64,6 +64,17 @@ class TokenHistory:
         history._table = req_to_token
         return history
 
+    @property
+    def slot_tokens(self) -> torch.Tensor:
+        """The tokens by KV slot ``[num_token_slots]`` (the buffer itself; a history by slot).
+
+        Raises:
+            InvalidConfig: the history is kept by request row.
+        """
+        if self._table is None:
+            raise InvalidConfig("a history by request row is not kept by KV slot")
+        return self._tokens
+
     def write(self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """Stores ``tokens[i]`` at position ``positions[i]`` of request slot ``slots[i]``."""
         table = self._table

@@ -138,6 +138,14 @@ class MtpWorker(ChainRoundWorker):
     def _draft_kv_caches(self) -> dict[str, KvCache]:
         return {"mtp": self.layers.kv_cache}
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        # The feature store is [L, slots, H]: by slot on dim 0 through a view, written in place.
+        return {"features": self.features.transpose(0, 1)}
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        layers = self.layers
+        return layers if isinstance(layers, torch.nn.Module) else None
+
     def _attach_draft(self, memory: WorkerMemory) -> None:
         network = self._target.network
         if not isinstance(network, PagedLlama | PagedHybrid):  # refused at construction

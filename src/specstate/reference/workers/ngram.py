@@ -91,6 +91,9 @@ class NgramWorker(ChainRoundWorker):
         )
         self._parallel = memory.parallel
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        return {"ngram.history": self.history.slot_tokens}
+
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         attention = out.attention
         self.history.write_at(attention.out_cache_loc, attention.input_ids)

@@ -38,6 +38,8 @@ never a ledger counter, a request, or a batch field.
 from __future__ import annotations
 
 import abc
+import hashlib
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -45,8 +47,9 @@ import torch
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.forward_mode import ForwardMode
 from specstate.batch.result import GenerationBatchResult
-from specstate.core.errors import InvalidConfig
+from specstate.core.errors import HandoffUnsupported, InvalidConfig
 from specstate.engine.worker import OnPublish, WorkerCapabilities, WorkerMemory
+from specstate.handoff.record import ROW, HandoffRecord, StateLayout
 from specstate.memory.prefix_cache import PrefixSharing
 from specstate.reference.model import KvCache, PagedLlama
 from specstate.reference.workers.layout import (
@@ -61,7 +64,18 @@ from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound"]
+__all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound", "parameter_digest"]
+
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of ``module``'s parameters and buffers: names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @attrs.frozen(kw_only=True)
@@ -154,6 +168,7 @@ class ChainRoundWorker(abc.ABC):
                 supports_verify_budgets=capabilities.speculative,
             )
         self._sampler = TokenSampler(seed)
+        self._identity: tuple[str, str] | None = None
 
     @property
     def capabilities(self) -> WorkerCapabilities:
@@ -178,6 +193,141 @@ class ChainRoundWorker(abc.ABC):
     def _draft_kv_caches(self) -> dict[str, KvCache]:
         """The drafter's own KV caches (none by default)."""
         return {}
+
+    # ------------------------------------------------------------ handoff (HandoffWorker)
+    def handoff_identity(self) -> tuple[str, str]:
+        """Digests of the target's and the drafter's parameters (computed once)."""
+        if self._identity is None:
+            drafter = self._handoff_drafter()
+            self._identity = (
+                parameter_digest(self.target_network),
+                "" if drafter is None else parameter_digest(drafter),
+            )
+        return self._identity
+
+    def handoff_layout(self) -> StateLayout:
+        """Every buffer this worker keeps by KV token slot: name, dtype, one position's shape."""
+        buffers = {**self._handoff_buffers(), **self._handoff_state_rows()}
+        return tuple((name, str(buf.dtype), tuple(buf.shape[1:])) for name, buf in buffers.items())
+
+    def export_handoff(
+        self, locs: torch.Tensor, *, state_row: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copies of every slot-kept buffer at token slots ``locs``, and of every recurrent
+        state buffer at ``state_row`` (`HandoffWorker`)."""
+        out = {
+            name: buf.index_select(0, locs.to(buf.device).long())
+            for name, buf in self._handoff_buffers().items()
+        }
+        rows = self._handoff_state_rows()
+        if rows and state_row is None:
+            raise InvalidConfig("export_handoff: a hybrid worker's export needs its state row")
+        for name, buf in rows.items():
+            assert state_row is not None
+            out[name] = buf.index_select(0, state_row.to(buf.device).long())[0]
+        return out
+
+    def import_handoff(
+        self,
+        batch: ForwardBatch,
+        records: Sequence[HandoffRecord],
+        *,
+        on_publish: OnPublish | None = None,
+    ) -> GenerationBatchResult:
+        """Write each record's slot state at the batch's new slots; its bonus is the "sampled"
+        token and its draft state the next payload (`HandoffWorker.import_handoff`)."""
+        buffers = self._handoff_buffers()
+        locs, prefix_lens, extend_lens = batch.out_cache_loc, batch.prefix_lens, batch.extend_lens
+        if locs is None or not isinstance(prefix_lens, tuple) or extend_lens is None:
+            raise InvalidConfig("import_handoff needs an EXTEND batch with host prefix lengths")
+        if len(records) != len(extend_lens):
+            raise InvalidConfig(
+                f"import_handoff: {len(records)} records for a batch of {len(extend_lens)} rows"
+            )
+        offset = 0
+        for record, start, count in zip(records, prefix_lens, extend_lens, strict=True):
+            at = locs[offset : offset + count].long()
+            offset += count
+            for name, buf in buffers.items():
+                part = record.slot_state[name][start : start + count]
+                buf.index_copy_(0, at.to(buf.device), part.to(device=buf.device, dtype=buf.dtype))
+        state_rows = self._handoff_state_rows()
+        if state_rows:  # each row's state after seq_lens tokens, at its own slot's rows
+            layout = self._target.memory.recurrent
+            if layout is None:
+                raise InvalidConfig("import_handoff: recurrent state without a state layout")
+            at_rows = layout.rows(batch.req_pool_indices, batch.seq_lens)
+            for name, buf in state_rows.items():
+                values = torch.stack([r.recurrent_state[name] for r in records])
+                buf.index_copy_(
+                    0, at_rows.to(buf.device), values.to(device=buf.device, dtype=buf.dtype)
+                )
+        device = batch.seq_lens.device
+        tokens = torch.tensor(
+            [r.draft_state.bonus_token for r in records], dtype=torch.int64, device=device
+        )
+        grammar = batch.grammar
+        if grammar is not None:  # the same token the prefill engine sampled under it
+            grammar.sample_masks()
+            grammar.accept_sampled(tokens)
+        _publish(on_publish, batch.seq_lens.long())
+        extras = [r.draft_state for r in records]
+
+        def stacked(name: str) -> torch.Tensor | None:
+            found = [getattr(d, name) for d in extras]
+            if any(t is None for t in found):
+                return None
+            return torch.stack([t for t in found if t is not None]).to(device)
+
+        payload = RelayPayload(
+            bonus_tokens=tokens,
+            hidden_states=stacked("hidden_states"),
+            topk_p=stacked("topk_p"),
+            topk_index=stacked("topk_index"),
+        )
+        invalid = torch.zeros(len(records), dtype=torch.bool, device=device)
+        return extend_result(tokens, batch.seq_lens, payload, invalid)
+
+    def _handoff_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer kept by KV token slot (dim 0), by name, in a fixed order.
+
+        Raises:
+            HandoffUnsupported: a recurrent (hybrid) state, a tree drafter, or a family that
+                does not say what its drafter keeps (`_draft_handoff_buffers`).
+        """
+        caps = self._capabilities
+        if caps.topk > 1:
+            raise HandoffUnsupported(f"{caps.algorithm}: a tree drafter (topk {caps.topk})")
+        out: dict[str, torch.Tensor] = {}
+        for owner, cache in self.kv_caches().items():
+            out.update({f"{owner}.{name}": buf for name, buf in cache.buffers().items()})
+        out["target.history"] = self._target.history.slot_tokens
+        out.update(self._draft_handoff_buffers())
+        return out
+
+    def _handoff_state_rows(self) -> dict[str, torch.Tensor]:
+        """Every recurrent state buffer (a hybrid target's, a hybrid drafter's), by name with
+        the `ROW` prefix, indexed by state row on dim 0; empty without recurrent state."""
+        out: dict[str, torch.Tensor] = {}
+        for owner, model in (("target", self.target_network), ("draft", self._handoff_drafter())):
+            states = getattr(model, "states", None)
+            if states is not None:
+                out.update({f"{ROW}{owner}.{n}": b for n, b in states.buffers().items()})
+        return out
+
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        """The drafter's slot-kept buffers besides its KV caches (`kv_caches`).
+
+        Default: refuse (a family that keeps draft state the engine does not know of would
+        otherwise hand off a drafter with holes).
+        """
+        raise HandoffUnsupported(
+            f"{self._capabilities.algorithm}: this worker family does not export its draft state"
+        )
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        """The drafter whose weights the descriptor digests (None: no drafter weights)."""
+        return None
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""
@@ -307,6 +457,9 @@ class PlainWorker(ChainRoundWorker):
 
     def _attach_draft(self, memory: WorkerMemory) -> None:
         del memory  # nothing drafts
+
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing drafts
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         return RelayPayload(bonus_tokens=out.next_tokens)
