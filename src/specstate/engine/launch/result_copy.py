@@ -90,8 +90,16 @@ class HostResult:
             invalid=None if result.invalid_rows is None else result.invalid_rows.numpy(),
             seq_lens=seq_lens.numpy(),
             logprobs=None if result.logprobs is None else _host_floats(result.logprobs, b),
-            top_ids=_host_top(result.top_logprob_ids, b, result.stride),
-            top_values=_host_top(result.top_logprob_values, b, result.stride),
+            top_ids=(
+                None
+                if result.top_logprob_ids is None
+                else _host_top(result.top_logprob_ids, b, result.stride)
+            ),
+            top_values=(
+                None
+                if result.top_logprob_values is None
+                else _host_top(result.top_logprob_values, b, result.stride)
+            ),
             verified=None if result.verified_lens is None else result.verified_lens.numpy(),
             confidences=(
                 None
@@ -114,12 +122,8 @@ def _host_floats(values: torch.Tensor, b: int) -> npt.NDArray[np.floating[Any]]:
     return out
 
 
-def _host_top(
-    values: torch.Tensor | None, b: int, stride: int
-) -> npt.NDArray[Any] | None:
+def _host_top(values: torch.Tensor, b: int, stride: int) -> npt.NDArray[Any]:
     """A host ``[b * stride, K]`` top-logprobs tensor as a ``[b, stride, K]`` array."""
-    if values is None:
-        return None
     if values.dtype in (torch.float16, torch.bfloat16):
         values = values.float()
     out: npt.NDArray[Any] = values.numpy().reshape(b, stride, -1)
@@ -129,7 +133,7 @@ def _host_top(
 def _top_width(result: GenerationBatchResult) -> int:
     """``K`` of the result's top logprobs (0: none)."""
     ids = result.top_logprob_ids
-    return 0 if ids is None or ids.dim() != 2 else int(ids.shape[1])
+    return 0 if ids is None or ids.dim() != 2 else int(ids.shape[1])  # check_form refuses 0
 
 
 class ResultCopy:
@@ -173,7 +177,7 @@ class ResultCopy:
             parts.append(result.verified_lens.long())
         if result.draft_confidences is not None:  # float32 bits too
             parts.append(result.draft_confidences.float().reshape(-1).view(torch.int32).long())
-        top = _top_width(result)
+        top = 0 if result.top_logprob_ids is None else _top_width(result)
         if top:  # ids, then float32 bits
             assert result.top_logprob_ids is not None and result.top_logprob_values is not None
             parts.append(_int64(result.top_logprob_ids).reshape(-1))
