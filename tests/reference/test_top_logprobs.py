@@ -221,9 +221,7 @@ def test_sampled_top_logprobs_follow_the_processed_distribution(
         reqs = [engine.submit(f"s{i}", p, q) for i, (p, q) in enumerate(requests)]
         run_checked(engine)
     for req in (reqs[0], reqs[2]):
-        dists = processed_log_distributions(
-            hf, req.prompt_ids, req.emitted_ids, temperature, top_p
-        )
+        dists = processed_log_distributions(hf, req.prompt_ids, req.emitted_ids, temperature, top_p)
         tops, logprobs = req.top_logprobs, req.logprobs
         assert tops is not None and logprobs is not None and len(tops) == NEW_TOKENS
         for top, token, logprob, dist in zip(tops, req.emitted_ids, logprobs, dists, strict=True):

@@ -61,8 +61,11 @@ class OutputSource(Protocol):
         """Log-probability of every settled output token of the request in ``slot``."""
         ...
 
-    def read_top_logprobs(self, slot: int) -> list[TopLogprobs]:
-        """The top alternatives of every settled output of the request in ``slot``."""
+    def read_top_logprobs(
+        self, slot: int, start: int = 0, stop: int | None = None
+    ) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` of the request in
+        ``slot``."""
         ...
 
     def output_counts(self, slots: list[int]) -> list[int]:
@@ -105,11 +108,11 @@ class Req:
         "_first_admitted_s",
         "_incarnation",
         "_logprobs",
-        "_top_logprobs",
         "_output_ids",
         "_slot",
         "_source",
         "_status",
+        "_top_logprobs",
         "_verified_lengths",
         "prompt_ids",
         "request_id",
@@ -275,11 +278,12 @@ class Req:
         end = len(values) if self._finish is None else self._finish.finished_len
         return tuple(values[:end])
 
-    def stored_top_logprobs(self) -> list[TopLogprobs]:
-        """The top alternatives of every settled output (also past a stop), as stored."""
+    def stored_top_logprobs(self, start: int = 0, stop: int | None = None) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` (also past a stop), as
+        stored (a streaming reader reads only its new positions)."""
         if self._source is not None:
-            return self._source.read_top_logprobs(self._slot)
-        return list(self._top_logprobs)
+            return self._source.read_top_logprobs(self._slot, start, stop)
+        return self._top_logprobs[start:stop]
 
     @property
     def cached_tokens(self) -> int:

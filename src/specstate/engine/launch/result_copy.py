@@ -6,11 +6,11 @@ host arrays (`HostResult`). Where they come from depends on where the worker's t
 * on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
   copy): `HostResult.view`;
 * on a device, the launch packs the accept lengths, the tokens, the published frontier, the
-  invalid-row flags, the logprobs (float32 bits) and the top logprobs into one int64 tensor right after the
-  forward and starts one non-blocking copy into a host buffer (pinned on CUDA, on a copy
-  stream that waits for the forward stream), then records an event: `ResultCopy.start`. The
-  host waits for that event when it settles the batch (`ResultCopy.wait`), never before,
-  and never reads a device tensor.
+  invalid-row flags, the logprobs (float32 bits) and the top logprobs into one int64 tensor
+  right after the forward and starts one non-blocking copy into a host buffer (pinned on
+  CUDA, on a copy stream that waits for the forward stream), then records an event:
+  `ResultCopy.start`. The host waits for that event when it settles the batch
+  (`ResultCopy.wait`), never before, and never reads a device tensor.
 
 Invariant: the launch path does not read any device value; the host reads a result only after
 its copy event.

@@ -228,13 +228,16 @@ class OutputTable:
         out: list[float] = self._output_logprobs[slot, :n].tolist()
         return out
 
-    def read_top_logprobs(self, slot: int) -> list[TopLogprobs]:
-        """The top alternatives of the settled outputs of ``slot`` (none for a row whose
-        request did not ask for them)."""
+    def read_top_logprobs(
+        self, slot: int, start: int = 0, stop: int | None = None
+    ) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` of ``slot`` (none for a
+        row whose request did not ask for them)."""
         table = self._top.get(slot)
         if table is None:
             return []
-        return _top_pairs(table, int(self._output_lengths[slot]))
+        n = int(self._output_lengths[slot])
+        return _top_pairs(table, min(n, n if stop is None else stop), start)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -542,9 +545,11 @@ class OutputTable:
             self._stops = wider
 
 
-def _top_pairs(table: tuple[IntArray, npt.NDArray[np.float32]], n: int) -> list[TopLogprobs]:
-    """The first ``n`` positions of a top-logprobs table as ``(id, logprob)`` pairs."""
-    ids, values = table[0][:n].tolist(), table[1][:n].tolist()
+def _top_pairs(
+    table: tuple[IntArray, npt.NDArray[np.float32]], n: int, start: int = 0
+) -> list[TopLogprobs]:
+    """Positions ``start:n`` of a top-logprobs table as ``(id, logprob)`` pairs."""
+    ids, values = table[0][start:n].tolist(), table[1][start:n].tolist()
     return [tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 

@@ -308,9 +308,7 @@ class TargetRunner:
             processed = out.logits if choice.logits is None else choice.logits
             logprobs = token_logprobs(processed, choice.probs, sampling, choice.tokens)
             if sampling.top_logprobs:
-                top = top_token_logprobs(
-                    processed, choice.probs, sampling, sampling.top_logprobs
-                )
+                top = top_token_logprobs(processed, choice.probs, sampling, sampling.top_logprobs)
         return TargetExtend(
             attention=attention,
             next_tokens=choice.tokens,
