@@ -264,6 +264,37 @@ def test_logprobs_are_the_engines(served: Served) -> None:
     assert logprobs.tokens is not None and len(logprobs.tokens) == 8
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_top_logprobs_are_the_engines(served: Served, stream: bool) -> None:
+    """logprobs=k: per returned token a dict of its k most likely alternatives' texts and
+    log-probabilities, the engine's own (`Req.top_logprobs`); greedy: the token is the first."""
+    prompt = prompt_ids(TEXTS[3])
+    sampling = SamplingParams(max_new_tokens=8, logprobs=True, top_logprobs=3)
+    with embedded_engine() as engine:
+        req = engine.submit("l", prompt, sampling)
+        engine.run_until_idle()
+        expected = req.top_logprobs
+    assert expected is not None and len(expected) == 8
+    created = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=stream
+    )
+    chunks = list(created) if stream else [created]
+    tokens: list[str] = []
+    tops: list[dict[str, float]] = []
+    for chunk in chunks:
+        logprobs = chunk.choices[0].logprobs
+        if logprobs is None or not logprobs.tokens:
+            continue
+        assert logprobs.top_logprobs is not None
+        tokens += logprobs.tokens
+        tops += logprobs.top_logprobs
+    assert len(tops) == len(tokens) == 8
+    for top, token, pairs in zip(tops, tokens, expected, strict=True):
+        texts = {embedded.decode([t]): v for t, v in reversed(pairs)}  # the likelier kept
+        assert top == pytest.approx(texts, abs=1e-5)
+        assert next(iter(top)) == token  # greedy: the emitted token is the most likely
+
+
 def _mixed_request(i: int) -> tuple[str, dict[str, Any], SamplingParams]:
     """Request ``i`` of the mixed load: greedy or seeded, speculating or not."""
     text = TEXTS[i % len(TEXTS)]
@@ -408,7 +439,8 @@ BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
     ("missing prompt", json.dumps({"model": MODEL}).encode(), "prompt"),
     ("batch of prompts", _body(prompt=["a", "b"]), "prompt"),
     ("negative temperature", _body(temperature=-1), "temperature"),
-    ("top logprobs", _body(logprobs=5), "logprobs"),
+    ("top logprobs past the maximum", _body(logprobs=21), "logprobs"),
+    ("negative logprobs", _body(logprobs=-1), "logprobs"),
     ("n above 1", _body(n=2), "n"),
     ("bool as int", _body(max_tokens=True), "max_tokens"),
     ("empty stop", _body(stop=[""]), "stop"),
