@@ -437,7 +437,8 @@ def test_each_line_has_its_own_seed(tmp_path: Path) -> None:
 def test_sampling_controls_and_logprobs_reach_the_engine(tmp_path: Path) -> None:
     """speculative / penalties / min_new_tokens / stop_sequences / logprobs / top_logprobs map
     onto SamplingParams: a stop sequence cuts the output after its first occurrence, logprobs
-    come back one per output token (top_logprobs: the token first among its alternatives), and a repetition penalty changes the greedy output."""
+    come back one per output token (top_logprobs: the token first among its alternatives), and
+    a repetition penalty changes the greedy output."""
     hf = make_checkpoint(tmp_path / "ckpt")
     prompt = [3, 4, 5]
     expected = greedy(hf, prompt, 16)

@@ -19,8 +19,8 @@ supplied; ``--no-prefix-cache`` turns the cache off), plus ``"text"`` (the outpu
 when the request gave ``"text"``, ``"logprobs"`` (one float per output token) when it asked
 for them, ``"top_logprobs"`` (per output token, its ``top_logprobs`` most likely
 ``[token id, logprob]`` pairs, most likely first; ``null`` for an alternative the sampling
-filters removed) when it asked for them (with ``logprobs``, at most 20), and ``"error"`` (the reason) for a request that ended with an error; the exit code is
-then 1.
+filters removed) when it asked for them (with ``logprobs``, at most 20), and ``"error"`` (the
+reason) for a request that ended with an error; the exit code is then 1.
 ``--trace FILE`` records the run (spans, rounds, events: the JSONL of `specstate.engine.trace`,
 read back by ``specstate trace FILE``) and ``--perfetto FILE`` writes its timeline as Chrome /
 Perfetto trace events. On a terminal a progress bar runs on stderr; at the end a summary
