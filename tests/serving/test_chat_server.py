@@ -358,7 +358,7 @@ def test_top_logprobs_are_the_engines(served: Served, stream: bool) -> None:
         top_logprobs=4,
         stream=stream,
     )
-    chunks = list(created) if stream else [created]
+    chunks: list[Any] = list(created) if stream else [created]
     content = [
         entry
         for chunk in chunks

@@ -278,7 +278,7 @@ def test_top_logprobs_are_the_engines(served: Served, stream: bool) -> None:
     created = served.client().completions.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=stream
     )
-    chunks = list(created) if stream else [created]
+    chunks: list[Any] = list(created) if stream else [created]
     tokens: list[str] = []
     tops: list[dict[str, float]] = []
     for chunk in chunks:
@@ -316,7 +316,7 @@ def test_top_logprobs_are_cut_with_a_stop_sequence(served: Served, stream: bool)
         stop=stop,
         stream=stream,
     )
-    chunks = list(created) if stream else [created]
+    chunks: list[Any] = list(created) if stream else [created]
     tokens: list[str] = []
     tops: list[dict[str, float]] = []
     for chunk in chunks:

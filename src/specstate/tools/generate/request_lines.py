@@ -142,7 +142,7 @@ def _top_logprobs(obj: dict[str, Any], where: str) -> int:
     top = obj.get("top_logprobs", 0)
     if not _is_id(top):
         raise InvalidRequest(f'{where}: "top_logprobs" must be an integer, got {top!r}')
-    return top
+    return int(top)
 
 
 def _grammar(obj: dict[str, Any], where: str) -> Grammar | None:
