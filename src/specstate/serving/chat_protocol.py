@@ -50,7 +50,7 @@ from specstate.serving.openai_protocol import (
 )
 from specstate.serving.text import TextCodec
 
-__all__ = ["MAX_TOP_LOGPROBS", "ChatRequest", "ToolSpec", "choice_seed", "parse_chat"]
+__all__ = ["ChatRequest", "ToolSpec", "choice_seed", "parse_chat"]
 
 """The engine records the chosen token's log-probability only: no alternatives."""
 ROLES: Final = ("system", "user", "assistant", "tool")
