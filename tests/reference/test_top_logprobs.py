@@ -192,7 +192,7 @@ def processed_log_distributions(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-@pytest.mark.parametrize("algorithm", ["draft_model", "dflash"])
+@pytest.mark.parametrize("algorithm", ["draft_model", "tree", "dflash"])
 def test_sampled_top_logprobs_follow_the_processed_distribution(
     ckpt: SpecCheckpoints, block_ckpt: BlockCheckpoints, algorithm: str, overlap: bool
 ) -> None:
@@ -201,7 +201,8 @@ def test_sampled_top_logprobs_follow_the_processed_distribution(
     if algorithm == "dflash":
         worker, hf, vocab = block_ckpt.worker("dflash"), block_ckpt.hf, block_ckpt.vocab_size
     else:
-        worker, hf, vocab = chain_worker(ckpt, algorithm), ckpt.hf, ckpt.vocab_size
+        topk = 2 if algorithm == "tree" else 1
+        worker, hf, vocab = chain_worker(ckpt, "draft_model", topk=topk), ckpt.hf, ckpt.vocab_size
     params = SamplingParams(
         max_new_tokens=NEW_TOKENS,
         temperature=temperature,
