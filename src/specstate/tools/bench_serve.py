@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -235,20 +235,18 @@ def _run_http(args: argparse.Namespace) -> Run:
     )
 
 
-async def _http_request(job: dict[str, Any], rid: str, clock: Timings) -> None:
-    """One streamed completion over a raw connection; its chunks timed as they arrive."""
-    body = json.dumps(
-        {
-            "model": "bench",
-            "prompt": list(_PROMPT),
-            "max_tokens": job["max_tokens"],
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
+async def stream_chunks(
+    job: dict[str, Any], path: str, payload: dict[str, Any], rid: str, clock: Timings
+) -> AsyncIterator[dict[str, Any]]:
+    """POST ``payload`` to ``path`` over a raw connection (``job``'s host and port) and yield
+    each streamed chunk, parsed, as it arrives; the request is sent at ``clock.send(rid)``.
+
+    Raises:
+        RuntimeError: a chunk carries an error.
+    """
+    body = json.dumps(payload).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {job['host']}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {job['host']}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
     ).encode()
@@ -265,9 +263,23 @@ async def _http_request(job: dict[str, Any], rid: str, clock: Timings) -> None:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"request {rid}: {chunk['error']}")
-            clock.tokens_in(rid, len(chunk["choices"][0]["token_ids"]))
+            yield chunk
     finally:
         writer.close()
+
+
+async def _http_request(job: dict[str, Any], rid: str, clock: Timings) -> None:
+    """One streamed completion over a raw connection; its chunks timed as they arrive."""
+    payload = {
+        "model": "bench",
+        "prompt": list(_PROMPT),
+        "max_tokens": job["max_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async for chunk in stream_chunks(job, "/v1/completions", payload, rid, clock):
+        clock.tokens_in(rid, len(chunk["choices"][0]["token_ids"]))
 
 
 def client_main() -> None:

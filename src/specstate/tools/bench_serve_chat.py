@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import attrs
 
-from specstate.tools.bench_serve import Run, Timings, summary_row
+from specstate.tools.bench_serve import Run, Timings, stream_chunks, summary_row
 
 __all__ = ["run_chat"]
 
@@ -105,44 +105,23 @@ async def _turn(
     job: dict[str, Any], history: list[dict[str, str]], rid: str, clock: Timings
 ) -> tuple[str, dict[str, Any]]:
     """One streamed chat turn over a raw connection; the reply and the usage."""
-    body = json.dumps(
-        {
-            "model": "bench",
-            "messages": history,
-            "max_completion_tokens": job["max_tokens"],
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {job['host']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    reader, writer = await asyncio.open_connection(job["host"], job["port"])
-    clock.send(rid)
-    writer.write(head + body)
-    await writer.drain()
+    payload = {
+        "model": "bench",
+        "messages": history,
+        "max_completion_tokens": job["max_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     reply: list[str] = []
     usage: dict[str, Any] = {}
-    try:
-        while line := await reader.readline():
-            if not line.startswith(b"data: "):
-                continue  # status, headers, chunk sizes, blank lines
-            if line.startswith(b"data: [DONE]"):
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"request {rid}: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content") or ""
-                reply.append(piece)
-                clock.tokens_in(rid, len(piece))  # a byte-level model: a character a token
-    finally:
-        writer.close()
+    async for chunk in stream_chunks(job, "/v1/chat/completions", payload, rid, clock):
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            piece = choice["delta"].get("content") or ""
+            reply.append(piece)
+            clock.tokens_in(rid, len(piece))  # a byte-level model: a character a token
     return "".join(reply), usage
 
 
