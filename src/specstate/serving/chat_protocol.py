@@ -36,6 +36,7 @@ from specstate.core.params import MAX_TOP_LOGPROBS, RequestLimits, SamplingParam
 from specstate.grammar.spec import Grammar
 from specstate.serving.chat_template import ChatTemplate, TemplateRenderError
 from specstate.serving.openai_protocol import (
+    COMPLETION_FIELDS,
     MAX_SEED,
     ApiError,
     check_known,
@@ -52,47 +53,22 @@ from specstate.serving.text import TextCodec
 
 __all__ = ["ChatRequest", "ToolSpec", "choice_seed", "parse_chat"]
 
-"""The engine records the chosen token's log-probability only: no alternatives."""
 ROLES: Final = ("system", "user", "assistant", "tool")
 TOOL_CHOICES: Final = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JSON_TYPES: Final = frozenset(
     {"object", "array", "string", "number", "integer", "boolean", "null"}
 )
-_FIELDS: Final = frozenset(
-    {
-        "model",
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "top_logprobs",
-        "n",
-        "frequency_penalty",
-        "presence_penalty",
-        "response_format",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "user",
-        "logit_bias",
-        # extensions
-        "speculative",
-        "speculative_stats",
-        "top_k",
-        "min_tokens",
-        "repetition_penalty",
-        "stop_token_ids",
-        "ignore_eos",
-        "grammar",
-    }
-)
+_FIELDS: Final = (COMPLETION_FIELDS - {"prompt", "best_of", "echo", "suffix"}) | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "speculative_stats",  # an extension
+}
+"""The fields of a chat request: a completion's, with messages for its prompt."""
 _MESSAGE_FIELDS: Final = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
