@@ -32,6 +32,7 @@ from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol, handoff_worker
 from specstate.handoff.link import serve_disaggregated
+from specstate.reference.workers import default_registry
 
 NEW_TOKENS = 12
 WAVE1 = [list(p) for p in MIXED_PROMPTS]
@@ -210,11 +211,12 @@ def test_hidden_state_families_through_prefill_and_decode(
     assert 1.0 < run.mean_accept < 3.0  # partial acceptance (two MTP layers; eagle3 at 2 steps+)
 
 
-def test_a_family_without_an_export_is_refused(ckpt: SpecCheckpoints) -> None:
-    """Frozen-KV MTP does not hand off yet: refused at submit_prefill, nothing queued."""
+def test_a_worker_that_does_not_export_is_refused(ckpt: SpecCheckpoints) -> None:
+    """A tree drafter does not hand off yet: refused at submit_prefill, nothing queued."""
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
-    with Engine(_worker(ckpt, "frozen_kv_mtp"), limits=limits, config=checked_config()) as engine:
-        with pytest.raises(HandoffUnsupported, match="frozen_kv_mtp"):
+    worker = default_registry().create("eagle", **ckpt.options("eagle"), topk=2)
+    with Engine(worker, limits=limits, config=checked_config()) as engine:
+        with pytest.raises(HandoffUnsupported, match="tree"):
             engine.submit_prefill("r", WAVE1[0], SamplingParams(max_new_tokens=3))
         assert engine.is_idle and pools_full(engine)
 

@@ -64,13 +64,23 @@ from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound", "parameter_digest"]
+__all__ = [
+    "ChainRoundWorker",
+    "PlainWorker",
+    "VerifiedRound",
+    "parameter_digest",
+    "tensor_digest",
+]
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
     """SHA-256 of ``module``'s parameters and buffers: names, dtypes, shapes and bytes."""
+    return tensor_digest([*module.named_parameters(), *module.named_buffers()])
+
+
+def tensor_digest(tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors (in name order): names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
-    tensors = [*module.named_parameters(), *module.named_buffers()]
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
@@ -198,12 +208,14 @@ class ChainRoundWorker(abc.ABC):
     def handoff_identity(self) -> tuple[str, str]:
         """Digests of the target's and the drafter's parameters (computed once)."""
         if self._identity is None:
-            drafter = self._handoff_drafter()
-            self._identity = (
-                parameter_digest(self.target_network),
-                "" if drafter is None else parameter_digest(drafter),
-            )
+            self._identity = (parameter_digest(self.target_network), self._drafter_digest())
         return self._identity
+
+    def _drafter_digest(self) -> str:
+        """The digest of the drafter's weights ("" without any): `_handoff_drafter`'s
+        parameters by default; a family whose drafter is not one module says its own."""
+        drafter = self._handoff_drafter()
+        return "" if drafter is None else parameter_digest(drafter)
 
     def handoff_layout(self) -> StateLayout:
         """Every buffer this worker keeps by KV token slot: name, dtype, one position's shape."""
@@ -251,6 +263,7 @@ class ChainRoundWorker(abc.ABC):
             for name, buf in buffers.items():
                 part = record.slot_state[name][start : start + count]
                 buf.index_copy_(0, at.to(buf.device), part.to(device=buf.device, dtype=buf.dtype))
+        self._imported(locs.long())
         state_rows = self._handoff_state_rows()
         if state_rows:  # each row's state after seq_lens tokens, at its own slot's rows
             layout = self._target.memory.recurrent
@@ -328,6 +341,11 @@ class ChainRoundWorker(abc.ABC):
     def _handoff_drafter(self) -> torch.nn.Module | None:
         """The drafter whose weights the descriptor digests (None: no drafter weights)."""
         return None
+
+    def _imported(self, slots: torch.Tensor) -> None:
+        """An import wrote every slot-kept buffer at ``slots`` (the batch's new slots): the
+        state a prefill would have left there. A family that tracks its writes records it."""
+        del slots
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""
