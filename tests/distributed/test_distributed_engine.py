@@ -103,3 +103,17 @@ def test_result_digest_sees_every_settled_field() -> None:
     )
     invalid = attrs.evolve(host([2, 1], [[4, 5], [6, 0]]), invalid=np.array([False, True]))
     assert not np.array_equal(base, result_digest(invalid))
+    ids = np.array([[[4, 3], [5, 1]], [[6, 2], [0, 0]]], dtype=np.int64)
+    values = np.array([[[-0.5, -1.0], [-1.25, -2.0]], [[-2.0, -3.0], [0.0, 0.0]]], np.float32)
+    with_top = attrs.evolve(with_logprobs, top_ids=ids, top_values=values)
+    assert not np.array_equal(result_digest(with_logprobs), result_digest(with_top))
+    other_ids = ids.copy()
+    other_ids[0, 0] = [3, 4]  # the same alternatives in another order
+    assert not np.array_equal(
+        result_digest(with_top), result_digest(attrs.evolve(with_top, top_ids=other_ids))
+    )
+    other_values = values.copy()
+    other_values[1, 0, 1] = np.nextafter(values[1, 0, 1], np.float32(0))
+    assert not np.array_equal(
+        result_digest(with_top), result_digest(attrs.evolve(with_top, top_values=other_values))
+    )

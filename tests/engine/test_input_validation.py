@@ -42,6 +42,10 @@ BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
     "string stop ids": ({"stop_token_ids": ["3"]}, "stop_token_ids must be integers"),
     "bool stop ids": ({"stop_token_ids": [True]}, "stop_token_ids must be integers"),
     "integer ignore_eos": ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+    "top_logprobs without logprobs": ({"top_logprobs": 2}, "top_logprobs=2 needs logprobs=True"),
+    "top_logprobs past the maximum": ({"top_logprobs": 21}, r"top_logprobs must be .* \[0, 20\]"),
+    "negative top_logprobs": ({"top_logprobs": -1}, "top_logprobs must be an integer in"),
+    "fractional top_logprobs": ({"top_logprobs": 1.5}, "top_logprobs must be an integer in"),
 }
 
 
@@ -87,6 +91,11 @@ def test_a_refusal_names_the_request_fields_at_fault() -> None:
             SamplingParams(presence_penalty=0.5, logprobs=True),
             ("presence_penalty", "logprobs"),
         ),
+        (
+            [1],
+            SamplingParams(logprobs=True, top_logprobs=3),  # neither is declared
+            ("logprobs", "top_logprobs"),
+        ),
         ([1] * 1000, SamplingParams(max_new_tokens=25), ("max_new_tokens",)),  # the context
         ([1], SamplingParams(max_new_tokens=600), ("max_new_tokens",)),  # the pool
     ]
@@ -101,6 +110,16 @@ def test_a_refusal_names_the_request_fields_at_fault() -> None:
             with pytest.raises(InvalidRequest) as info:
                 engine.submit(request_id, [1], SamplingParams())  # type: ignore[arg-type]
             assert info.value.fields == ("request_id",), info.value
+
+
+def test_top_logprobs_past_the_vocabulary_are_refused() -> None:
+    """``top_logprobs`` is at most the vocabulary size too (a vocabulary under 20 tokens)."""
+    tiny = RequestLimits(vocab_size=8, max_context_len=64)
+    assert SamplingParams(logprobs=True, top_logprobs=8).problems(tiny.vocab_size) == []
+    problems = SamplingParams(logprobs=True, top_logprobs=9).problems(tiny.vocab_size)
+    assert problems == [
+        "top_logprobs must be an integer in [0, 8] (at most 20 and the vocabulary size 8), got 9"
+    ]
 
 
 def test_a_string_of_stop_ids_is_not_a_collection() -> None:

@@ -1,10 +1,10 @@
 """The sampling controls keep the placement rule: audited on ``device="cpu:0"``.
 
-With every control in one batch (penalties, ``min_new_tokens``, seeds, logprobs, a
-non-speculative row, stop sequences) no op mixes host and device tensors anywhere, the launch
-reads no device value and copies nothing host-to-device, and a steady overlap decode round
-still makes exactly one device-to-host copy (the packed result, logprobs included) and no host
-read of a device value in settlement.
+With every control in one batch (penalties, ``min_new_tokens``, seeds, logprobs and top
+logprobs, a non-speculative row, stop sequences) no op mixes host and device tensors anywhere,
+the launch reads no device value and copies nothing host-to-device, and a steady overlap decode
+round still makes exactly one device-to-host copy (the packed result, logprobs and top logprobs
+included) and no host read of a device value in settlement.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specstate.engine.invariants import check_engine
 from specstate.testing.device_audit import DeviceAudit
 
 PARAMS = (
-    SamplingParams(max_new_tokens=30, repetition_penalty=1.3, logprobs=True),
+    SamplingParams(max_new_tokens=30, repetition_penalty=1.3, logprobs=True, top_logprobs=4),
     SamplingParams(max_new_tokens=30, temperature=0.8, seed=3, frequency_penalty=0.2),
     SamplingParams(max_new_tokens=30, speculative=False, presence_penalty=0.4),
     SamplingParams(max_new_tokens=30, min_new_tokens=5, stop_sequences=[(1, 2, 3)]),
@@ -86,3 +86,5 @@ def test_controls_keep_the_placement_rule(ckpt: SpecCheckpoints, algorithm: str)
     assert steady[("sync", "host")] == 0 and steady[("d2h", "launch")] == rounds, steady
     assert all(r.finish is not None for r in reqs)
     assert reqs[0].logprobs is not None and len(reqs[0].logprobs) == len(reqs[0].emitted_ids)
+    tops = reqs[0].top_logprobs
+    assert tops is not None and [top[0][0] for top in tops] == list(reqs[0].emitted_ids)

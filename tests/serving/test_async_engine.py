@@ -36,6 +36,7 @@ from specstate import (
 )
 from specstate.batch.forward_batch import ForwardBatch
 from specstate.batch.result import GenerationBatchResult
+from specstate.core.request import Req, TopLogprobs
 from specstate.engine.worker import OnPublish, WorkerProtocol
 from specstate.tools.timed_worker import TimedWaitWorker
 
@@ -158,6 +159,33 @@ def test_generate_yields_tokens_then_the_finish_last(partial_ckpt: SpecCheckpoin
     assert all(finish is None for _, finish in events[:-1])
     assert events[-1][1] is not None
     assert [t for tokens, _ in events for t in tokens] == greedy(partial_ckpt.hf, [5, 6, 7], NEW)
+
+
+def test_a_stream_carries_logprobs_and_top_logprobs_aligned(partial_ckpt: SpecCheckpoints) -> None:
+    """A stream's ``logprobs`` and ``top_logprobs`` grow with its events, one per token, and
+    end equal to the request's; greedy: each token is the first of its alternatives."""
+
+    async def main() -> tuple[list[int], list[float], list[TopLogprobs], Req]:
+        worker = partial_ckpt.worker("draft_model", num_steps=3, agreeing=False)
+        async with AsyncEngine(spec_engine(partial_ckpt, worker, overlap=True)) as front:
+            sampling = SamplingParams(max_new_tokens=NEW, logprobs=True, top_logprobs=4)
+            stream = await front.submit("t", [5, 6, 7], sampling)
+            tokens: list[int] = []
+            async with stream:
+                async for event in stream:
+                    tokens += event.tokens
+                    assert stream.top_logprobs is not None and stream.logprobs is not None
+                    assert len(stream.top_logprobs) == len(stream.logprobs) == len(tokens)
+            assert max(stream.accept_lengths) > 1  # runs of several tokens per event
+            assert stream.logprobs is not None and stream.top_logprobs is not None
+            req = await front.read(lambda e: e.request("t"))
+            return tokens, stream.logprobs, stream.top_logprobs, req
+
+    tokens, logprobs, tops, req = run(main())
+    assert tokens == greedy(partial_ckpt.hf, [5, 6, 7], NEW)
+    assert tuple(tops) == req.top_logprobs and tuple(logprobs) == req.logprobs
+    assert [top[0][0] for top in tops] == tokens
+    assert [top[0][1] for top in tops] == pytest.approx(logprobs, abs=1e-6)
 
 
 def test_cancelling_the_consumer_aborts_and_releases_kv() -> None:

@@ -336,6 +336,47 @@ def test_logprobs_stop_and_stop_token_ids_are_the_engines(served: Served) -> Non
     assert ids_of(by_id) == direct_ids[: direct_ids.index(direct_ids[5]) + 1]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_top_logprobs_are_the_engines(served: Served, stream: bool) -> None:
+    """``top_logprobs: k`` gives each token's k most likely alternatives (text, logprob,
+    bytes), the engine's own (`Req.top_logprobs`); greedy: the chosen token is the first."""
+    client = served.client()
+    prompt = rendered(CONVERSATION)
+    with engine() as direct:
+        sampling = SamplingParams(max_new_tokens=12, logprobs=True, top_logprobs=4)
+        req = direct.submit("top", prompt, sampling)
+        direct.run_until_idle()
+    expected = req.top_logprobs
+    assert expected is not None and len(expected) == 12
+    created = chat(
+        client,
+        model=MODEL,
+        messages=CONVERSATION,
+        max_completion_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        stream=stream,
+    )
+    chunks: list[Any] = list(created) if stream else [created]
+    content = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chunk.choices[0].logprobs.content or ()
+    ]
+    assert len(content) == 12
+    for entry, pairs in zip(content, expected, strict=True):
+        want = [embedded.decode([t]) for t, _ in pairs]
+        assert [a.token for a in entry.top_logprobs] == want
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(
+            [v for _, v in pairs], abs=1e-5
+        )
+        assert [a.bytes for a in entry.top_logprobs] == [list(w.encode()) for w in want]
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+
+
 def test_response_format_constrains_chat_as_the_engine_does(served: Served) -> None:
     """``response_format`` json_schema on chat: the engine's constrained tokens, valid JSON."""
     schema = {
@@ -479,7 +520,8 @@ BAD_INPUTS: list[tuple[dict[str, Any], str]] = [
     ),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"n": MAX_N + 1}, "n"),
-    ({"logprobs": True, "top_logprobs": 1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": 5000}, "max_completion_tokens"),
     ({"stop": 7}, "stop"),

@@ -264,6 +264,76 @@ def test_logprobs_are_the_engines(served: Served) -> None:
     assert logprobs.tokens is not None and len(logprobs.tokens) == 8
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_top_logprobs_are_the_engines(served: Served, stream: bool) -> None:
+    """logprobs=k: per returned token a dict of its k most likely alternatives' texts and
+    log-probabilities, the engine's own (`Req.top_logprobs`); greedy: the token is the first."""
+    prompt = prompt_ids(TEXTS[3])
+    sampling = SamplingParams(max_new_tokens=8, logprobs=True, top_logprobs=3)
+    with embedded_engine() as engine:
+        req = engine.submit("l", prompt, sampling)
+        engine.run_until_idle()
+        expected = req.top_logprobs
+    assert expected is not None and len(expected) == 8
+    created = served.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=stream
+    )
+    chunks: list[Any] = list(created) if stream else [created]
+    tokens: list[str] = []
+    tops: list[dict[str, float]] = []
+    for chunk in chunks:
+        logprobs = chunk.choices[0].logprobs
+        if logprobs is None or not logprobs.tokens:
+            continue
+        assert logprobs.top_logprobs is not None
+        tokens += logprobs.tokens
+        tops += logprobs.top_logprobs
+    assert len(tops) == len(tokens) == 8
+    for top, token, pairs in zip(tops, tokens, expected, strict=True):
+        texts = {embedded.decode([t]): v for t, v in reversed(pairs)}  # the likelier kept
+        assert top == pytest.approx(texts, abs=1e-5)
+        assert next(iter(top)) == token  # greedy: the emitted token is the most likely
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_top_logprobs_are_cut_with_a_stop_sequence(served: Served, stream: bool) -> None:
+    """A stop cut from the output takes its tokens' alternatives with it: one dict per
+    returned token, the engine's, held back and released with the tokens while streaming."""
+    prompt = prompt_ids(TEXTS[0])
+    sampling = SamplingParams(max_new_tokens=NEW, logprobs=True, top_logprobs=2)
+    with embedded_engine() as engine:
+        req = engine.submit("l", prompt, sampling)
+        engine.run_until_idle()
+    expected = req.top_logprobs
+    assert expected is not None
+    stop = embedded.decode(list(req.emitted_ids[5:7]))  # a stop the greedy output contains
+    created = served.client().completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=NEW,
+        temperature=0,
+        logprobs=2,
+        stop=stop,
+        stream=stream,
+    )
+    chunks: list[Any] = list(created) if stream else [created]
+    tokens: list[str] = []
+    tops: list[dict[str, float]] = []
+    for chunk in chunks:
+        logprobs = chunk.choices[0].logprobs
+        if logprobs is not None and logprobs.tokens:
+            assert logprobs.top_logprobs is not None
+            assert len(logprobs.top_logprobs) == len(logprobs.tokens)
+            tokens += logprobs.tokens
+            tops += logprobs.top_logprobs
+    kept = "".join(c.choices[0].text for c in chunks)
+    full = embedded.decode(list(req.emitted_ids))
+    assert kept == full[: full.index(stop)] and kept.strip()
+    assert "".join(tokens) == kept and len(tops) == len(tokens) < len(expected)
+    for top, pairs in zip(tops, expected, strict=False):
+        assert top == pytest.approx({embedded.decode([t]): v for t, v in reversed(pairs)}, abs=1e-5)
+
+
 def _mixed_request(i: int) -> tuple[str, dict[str, Any], SamplingParams]:
     """Request ``i`` of the mixed load: greedy or seeded, speculating or not."""
     text = TEXTS[i % len(TEXTS)]
@@ -408,7 +478,8 @@ BAD_REQUESTS: list[tuple[str, bytes, str | None]] = [
     ("missing prompt", json.dumps({"model": MODEL}).encode(), "prompt"),
     ("batch of prompts", _body(prompt=["a", "b"]), "prompt"),
     ("negative temperature", _body(temperature=-1), "temperature"),
-    ("top logprobs", _body(logprobs=5), "logprobs"),
+    ("top logprobs past the maximum", _body(logprobs=21), "logprobs"),
+    ("negative logprobs", _body(logprobs=-1), "logprobs"),
     ("n above 1", _body(n=2), "n"),
     ("bool as int", _body(max_tokens=True), "max_tokens"),
     ("empty stop", _body(stop=[""]), "stop"),

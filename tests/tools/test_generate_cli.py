@@ -129,6 +129,7 @@ def test_bad_input_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
         ('{"id": "a", "input_ids": [1], "top_k": 2.5}', '"top_k" must be an integer >= 1'),
         ('{"id": "a", "input_ids": [1], "seed": -1}', '"seed" must be an integer in [0, 2^63)'),
         ('{"id": "a", "input_ids": [1], "logprobs": 1}', '"logprobs" must be true or false'),
+        ('{"id": "a", "input_ids": [1], "top_logprobs": 1.5}', '"top_logprobs" must be an'),
         ('{"id": "a", "input_ids": [1], "speculative": "no"}', '"speculative" must be true or'),
         ('{"id": "a", "input_ids": [1], "repetition_penalty": "2"}', '"repetition_penalty" must'),
         ('{"id": "a", "input_ids": [1], "min_new_tokens": 1.5}', '"min_new_tokens" must be an'),
@@ -434,16 +435,17 @@ def test_each_line_has_its_own_seed(tmp_path: Path) -> None:
 
 
 def test_sampling_controls_and_logprobs_reach_the_engine(tmp_path: Path) -> None:
-    """speculative / penalties / min_new_tokens / stop_sequences / logprobs map onto
-    SamplingParams: a stop sequence cuts the output after its first occurrence, logprobs come
-    back one per output token, and a repetition penalty changes the greedy output."""
+    """speculative / penalties / min_new_tokens / stop_sequences / logprobs / top_logprobs map
+    onto SamplingParams: a stop sequence cuts the output after its first occurrence, logprobs
+    come back one per output token (top_logprobs: the token first among its alternatives), and
+    a repetition penalty changes the greedy output."""
     hf = make_checkpoint(tmp_path / "ckpt")
     prompt = [3, 4, 5]
     expected = greedy(hf, prompt, 16)
     stop = expected[5:7]
     rows = [
         {"id": "plain", "input_ids": prompt, "max_new_tokens": 16, "logprobs": True,
-         "speculative": False},
+         "top_logprobs": 3, "speculative": False},
         {"id": "stop", "input_ids": prompt, "max_new_tokens": 16, "stop_sequences": [stop]},
         {"id": "penalized", "input_ids": prompt, "max_new_tokens": 16,
          "repetition_penalty": 3.0, "frequency_penalty": 0.5, "presence_penalty": 0.5,
@@ -458,6 +460,13 @@ def test_sampling_controls_and_logprobs_reach_the_engine(tmp_path: Path) -> None
     assert set(got["plain"]["accept_lengths"]) == {1}  # speculative: false
     logprobs = got["plain"]["logprobs"]
     assert len(logprobs) == 16 and all(lp <= 0.0 for lp in logprobs)
+    tops = got["plain"]["top_logprobs"]  # greedy: the output token is the most likely
+    assert len(tops) == 16
+    for top, token, logprob in zip(tops, expected, logprobs, strict=True):
+        assert len(top) == 3 and top[0][0] == token
+        assert top[0][1] == pytest.approx(logprob, abs=1e-6)
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    assert "top_logprobs" not in got["stop"]
     first = next(i for i in range(len(expected)) if expected[i : i + 2] == stop)
     assert got["stop"]["output_ids"] == expected[: first + 2]
     assert got["stop"]["finish_reason"] == "stop"

@@ -130,10 +130,11 @@ def _docs_page() -> str:
 
 def _docs_curls(port: int) -> list[list[str]]:
     """The curl commands of docs/serving.md (completions: plain, structured; chat: plain,
-    streamed, n choices, a tool call, JSON, a second turn), pointed at ``port``."""
+    streamed, n choices, a tool call, JSON, a second turn; top logprobs: a completion, a
+    chat), pointed at ``port``."""
     text = _docs_page()
     lines = re.findall(r"^\$ (curl .*)$", text, re.M)
-    assert len(lines) == 8, lines
+    assert len(lines) == 10, lines
     return [shlex.split(line.replace("127.0.0.1:8000", f"127.0.0.1:{port}")) for line in lines]
 
 
@@ -147,7 +148,7 @@ def _check_chat_answers(answers: list[str], engine: Engine) -> None:
     template = load_chat_template(embedded.target_dir())
     assert template is not None
     curls = [shlex.split(line) for line in re.findall(r"^\$ (curl .*)$", _docs_page(), re.M)]
-    bodies = [json.loads(curl[curl.index("-d") + 1]) for curl in curls[2:]]
+    bodies = [json.loads(curl[curl.index("-d") + 1]) for curl in curls[2:8]]
     prompts = [
         [embedded.BOS_ID, *embedded.encode(template.render(b["messages"]))] for b in bodies[:2]
     ]
@@ -183,6 +184,44 @@ def _check_chat_answers(answers: list[str], engine: Engine) -> None:
     assert turn["choices"][0]["finish_reason"] in ("stop", "length")
     if turn["choices"][0]["finish_reason"] == "stop":
         assert turn["choices"][0]["token_ids"][-1] == 10
+
+
+def _check_top_answers(answers: list[str], engine: Engine) -> None:
+    """The top-logprobs curls' answers: per token its 3 alternatives, `Engine`'s
+    (`Req.top_logprobs`) on the same prompt, the greedy token first."""
+    from specstate.serving.chat_template import load_chat_template
+
+    template = load_chat_template(embedded.target_dir())
+    assert template is not None
+    curls = [shlex.split(line) for line in re.findall(r"^\$ (curl .*)$", _docs_page(), re.M)]
+    completion_body, chat_body = (json.loads(c[c.index("-d") + 1]) for c in curls[8:])
+    prompts = [
+        [embedded.BOS_ID, *embedded.encode(completion_body["prompt"])],
+        [embedded.BOS_ID, *embedded.encode(template.render(chat_body["messages"]))],
+    ]
+    sampling = SamplingParams(max_new_tokens=4, logprobs=True, top_logprobs=3)
+    reqs = [engine.submit(f"top{i}", p, sampling) for i, p in enumerate(prompts)]
+    engine.run_until_idle()
+    expected = [req.top_logprobs for req in reqs]
+    assert expected[0] is not None and expected[1] is not None
+    completion = json.loads(answers[0])["choices"][0]["logprobs"]
+    assert len(completion["top_logprobs"]) == len(expected[0]) == 4
+    for token, top, pairs in zip(
+        completion["tokens"], completion["top_logprobs"], expected[0], strict=True
+    ):
+        assert next(iter(top)) == token
+        want = {embedded.decode([t]): v for t, v in reversed(pairs)}
+        assert top == pytest.approx(want, abs=1e-5)
+    content = json.loads(answers[1])["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(expected[1]) == 4
+    for entry, pairs in zip(content, expected[1], strict=True):
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert [a["token"] for a in entry["top_logprobs"]] == [
+            embedded.decode([t]) for t, _ in pairs
+        ]
+        assert [a["logprob"] for a in entry["top_logprobs"]] == pytest.approx(
+            [v for _, v in pairs], abs=1e-5
+        )
 
 
 def _wait_healthy(url: str, server: subprocess.Popen[str]) -> None:
@@ -244,7 +283,8 @@ def test_serve_on_a_fresh_install_answers_the_docs_curls() -> None:
         )
         obj = engine.submit("o", [embedded.BOS_ID, *embedded.encode("x = ")], as_object)
         engine.run_until_idle()
-        _check_chat_answers([c.stdout for c in chats], engine)
+        _check_chat_answers([c.stdout for c in chats[:6]], engine)
+        _check_top_answers([c.stdout for c in chats[6:]], engine)
     assert answer["model"] == "specstate-embedded"
     assert answer["choices"][0]["token_ids"] == list(req.emitted_ids)
     assert answer["choices"][0]["text"] == embedded.decode(req.emitted_ids)

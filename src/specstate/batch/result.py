@@ -49,6 +49,13 @@ class GenerationBatchResult:
             ``next_token_ids``: the log-probability of each accepted token under the target's
             final (processed) distribution. Required when a row of the batch asks for logprobs
             (``batch.sampling_info.logprobs``), else None; entries past a run are ignored.
+        top_logprob_ids: ``[batch_size * stride, K]`` integer, aligned with
+            ``next_token_ids``: the ``K`` most likely tokens at each position under the same
+            final distribution as ``logprobs``, most likely first (ties by token id), ``K``
+            the batch's ``sampling_info.top_logprobs``. Required with
+            ``top_logprob_values`` when that is above 0, else None.
+        top_logprob_values: ``[batch_size * stride, K]`` floating point, their
+            log-probabilities.
         verified_lens: ``[batch_size]`` int, the drafts each row of a decode round verified,
             at most its budget (``ForwardBatch.verify_budgets``, else the round's width): a
             row accepts at most ``verified_lens[i] + 1`` tokens. None: every row verified its
@@ -68,6 +75,8 @@ class GenerationBatchResult:
     copy_done: Event | None = None
     invalid_rows: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprob_values: torch.Tensor | None = None
     verified_lens: torch.Tensor | None = None
     draft_confidences: torch.Tensor | None = None
 

@@ -164,6 +164,8 @@ class SamplingInfo:
         speculative_host: the same flags as a host array (the engine checks accept lengths
             against it without reading the device), or None when every row speculates.
         logprobs: True when some row asks for the log-probabilities of its tokens (host).
+        top_logprobs: the most alternatives a row asks for per token (``top_logprobs``,
+            host; 0: none): the worker reports that many for every row.
     """
 
     temperatures: torch.Tensor
@@ -182,6 +184,7 @@ class SamplingInfo:
     speculative: torch.Tensor | None = None
     speculative_host: npt.NDArray[np.bool_] | None = attrs.field(default=None, eq=False)
     logprobs: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def from_params(
@@ -246,6 +249,7 @@ class SamplingInfo:
             speculative=None if spec_host is None else torch.tensor(flags, device=device),
             speculative_host=spec_host,
             logprobs=any(p.logprobs for p in params),
+            top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
 
     @property
@@ -319,6 +323,7 @@ class SamplingInfo:
             speculative=None if spec_host is None else _rows(self.speculative, rows),
             speculative_host=spec_host,
             logprobs=self.logprobs,  # a superset is harmless: the worker computes more
+            top_logprobs=self.top_logprobs,
         )
 
     def with_rows(
@@ -361,6 +366,7 @@ class SamplingInfo:
             else put(self.speculative, values.speculative, True),
             speculative_host=spec_host,
             logprobs=self.logprobs or values.logprobs,  # a superset is harmless
+            top_logprobs=max(self.top_logprobs, values.top_logprobs),
         )
 
     def concat(self, other: SamplingInfo) -> SamplingInfo:
@@ -405,6 +411,7 @@ class SamplingInfo:
             speculative=speculative,
             speculative_host=spec_host,
             logprobs=self.logprobs or other.logprobs,
+            top_logprobs=max(self.top_logprobs, other.top_logprobs),
         )
 
 

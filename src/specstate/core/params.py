@@ -19,7 +19,10 @@ import attrs
 from specstate.core.errors import InvalidConfig, InvalidRequest
 from specstate.grammar.spec import Grammar, GrammarVocabulary
 
-__all__ = ["RequestLimits", "SamplingParams", "is_int"]
+__all__ = ["MAX_TOP_LOGPROBS", "RequestLimits", "SamplingParams", "is_int"]
+
+MAX_TOP_LOGPROBS: Final = 20
+"""The most alternatives `SamplingParams.top_logprobs` may ask for (OpenAI's limit)."""
 
 
 def _stop_ids(value: Iterable[int]) -> frozenset[int]:
@@ -148,6 +151,12 @@ class SamplingParams:
         logprobs: record the log-probability of every emitted token under the target's final
             distribution (after the penalties, and after temperature / top-k / top-p for a
             sampled request); `Req.logprobs` holds them, aligned with `Req.emitted_ids`.
+        top_logprobs: with ``logprobs``, also record the ``top_logprobs`` most likely tokens
+            of every emitted position and their log-probabilities, under the same final
+            distribution (`Req.top_logprobs`, aligned with `Req.emitted_ids`; most likely
+            first, ties by token id). An integer in ``[0, MAX_TOP_LOGPROBS]`` (20) and at most
+            the vocabulary; 0 records none. A token a sampled request's top-k / top-p filter
+            removed has log-probability ``-inf``.
         grammar: the output must be a string of this `Grammar` (a JSON schema, a regular
             expression, an EBNF or Lark grammar; or its request-file form
             ``{"json_schema": ...}``): every token is drawn from the target's distribution
@@ -171,6 +180,7 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_stop_sequences)
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
     grammar: Grammar | None = attrs.field(default=None, converter=_grammar)
 
     @property
@@ -274,8 +284,26 @@ class SamplingParams:
             found.append(
                 ("seed", f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
             )
+        found += self._top_logprobs_problems(vocab_size)
         found += self._grammar_problems()
         return found
+
+    def _top_logprobs_problems(self, vocab_size: int) -> list[tuple[str, str]]:
+        """``top_logprobs`` an integer in ``[0, min(MAX_TOP_LOGPROBS, vocab_size)]``, set
+        only with ``logprobs``."""
+        top = self.top_logprobs
+        limit = min(MAX_TOP_LOGPROBS, vocab_size)
+        if not is_int(top) or not 0 <= top <= limit:
+            return [
+                (
+                    "top_logprobs",
+                    f"top_logprobs must be an integer in [0, {limit}] (at most "
+                    f"{MAX_TOP_LOGPROBS} and the vocabulary size {vocab_size}), got {top!r:.40}",
+                )
+            ]
+        if top and self.logprobs is not True:
+            return [("top_logprobs", f"top_logprobs={top} needs logprobs=True")]
+        return []
 
     def _grammar_problems(self) -> list[tuple[str, str]]:
         """What is wrong with ``grammar`` and its combination with the other fields (the field

@@ -22,7 +22,10 @@ from specstate.core.ownership import OwnershipChecker, Role
 from specstate.core.params import RequestLimits, SamplingParams, is_int
 from specstate.core.status import TRANSITIONS, FinishReason, FinishState, ReqSnapshot, ReqStatus
 
-__all__ = ["OutputSource", "Req"]
+__all__ = ["OutputSource", "Req", "TopLogprobs"]
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""One emitted position's most likely tokens, ``(token id, log-probability)``, best first."""
 
 
 _ABORT: Final = FinishReason.ABORT
@@ -58,16 +61,29 @@ class OutputSource(Protocol):
         """Log-probability of every settled output token of the request in ``slot``."""
         ...
 
+    def read_top_logprobs(
+        self, slot: int, start: int = 0, stop: int | None = None
+    ) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` of the request in
+        ``slot``."""
+        ...
+
     def output_counts(self, slots: list[int]) -> list[int]:
         """`num_outputs` of each of ``slots``, in one read."""
         ...
 
     def leave_rows(
         self, slots: list[int], logprobs: list[bool]
-    ) -> tuple[list[list[int]], list[list[list[int]]], list[list[float] | None]]:
+    ) -> tuple[
+        list[list[int]],
+        list[list[list[int]]],
+        list[list[float] | None],
+        list[list[TopLogprobs] | None],
+    ]:
         """The requests in ``slots`` leave them: per slot, its settled outputs, its verifies
-        (``[accept lengths, verified lengths]``) and (where ``logprobs`` is set) its
-        log-probabilities; a result launched before this for one of them is stale."""
+        (``[accept lengths, verified lengths]``), (where ``logprobs`` is set) its
+        log-probabilities and (where its request asked for ``top_logprobs``) its top
+        alternatives; a result launched before this for one of them is stale."""
         ...
 
 
@@ -96,6 +112,7 @@ class Req:
         "_slot",
         "_source",
         "_status",
+        "_top_logprobs",
         "_verified_lengths",
         "prompt_ids",
         "request_id",
@@ -117,6 +134,7 @@ class Req:
         self._accept_lengths: list[int] = []
         self._verified_lengths: list[int] = []
         self._logprobs: list[float] = []
+        self._top_logprobs: list[TopLogprobs] = []
         self._source: OutputSource | None = None
         self._slot = 0
         self._status = ReqStatus.WAITING
@@ -247,6 +265,25 @@ class Req:
         if self._source is not None:
             return self._source.read_logprobs(self._slot)
         return list(self._logprobs)
+
+    @property
+    def top_logprobs(self) -> tuple[TopLogprobs, ...] | None:
+        """With ``sampling.top_logprobs`` above 0: per emitted token (aligned with
+        `emitted_ids`), the ``top_logprobs`` most likely tokens of its position and their
+        log-probabilities under the same final distribution as `logprobs`, most likely first;
+        else None."""
+        if not self.sampling.top_logprobs:
+            return None
+        values = self.stored_top_logprobs()
+        end = len(values) if self._finish is None else self._finish.finished_len
+        return tuple(values[:end])
+
+    def stored_top_logprobs(self, start: int = 0, stop: int | None = None) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` (also past a stop), as
+        stored (a streaming reader reads only its new positions)."""
+        if self._source is not None:
+            return self._source.read_top_logprobs(self._slot, start, stop)
+        return self._top_logprobs[start:stop]
 
     @property
     def cached_tokens(self) -> int:
@@ -442,15 +479,19 @@ class Req:
     def _leave_rows(reqs: Sequence[Req], source: OutputSource, slots: list[int]) -> None:
         # Copy the outputs and accept lengths back before the slots can be reused; the source
         # marks the slots so that a result still in flight for these requests is skipped.
-        outputs, verifies, logprobs = source.leave_rows(slots, [r.sampling.logprobs for r in reqs])
-        for req, out, (accepted, checked), probs in zip(
-            reqs, outputs, verifies, logprobs, strict=True
+        outputs, verifies, logprobs, tops = source.leave_rows(
+            slots, [r.sampling.logprobs for r in reqs]
+        )
+        for req, out, (accepted, checked), probs, top in zip(
+            reqs, outputs, verifies, logprobs, tops, strict=True
         ):
             req._output_ids = out
             req._accept_lengths += accepted
             req._verified_lengths += checked
             if probs is not None:
                 req._logprobs = probs
+            if top is not None:
+                req._top_logprobs = top
             req._source = None
 
     def append_outputs(self, tokens: Sequence[int]) -> None:

@@ -7,8 +7,8 @@ batch each rank contributes one status row to an all-gather on the control group
 
 * the ranks settle different batches: `RankDivergence` (they are out of step);
 * no rank failed: the batch is settled; in checking mode the digests of the results (accept
-  lengths, tokens, frontier, invalid rows, logprobs, verified lengths, draft confidences) must
-  be equal, else `RankDivergence`;
+  lengths, tokens, frontier, invalid rows, logprobs, top logprobs, verified lengths, draft
+  confidences) must be equal, else `RankDivergence`;
 * some rank failed: every rank fails the batch with one `RankFailure` naming the failed ranks
   and the first one's error (its text broadcast from that rank), so the requests end with the
   same detail everywhere. If only some ranks failed, or a worker-group collective failed, the
@@ -84,6 +84,8 @@ def result_digest(host: HostResult) -> npt.NDArray[np.int64]:
         host.frontier,
         host.invalid,
         host.logprobs,
+        host.top_ids,
+        host.top_values,
         host.verified,
         host.confidences,
     )

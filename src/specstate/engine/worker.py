@@ -97,6 +97,8 @@ class WorkerCapabilities:
         supports_min_new_tokens: stop tokens masked before ``min_new_tokens`` outputs.
         supports_seeds: per-request ``seed`` (`specstate.batch.sampling.seeded_uniforms`).
         supports_logprobs: ``GenerationBatchResult.logprobs`` when a row asks for them.
+        supports_top_logprobs: ``GenerationBatchResult.top_logprob_ids`` and
+            ``top_logprob_values`` when a row asks for ``top_logprobs``.
         supports_adaptive_steps: the worker drafts ``ForwardBatch.num_draft_steps`` tokens in
             a decode round when the engine sets it (0 to ``num_steps``; 0 is a plain decode
             step), for an adaptive draft policy; the engine fails a batch whose row accepted
@@ -145,6 +147,7 @@ class WorkerCapabilities:
     supports_min_new_tokens: bool = False
     supports_seeds: bool = False
     supports_logprobs: bool = False
+    supports_top_logprobs: bool = False
     supports_adaptive_steps: bool = False
     recurrent: RecurrentStateSpec | None = None
     supports_grammar: bool = False

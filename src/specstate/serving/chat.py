@@ -37,8 +37,10 @@ from specstate.serving.completions import (
     ChoiceOutput,
     Piece,
     finish_error,
-    new_logprobs,
+    joined,
+    reported,
     speculation_body,
+    token_text,
     usage_body,
 )
 from specstate.serving.openai_protocol import ApiError
@@ -110,21 +112,30 @@ def parse_tool_calls(text: str, tools: ToolSpec) -> tuple[str | None, list[dict[
     return (content if content.strip() else None), calls
 
 
+def _token_logprob(codec: TextCodec | None, token: int, logprob: float) -> dict[str, Any]:
+    """One token's entry: its text, log-probability and UTF-8 bytes."""
+    text = token_text(codec, token)
+    return {
+        "token": text,
+        "logprob": reported(logprob),
+        "bytes": list(text.encode("utf-8", errors="replace")),
+    }
+
+
 def _logprobs(piece: Piece, codec: TextCodec | None) -> dict[str, Any] | None:
-    """The chat ``logprobs`` object of ``piece`` (None when not asked for)."""
+    """The chat ``logprobs`` object of ``piece`` (None when not asked for): per token its
+    entry and its ``top_logprobs`` alternatives (most likely first; empty when none were
+    asked for)."""
     if piece.logprobs is None:
         return None
-    content = []
-    for token, logprob in zip(piece.token_ids, piece.logprobs, strict=True):
-        text = codec.decode([token]) if codec is not None else f"token_id:{token}"
-        content.append(
-            {
-                "token": text,
-                "logprob": logprob,
-                "bytes": list(text.encode("utf-8", errors="replace")),
-                "top_logprobs": [],
-            }
-        )
+    tops = piece.top_logprobs or ((),) * len(piece.token_ids)
+    content = [
+        {
+            **_token_logprob(codec, token, logprob),
+            "top_logprobs": [_token_logprob(codec, t, value) for t, value in top],
+        }
+        for token, logprob, top in zip(piece.token_ids, piece.logprobs, tops, strict=True)
+    ]
     return {"content": content}
 
 
@@ -139,16 +150,19 @@ class _Choice:
         self.request = request
         self.codec = codec
         self.output = ChoiceOutput(
-            codec=codec, stops=request.stop_sequences, logprobs=request.logprobs
+            codec=codec,
+            stops=request.stop_sequences,
+            logprobs=request.logprobs,
+            top_logprobs=request.sampling.top_logprobs > 0,
         )
         self.pieces: list[Piece] = []
 
     def whole(self) -> Piece:
-        logprobs = None
-        if self.request.logprobs:
-            logprobs = tuple(lp for p in self.pieces for lp in (p.logprobs or ()))
-        ids = tuple(t for p in self.pieces for t in p.token_ids)
-        return Piece(ids, "".join(p.text for p in self.pieces), logprobs)
+        return joined(
+            self.pieces,
+            logprobs=self.request.logprobs,
+            top_logprobs=self.request.sampling.top_logprobs > 0,
+        )
 
     def finish_reason(self, calls: list[dict[str, Any]]) -> str:
         finish = self.stream.finish
@@ -166,8 +180,7 @@ class _Choice:
         async with self.stream:
             async for event in self.stream:
                 _check(event.finish)
-                lps = new_logprobs(self.stream, event.tokens)
-                self.pieces.append(self.output.push(event.tokens, lps, event.finish))
+                self.pieces.append(self.output.take(self.stream, event))
         whole = self.whole()
         content: str | None = whole.text
         calls: list[dict[str, Any]] = []
@@ -267,8 +280,7 @@ class _ChoiceStream(_Choice):
         async with self.stream:
             async for event in self.stream:
                 _check(event.finish)
-                lps = new_logprobs(self.stream, event.tokens)
-                piece = self.output.push(event.tokens, lps, event.finish)
+                piece = self.output.take(self.stream, event)
                 self.pieces.append(piece)
                 self._text += piece.text
                 delta = self._content_delta(final=event.finish is not None)

@@ -9,8 +9,9 @@ Accepted fields: ``model``, ``messages`` (roles ``system``, ``user``, ``assistan
 message may carry ``tool_calls`` and no content; a tool message its ``tool_call_id``),
 ``max_completion_tokens`` (or the older ``max_tokens``; default: the rest of the context),
 ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
-``logprobs`` (true: the chosen tokens' log-probabilities), ``top_logprobs`` (at most
-`MAX_TOP_LOGPROBS`: alternatives are not computed), ``n`` (at most the server's ``max_n``),
+``logprobs`` (true: the chosen tokens' log-probabilities), ``top_logprobs`` (with
+``logprobs``: that many most likely alternatives per token, at most `MAX_TOP_LOGPROBS`, 20),
+``n`` (at most the server's ``max_n``),
 ``frequency_penalty``, ``presence_penalty``, ``response_format``, ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``user``, ``logit_bias`` (empty only), and the completions endpoint's
 extensions (``speculative``, ``top_k``, ``min_tokens``, ``repetition_penalty``,
@@ -31,7 +32,7 @@ from typing import Any, Final
 
 import attrs
 
-from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.params import MAX_TOP_LOGPROBS, RequestLimits, SamplingParams
 from specstate.grammar.spec import Grammar
 from specstate.serving.chat_template import ChatTemplate, TemplateRenderError
 from specstate.serving.openai_protocol import (
@@ -49,9 +50,8 @@ from specstate.serving.openai_protocol import (
 )
 from specstate.serving.text import TextCodec
 
-__all__ = ["MAX_TOP_LOGPROBS", "ChatRequest", "ToolSpec", "choice_seed", "parse_chat"]
+__all__ = ["ChatRequest", "ToolSpec", "choice_seed", "parse_chat"]
 
-MAX_TOP_LOGPROBS: Final = 0
 """The engine records the chosen token's log-probability only: no alternatives."""
 ROLES: Final = ("system", "user", "assistant", "tool")
 TOOL_CHOICES: Final = ("none", "auto", "required")
@@ -425,8 +425,7 @@ def _counts(obj: Mapping[str, Any], max_n: int) -> tuple[int, bool, int]:
     assert top is not None
     if top > MAX_TOP_LOGPROBS:
         raise ApiError(
-            f"top_logprobs must be at most {MAX_TOP_LOGPROBS}: the chosen token's "
-            f"log-probability is returned, alternatives are not computed (got {top})",
+            f"top_logprobs must be at most {MAX_TOP_LOGPROBS} alternatives per token (got {top})",
             param="top_logprobs",
         )
     if "top_logprobs" in obj and obj["top_logprobs"] is not None and not logprobs:
@@ -476,14 +475,21 @@ def parse_chat(
     messages = _messages(obj["messages"])
     tools = _tools(obj)
     flag(obj, "parallel_tool_calls", True)
-    n, logprobs, _ = _counts(obj, max_n)
+    n, logprobs, top = _counts(obj, max_n)
     text = _render(template, messages, tools)
     prompt = _prompt_ids(text, codec, limits)
     field = "max_completion_tokens" if "max_completion_tokens" in obj else "max_tokens"
     cap = count(obj, field, limits.max_context_len - len(prompt), 1)
     grammar, grammar_field = _grammar(obj, limits, tools)
     sampling = sampling_params(
-        obj, prompt, limits, codec, max_tokens_field=field, logprobs=logprobs, max_tokens=cap
+        obj,
+        prompt,
+        limits,
+        codec,
+        max_tokens_field=field,
+        logprobs=logprobs,
+        max_tokens=cap,
+        top_logprobs=top,
     )
     stream = flag(obj, "stream", False)
     return ChatRequest(

@@ -23,12 +23,28 @@ from typing import Any
 
 import attrs
 
+from specstate.core.request import TopLogprobs
 from specstate.core.status import FinishReason, FinishState
+from specstate.engine.stream import TokenEvent
 from specstate.serving.openai_protocol import ApiError, CompletionRequest
 from specstate.serving.request_stream import RequestStream
 from specstate.serving.text import TextCodec, TextStream
 
-__all__ = ["ChoiceOutput", "CompletionIds", "Piece", "collect_completion", "stream_completion"]
+__all__ = [
+    "FILTERED_LOGPROB",
+    "ChoiceOutput",
+    "CompletionIds",
+    "Piece",
+    "collect_completion",
+    "joined",
+    "reported",
+    "stream_completion",
+    "token_text",
+]
+
+FILTERED_LOGPROB = -9999.0
+"""The log-probability reported for an alternative the sampling filters removed (top-k /
+top-p: ``-inf``, which JSON cannot carry)."""
 
 FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -44,13 +60,40 @@ class Piece:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[float, ...] | None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
+
+
+def joined(pieces: Sequence[Piece], *, logprobs: bool, top_logprobs: bool) -> Piece:
+    """``pieces`` as one piece (the whole output of a choice)."""
+    lps = tops = None
+    if logprobs:
+        lps = tuple(lp for p in pieces for lp in (p.logprobs or ()))
+    if top_logprobs:
+        tops = tuple(top for p in pieces for top in (p.top_logprobs or ()))
+    ids = tuple(t for p in pieces for t in p.token_ids)
+    return Piece(ids, "".join(p.text for p in pieces), lps, tops)
+
+
+def token_text(codec: TextCodec | None, token: int) -> str:
+    """The text of one token (``token_id:N`` without a codec)."""
+    return codec.decode([token]) if codec is not None else f"token_id:{token}"
+
+
+def reported(logprob: float) -> float:
+    """A log-probability as JSON carries it (`FILTERED_LOGPROB` for ``-inf``)."""
+    return max(logprob, FILTERED_LOGPROB)
 
 
 class ChoiceOutput:
     """What the client has been handed of one request's output (module docstring)."""
 
     def __init__(
-        self, *, codec: TextCodec | None, stops: Sequence[Sequence[int]], logprobs: bool
+        self,
+        *,
+        codec: TextCodec | None,
+        stops: Sequence[Sequence[int]],
+        logprobs: bool,
+        top_logprobs: bool = False,
     ) -> None:
         self._stops = sorted((tuple(s) for s in stops), key=len, reverse=True)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -58,13 +101,23 @@ class ChoiceOutput:
         self._text = None if codec is None else TextStream(codec)
         self._pending: list[int] = []
         self._pending_lp: list[float] | None = [] if logprobs else None
+        self._pending_top: list[TopLogprobs] | None = [] if top_logprobs else None
         self.num_generated = 0  # tokens the engine emitted, a cut stop included
+
+    def take(self, stream: RequestStream, event: TokenEvent) -> Piece:
+        """`push` the event ``stream`` just yielded, with its log-probabilities."""
+        tokens = event.tokens
+        top = None
+        if stream.top_logprobs is not None:
+            top = stream.top_logprobs[len(stream.top_logprobs) - len(tokens) :]
+        return self.push(tokens, new_logprobs(stream, tokens), event.finish, top)
 
     def push(
         self,
         tokens: Sequence[int],
         logprobs: Sequence[float] | None,
         finish: FinishState | None = None,
+        top_logprobs: Sequence[TopLogprobs] | None = None,
     ) -> Piece:
         """Take one event's tokens and release what may be shown (module docstring).
 
@@ -75,6 +128,8 @@ class ChoiceOutput:
         self._pending.extend(tokens)
         if self._pending_lp is not None:
             self._pending_lp.extend(logprobs or ())
+        if self._pending_top is not None:
+            self._pending_top.extend(top_logprobs or ())
         if finish is None:
             return self._release(max(len(self._pending) - self._hold, 0), final=False)
         keep = len(self._pending)
@@ -92,25 +147,39 @@ class ChoiceOutput:
         lps = None
         if self._pending_lp is not None:
             lps, self._pending_lp = tuple(self._pending_lp[:count]), self._pending_lp[count:]
+        tops = None
+        if self._pending_top is not None:
+            tops = tuple(self._pending_top[:count])
+            self._pending_top = self._pending_top[count:]
         text = ""
         if self._text is not None:
             text = self._text.push(ids) + (self._text.flush() if final else "")
-        return Piece(tuple(ids), text, lps)
+        return Piece(tuple(ids), text, lps, tops)
 
     def logprobs_body(self, piece: Piece) -> dict[str, object] | None:
-        """OpenAI's ``logprobs`` object for ``piece`` (None when not asked for)."""
+        """OpenAI's ``logprobs`` object for ``piece`` (None when not asked for): with top
+        logprobs, per token a dict of the alternatives' texts to their log-probabilities (two
+        alternatives with the same text keep the likelier, as a dict must)."""
         if piece.logprobs is None:
             return None
         codec = self._codec
-        tokens = [codec.decode([t]) if codec else f"token_id:{t}" for t in piece.token_ids]
+        tokens = [token_text(codec, t) for t in piece.token_ids]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
+        top: list[dict[str, float]] | None = None
+        if piece.top_logprobs is not None:
+            top = []
+            for pairs in piece.top_logprobs:
+                alternatives: dict[str, float] = {}
+                for t, value in pairs:  # most likely first: setdefault keeps the likelier
+                    alternatives.setdefault(token_text(codec, t), reported(value))
+                top.append(alternatives)
         return {
             "tokens": tokens,
             "token_logprobs": list(piece.logprobs),
-            "top_logprobs": None,
+            "top_logprobs": top,
             "text_offset": offsets,
         }
 
@@ -192,24 +261,27 @@ async def collect_completion(
     Raises:
         ApiError: the request ended with an error (HTTP 500).
     """
-    output = ChoiceOutput(codec=codec, stops=request.stop_sequences, logprobs=request.logprobs)
+    output = _output(request, codec)
     parts: list[Piece] = []
     async with stream:
         async for event in stream:
             if event.finish is not None and event.finish.reason is FinishReason.ERROR:
                 raise finish_error(event.finish)
-            lps = new_logprobs(stream, event.tokens)
-            parts.append(output.push(event.tokens, lps, event.finish))
+            parts.append(output.take(stream, event))
     finish = stream.finish
     assert finish is not None
-    logprobs = None
-    if request.logprobs:
-        logprobs = tuple(lp for p in parts for lp in (p.logprobs or ()))
-    whole = Piece(
-        tuple(t for p in parts for t in p.token_ids), "".join(p.text for p in parts), logprobs
-    )
+    whole = joined(parts, logprobs=request.logprobs, top_logprobs=request.sampling.top_logprobs > 0)
     usage = _usage(len(request.prompt_ids), output.num_generated, stream)
     return ids.wrap([_choice(output, whole, FINISH_REASONS[finish.reason])], usage=usage)
+
+
+def _output(request: CompletionRequest, codec: TextCodec | None) -> ChoiceOutput:
+    return ChoiceOutput(
+        codec=codec,
+        stops=request.stop_sequences,
+        logprobs=request.logprobs,
+        top_logprobs=request.sampling.top_logprobs > 0,
+    )
 
 
 def new_logprobs(stream: RequestStream, tokens: Sequence[int]) -> tuple[float, ...] | None:
@@ -226,14 +298,14 @@ async def stream_completion(
 
     A request that ends with an error ends the stream with an error object instead.
     """
-    output = ChoiceOutput(codec=codec, stops=request.stop_sequences, logprobs=request.logprobs)
+    output = _output(request, codec)
     async with stream:
         async for event in stream:
             finish = event.finish
             if finish is not None and finish.reason is FinishReason.ERROR:
                 yield finish_error(finish).body()
                 return
-            piece = output.push(event.tokens, new_logprobs(stream, event.tokens), finish)
+            piece = output.take(stream, event)
             if finish is not None:
                 yield ids.wrap([_choice(output, piece, FINISH_REASONS[finish.reason])])
             elif piece.token_ids:

@@ -210,13 +210,16 @@ class Driver:
             self.request_metrics.record_delivery(route.req, len(event.tokens), at_s=now)
             start = route.num_sent
             route.num_sent += len(event.tokens)
-            logprobs = None
-            if route.stream.sampling.logprobs:
+            logprobs = top = None
+            sampling = route.stream.sampling
+            if sampling.logprobs:
                 values = route.req.logprobs or ()
                 logprobs = tuple(values[start : route.num_sent])
+                if sampling.top_logprobs:  # only the new positions are read
+                    top = tuple(route.req.stored_top_logprobs(start, route.num_sent))
             finish = event.finish
             if finish is None:
-                self._send(route.stream, Update(event, logprobs))
+                self._send(route.stream, Update(event, logprobs, top_logprobs=top))
                 continue
             del self._routes[event.request_id]
             self._ended += 1
@@ -226,6 +229,7 @@ class Driver:
             update = Update(
                 event,
                 logprobs,
+                top_logprobs=top,
                 accept_lengths=accepts,
                 cached_tokens=req.cached_tokens,
                 draft_acceptance=req.draft_acceptance(),

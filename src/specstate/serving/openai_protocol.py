@@ -11,7 +11,8 @@ Accepted fields (OpenAI's, with its defaults): ``model`` (the served model's nam
 (text when the model has a codec, token ids, or a one-element list of either), ``max_tokens``
 (16), ``temperature`` (1.0), ``top_p`` (1.0), ``seed``, ``stop`` (strings when the model has a
 codec; lists of token ids), ``stream``, ``stream_options.include_usage``, ``logprobs`` (0: the
-chosen token's log-probability; top alternatives are not computed), ``frequency_penalty``,
+chosen token's log-probability; ``k`` up to `MAX_TOP_LOGPROBS` (20): also the ``k`` most likely
+tokens of each position, as ``top_logprobs`` dicts), ``frequency_penalty``,
 ``presence_penalty``, ``response_format`` (``{"type": "text"}``, ``{"type": "json_object"}``, or
 ``{"type": "json_schema", "json_schema": {"schema": {...}}}``: the output is constrained to
 JSON, or to that schema), and ``n``, ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``user``
@@ -39,7 +40,7 @@ from typing import Any, Final
 import attrs
 
 from specstate.core.errors import InvalidRequest
-from specstate.core.params import RequestLimits, SamplingParams
+from specstate.core.params import MAX_TOP_LOGPROBS, RequestLimits, SamplingParams
 from specstate.grammar.spec import Grammar
 from specstate.serving.text import TextCodec
 
@@ -91,6 +92,7 @@ _PARAMS: Final[Mapping[str, str]] = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
     "stop_sequences": "stop",
+    "top_logprobs": "logprobs",  # logprobs: k asks for k alternatives
     **{
         name: name
         for name in (
@@ -416,15 +418,22 @@ def parse_completion(
     check_text(obj)
     prompt = _prompt(obj["prompt"], limits, codec)
     logprobs = obj.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise ApiError(
-            "logprobs must be 0 or null: the chosen token's log-probability is returned; top "
-            f"alternatives are not computed (got {logprobs!r:.40})",
+            f"logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}]: the chosen "
+            "token's log-probability and that many most likely alternatives per token "
+            f"(got {logprobs!r:.40})",
             param="logprobs",
         )
     grammar, grammar_field = request_grammar(obj, limits)
     sampling = sampling_params(
-        obj, prompt, limits, codec, max_tokens_field="max_tokens", logprobs=logprobs is not None
+        obj,
+        prompt,
+        limits,
+        codec,
+        max_tokens_field="max_tokens",
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
     )
     stream = flag(obj, "stream", False)
     return CompletionRequest(
@@ -452,9 +461,11 @@ def sampling_params(
     max_tokens_field: str,
     logprobs: bool,
     max_tokens: int | None = None,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
     """The sampling fields both endpoints share, checked (no grammar): ``max_tokens_field``
-    gives the length cap unless ``max_tokens`` is given; ``speculative`` defaults to true."""
+    gives the length cap unless ``max_tokens`` is given; ``speculative`` defaults to true;
+    ``top_logprobs``: the alternatives per token (already checked by the endpoint)."""
     if max_tokens is None:
         max_tokens = count(obj, max_tokens_field, DEFAULT_MAX_TOKENS, 1)
     assert max_tokens is not None
@@ -493,6 +504,7 @@ def sampling_params(
         min_new_tokens=min_tokens,
         speculative=flag(obj, "speculative", True),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 

@@ -197,7 +197,12 @@ class _Routes:
         cache instead of computing it again."""
         if parsed.n > 1 and await self._has_prefix_cache():
             warm = attrs.evolve(
-                parsed.sampling, max_new_tokens=1, min_new_tokens=0, grammar=None, logprobs=False
+                parsed.sampling,
+                max_new_tokens=1,
+                min_new_tokens=0,
+                grammar=None,
+                logprobs=False,
+                top_logprobs=0,
             )
             stream = await self._submit(f"{rid}-prompt", parsed.prompt_ids, warm)
             async with stream:
@@ -205,7 +210,7 @@ class _Routes:
                     pass
             await self._released(self._front)
         streams: list[RequestStream] = []
-        renamed = {"max_new_tokens": parsed.max_tokens_field}
+        renamed = {"max_new_tokens": parsed.max_tokens_field, "top_logprobs": "top_logprobs"}
         try:
             for i in range(parsed.n):
                 sampling = parsed.choice_sampling(i)

@@ -21,6 +21,7 @@ from types import TracebackType
 import attrs
 
 from specstate.core.params import SamplingParams
+from specstate.core.request import TopLogprobs
 from specstate.core.status import FinishState
 from specstate.engine.stream import TokenEvent
 
@@ -41,6 +42,7 @@ class Update:
 
     event: TokenEvent
     logprobs: tuple[float, ...] | None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None
     accept_lengths: tuple[int, ...] = ()
     cached_tokens: int = 0
     draft_acceptance: tuple[tuple[int, int], ...] = ()
@@ -67,6 +69,8 @@ class RequestStream:
         finish: how the request ended, once the final event was yielded; None before.
         logprobs: with ``sampling.logprobs``, the log-probability of every token yielded so
             far (aligned with them); else None.
+        top_logprobs: with ``sampling.top_logprobs``, the top alternatives of every token
+            yielded so far (aligned with them, `Req.top_logprobs`); else None.
         accept_lengths: once ended, the accept length of every verify of the request, the
             last cut where the request ended (`Req.emitted_accept_lengths`): their sum counts
             only tokens this stream delivered.
@@ -90,6 +94,7 @@ class RequestStream:
         self.loop = asyncio.get_running_loop()
         self.finish: FinishState | None = None
         self.logprobs: list[float] | None = [] if sampling.logprobs else None
+        self.top_logprobs: list[TopLogprobs] | None = [] if sampling.top_logprobs else None
         self.accept_lengths: tuple[int, ...] = ()
         self.cached_tokens = 0
         self.draft_acceptance: tuple[tuple[int, int], ...] = ()
@@ -156,6 +161,8 @@ class RequestStream:
         self.num_tokens += len(event.tokens)
         if self.logprobs is not None and item.logprobs is not None:
             self.logprobs.extend(item.logprobs)
+        if self.top_logprobs is not None and item.top_logprobs is not None:
+            self.top_logprobs.extend(item.top_logprobs)
         if event.finish is not None:
             self._ended = True
             self.finish = event.finish

@@ -11,7 +11,8 @@ configuration serves (the same ones everywhere, so configurations can be compare
                     (``supports_penalties``); ``min_new_tokens`` of half the cap with half the
                     vocabulary as stop tokens, none of which may come before that many outputs
                     (``supports_min_new_tokens``); ``logprobs``, one per emitted token
-                    (``supports_logprobs``); its tokens the same in every configuration
+                    (``supports_logprobs``), with ``supports_top_logprobs`` 3 alternatives
+                    per emitted token; its tokens the same in every configuration
 ==================  ==========================================================================
 
 `job_problems` checks one finished request against what its job asks (the ``controls`` rule).
@@ -90,6 +91,8 @@ def build_jobs(
         )
     if caps.supports_logprobs:
         controls.update(logprobs=True)
+        if caps.supports_top_logprobs:
+            controls.update(top_logprobs=min(3, vocab_size))
     if controls:
         params = SamplingParams(max_new_tokens=max_new_tokens, **controls)  # type: ignore[arg-type]
         jobs.append(Job(request_id="controls", prompt=first, params=params))
@@ -115,4 +118,21 @@ def job_problems(job: Job, req: Req) -> list[str]:
             found.append(
                 f"request {job.request_id}: {got} logprobs for {len(emitted)} emitted tokens"
             )
+    if params.top_logprobs:
+        found += _top_problems(job, req)
     return found
+
+
+def _top_problems(job: Job, req: Req) -> list[str]:
+    """One list of ``top_logprobs`` alternatives per emitted token, each of that many."""
+    emitted, tops, k = req.emitted_ids, req.top_logprobs, job.params.top_logprobs
+    if tops is None or len(tops) != len(emitted):
+        got = None if tops is None else len(tops)
+        return [f"request {job.request_id}: {got} top logprobs for {len(emitted)} emitted tokens"]
+    short = [n for n, top in enumerate(tops) if len(top) != k]
+    if short:
+        return [
+            f"request {job.request_id}: {len(tops[short[0]])} top logprobs at output {short[0]}, "
+            f"not {k}"
+        ]
+    return []

@@ -34,6 +34,9 @@ Always on (a fixed number of array operations per round, whatever the batch size
   round read and write KV at the wrong positions, possibly in pages another request owns;
 * ``logprobs``, if given, a floating point ``[B * stride]`` tensor whose entries at the accepted
   positions of valid rows are finite and not above 0;
+* ``top_logprob_ids`` and ``top_logprob_values``, if given, both (or neither), integer and
+  floating point ``[B * stride, K]`` tensors (``K >= 1``); at the accepted positions of valid
+  rows, ids inside the vocabulary and values not above 0, not NaN, in descending order;
 * ``verified_lens``, if given, an integer ``[B]`` tensor with every row in ``[0, stride - 1]``
   and accepting at most ``verified + 1`` tokens (the frontier rule: accept <= verified + 1);
 * ``draft_confidences``, if given, a floating point ``[B, stride - 1]`` tensor of values in
@@ -44,7 +47,8 @@ operations, none when no row uses the controls):
 
 * a row whose request is not speculative (``SamplingParams(speculative=False)``) accepted
   exactly one token in a decode round;
-* the result carries ``logprobs`` when a row of the batch asked for them;
+* the result carries ``logprobs`` when a row of the batch asked for them, and top logprobs
+  of at least the batch's ``top_logprobs`` columns when a row asked for those;
 * a row of a round planned with verify budgets verified at most its budget and accepted at most
   its budget + 1 (`specstate.batch.budgets`).
 """
@@ -128,6 +132,30 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
             f"{tuple(logprobs.shape)}; it must be a floating point tensor of shape "
             f"({b * result.stride},), aligned with next_token_ids"
         )
+    if result.top_logprob_ids is not None or result.top_logprob_values is not None:
+        _check_top_form(result, b)
+
+
+def _check_top_form(result: GenerationBatchResult, b: int) -> None:
+    """Top-logprob ids integer and values floating point, both ``[B * stride, K]``."""
+    ids, values = result.top_logprob_ids, result.top_logprob_values
+    rows = b * result.stride
+    if (
+        ids is None
+        or values is None
+        or ids.dtype not in _INTEGER_DTYPES
+        or not values.dtype.is_floating_point
+        or ids.dim() != 2
+        or tuple(ids.shape) != tuple(values.shape)
+        or ids.shape[0] != rows
+        or ids.shape[1] < 1
+    ):
+        got = [None if t is None else (str(t.dtype), tuple(t.shape)) for t in (ids, values)]
+        raise WorkerResultError(
+            f"worker returned top_logprob_ids and top_logprob_values as {got[0]} and {got[1]}; "
+            f"they must be an integer and a floating point tensor, both of shape ({rows}, K) "
+            "with K >= 1, aligned with next_token_ids"
+        )
 
 
 def _check_budget_form(result: GenerationBatchResult, b: int) -> None:
@@ -187,6 +215,8 @@ def check_values(
     _check_frontier(host, request_ids, accept, decode)
     if host.logprobs is not None:
         _check_logprobs(host.logprobs, accept, valid, request_ids)
+    if host.top_ids is not None and host.top_values is not None:
+        _check_top(host.top_ids, host.top_values, accept, valid, request_ids, vocab_size)
     if host.verified is not None or host.confidences is not None:
         _check_verified(host, accept, request_ids)
 
@@ -226,6 +256,14 @@ def check_sampling_rows(
             f"request {request_ids[0]}: the batch asks for logprobs but the worker returned "
             "none (GenerationBatchResult.logprobs)"
         )
+    if sampling.top_logprobs and host.batch_size:
+        got = 0 if host.top_ids is None else host.top_ids.shape[2]
+        if got < sampling.top_logprobs:
+            raise WorkerResultError(
+                f"request {request_ids[0]}: the batch asks for top_logprobs="
+                f"{sampling.top_logprobs} but the worker returned {got} per position "
+                "(GenerationBatchResult.top_logprob_ids / top_logprob_values)"
+            )
     flags = sampling.speculative_host
     if decode and flags is not None:
         wrong = ~flags & (host.accept != 1)
@@ -297,6 +335,32 @@ def _check_logprobs(
         raise WorkerResultError(
             f"request {request_ids[row]}: log-probability {float(logprobs[row, col])} of the "
             f"accepted token at run position {col} is not a finite number <= 0"
+        )
+
+
+def _check_top(
+    ids: npt.NDArray[np.integer[Any]],
+    values: npt.NDArray[np.floating[Any]],
+    accept: npt.NDArray[np.int64],
+    valid: npt.NDArray[np.bool_] | None,
+    request_ids: tuple[str, ...],
+    vocab_size: int,
+) -> None:
+    """At every accepted position: top ids in the vocabulary, values <= 0 (``-inf`` allowed:
+    a filtered-out token), not NaN, in descending order."""
+    accepted = np.arange(ids.shape[1]) < accept[:, None]
+    if valid is not None:
+        accepted &= valid[:, None]
+    bad = ((ids < 0) | (ids >= vocab_size)).any(-1)
+    bad |= ~(values <= 1e-3).all(-1)  # NaN fails too
+    bad |= (values[..., 1:] > values[..., :-1]).any(-1)
+    bad &= accepted
+    if np.count_nonzero(bad):
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise WorkerResultError(
+            f"request {request_ids[row]}: top logprobs at run position {col} (ids "
+            f"{ids[row, col].tolist()!r:.80}, values {values[row, col].tolist()!r:.80}) must be "
+            f"ids in [0, {vocab_size}) with log-probabilities <= 0 in descending order"
         )
 
 

@@ -6,11 +6,11 @@ host arrays (`HostResult`). Where they come from depends on where the worker's t
 * on the host CPU (``torch.device("cpu")``) they *are* the result's tensors (NumPy views, no
   copy): `HostResult.view`;
 * on a device, the launch packs the accept lengths, the tokens, the published frontier, the
-  invalid-row flags and the logprobs (float32 bits) into one int64 tensor right after the
-  forward and starts one non-blocking copy into a host buffer (pinned on CUDA, on a copy
-  stream that waits for the forward stream), then records an event: `ResultCopy.start`. The
-  host waits for that event when it settles the batch (`ResultCopy.wait`), never before,
-  and never reads a device tensor.
+  invalid-row flags, the logprobs (float32 bits) and the top logprobs into one int64 tensor
+  right after the forward and starts one non-blocking copy into a host buffer (pinned on
+  CUDA, on a copy stream that waits for the forward stream), then records an event:
+  `ResultCopy.start`. The host waits for that event when it settles the batch
+  (`ResultCopy.wait`), never before, and never reads a device tensor.
 
 Invariant: the launch path does not read any device value; the host reads a result only after
 its copy event.
@@ -47,6 +47,9 @@ class HostResult:
         seq_lens: ``[B]`` the frontier the forward ran from (what the published one is checked
             against).
         logprobs: ``[B, stride]`` float log-probabilities of the tokens, or None.
+        top_ids: ``[B, stride, K]`` the top tokens of each position (``top_logprobs``), or
+            None.
+        top_values: ``[B, stride, K]`` float their log-probabilities, or None.
         verified: ``[B]`` drafts each row verified, or None (each verified its budget).
         confidences: ``[B, stride - 1]`` float predicted acceptance of each draft position,
             or None.
@@ -59,6 +62,8 @@ class HostResult:
     invalid: npt.NDArray[np.bool_] | None
     seq_lens: npt.NDArray[np.integer[Any]]
     logprobs: npt.NDArray[np.floating[Any]] | None = None
+    top_ids: npt.NDArray[np.integer[Any]] | None = None
+    top_values: npt.NDArray[np.floating[Any]] | None = None
     verified: npt.NDArray[np.integer[Any]] | None = None
     confidences: npt.NDArray[np.floating[Any]] | None = None
 
@@ -85,6 +90,16 @@ class HostResult:
             invalid=None if result.invalid_rows is None else result.invalid_rows.numpy(),
             seq_lens=seq_lens.numpy(),
             logprobs=None if result.logprobs is None else _host_floats(result.logprobs, b),
+            top_ids=(
+                None
+                if result.top_logprob_ids is None
+                else _host_top(result.top_logprob_ids, b, result.stride)
+            ),
+            top_values=(
+                None
+                if result.top_logprob_values is None
+                else _host_top(result.top_logprob_values, b, result.stride)
+            ),
             verified=None if result.verified_lens is None else result.verified_lens.numpy(),
             confidences=(
                 None
@@ -107,6 +122,20 @@ def _host_floats(values: torch.Tensor, b: int) -> npt.NDArray[np.floating[Any]]:
     return out
 
 
+def _host_top(values: torch.Tensor, b: int, stride: int) -> npt.NDArray[Any]:
+    """A host ``[b * stride, K]`` top-logprobs tensor as a ``[b, stride, K]`` array."""
+    if values.dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
+    out: npt.NDArray[Any] = values.numpy().reshape(b, stride, -1)
+    return out
+
+
+def _top_width(result: GenerationBatchResult) -> int:
+    """``K`` of the result's top logprobs (0: none)."""
+    ids = result.top_logprob_ids
+    return 0 if ids is None or ids.dim() != 2 else int(ids.shape[1])  # check_form refuses 0
+
+
 class ResultCopy:
     """One packed, non-blocking device-to-host copy of a result, and the event that ends it."""
 
@@ -114,13 +143,13 @@ class ResultCopy:
         self,
         host: torch.Tensor,
         event: CudaEvent | None,
-        layout: tuple[int, int, bool, bool, bool, bool, bool],
+        layout: tuple[int, int, bool, bool, bool, bool, bool, int],
         keep: tuple[torch.Tensor, ...],
     ) -> None:
         self._host = host
         self._event = event
         # (batch size, stride, and whether the copy holds the frontier, the invalid rows, the
-        # logprobs, the verified lengths, the confidences)
+        # logprobs, the verified lengths, the confidences; K of the top logprobs, 0: none)
         self._layout = layout
         self._keep = keep  # device tensors the copy reads, alive until it is done
 
@@ -148,6 +177,12 @@ class ResultCopy:
             parts.append(result.verified_lens.long())
         if result.draft_confidences is not None:  # float32 bits too
             parts.append(result.draft_confidences.float().reshape(-1).view(torch.int32).long())
+        top = 0 if result.top_logprob_ids is None else _top_width(result)
+        if top:  # ids, then float32 bits
+            assert result.top_logprob_ids is not None and result.top_logprob_values is not None
+            parts.append(_int64(result.top_logprob_ids).reshape(-1))
+            values = result.top_logprob_values.float().reshape(-1)
+            parts.append(values.view(torch.int32).long())
         packed = torch.cat(parts)
         layout = (
             b,
@@ -157,6 +192,7 @@ class ResultCopy:
             result.logprobs is not None,
             result.verified_lens is not None,
             result.draft_confidences is not None,
+            top,
         )
         if packed.device.type != "cuda":
             host = torch.empty(packed.shape, dtype=torch.int64)
@@ -181,7 +217,9 @@ class ResultCopy:
             elif not self._event.synchronize_within(timeout):
                 return None
         self._keep = ()
-        b, stride, has_frontier, has_invalid, has_logprobs, has_verified, has_conf = self._layout
+        b, stride, has_frontier, has_invalid, has_logprobs, has_verified, has_conf, top = (
+            self._layout
+        )
         flat = self._host.numpy()
         accept = flat[:b]
         tokens = flat[b : b + b * stride].reshape(b, stride)
@@ -203,7 +241,16 @@ class ResultCopy:
         confidences = None
         if has_conf:
             n = b * (stride - 1)
-            confidences = flat[at : at + n].astype(np.int32).view(np.float32).reshape(b, -1)
+            confidences, at = (
+                flat[at : at + n].astype(np.int32).view(np.float32).reshape(b, -1),
+                at + n,
+            )
+        top_ids = top_values = None
+        if top:
+            n = b * stride * top
+            top_ids, at = flat[at : at + n].reshape(b, stride, top), at + n
+            bits = flat[at : at + n].astype(np.int32)
+            top_values = bits.view(np.float32).reshape(b, stride, top)
         return HostResult(
             tokens=tokens,
             accept=accept,
@@ -212,6 +259,8 @@ class ResultCopy:
             invalid=invalid,
             seq_lens=seq_lens,
             logprobs=logprobs,
+            top_ids=top_ids,
+            top_values=top_values,
             verified=verified,
             confidences=confidences,
         )

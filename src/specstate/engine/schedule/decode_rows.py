@@ -424,8 +424,12 @@ def _check_columns(cols: DecodeColumns, ref: DecodeColumns) -> None:
     if b.greedy_host is not None and a.greedy_host not in (None, b.greedy_host):
         problems.append("sampling.greedy_host")
     spec = [True] * len(cols.reqs) if a.speculative_host is None else a.speculative_host.tolist()
-    if spec != [r.sampling.speculative for r in cols.reqs] or (b.logprobs and not a.logprobs):
-        problems.append("sampling.speculative_host or logprobs")
+    if (
+        spec != [r.sampling.speculative for r in cols.reqs]
+        or (b.logprobs and not a.logprobs)
+        or b.top_logprobs > a.top_logprobs
+    ):
+        problems.append("sampling.speculative_host, logprobs or top_logprobs")
     if problems:
         raise InvariantViolation(
             "decode-rows",

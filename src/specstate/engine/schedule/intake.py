@@ -109,6 +109,8 @@ def unsupported_controls(
         found.append(("seed", f"seed={sampling.seed}"))
     if sampling.logprobs and not caps.supports_logprobs:
         found.append(("logprobs", "logprobs=True"))
+    if sampling.top_logprobs and not caps.supports_top_logprobs:
+        found.append(("top_logprobs", f"top_logprobs={sampling.top_logprobs}"))
     if sampling.grammar is not None and not caps.supports_grammar:
         tree = f" (a draft tree, topk {caps.topk}: use a chain, topk 1)" if caps.topk > 1 else ""
         found.append(("grammar", f"grammar{tree}"))

@@ -9,6 +9,8 @@ retracted::
                                                    |  the length; it is never read)
     caps[s]                max_new_tokens           stops[s, :]  stop ids, EOS, -1 padding
     logprobs[s, :]         one float per settled output (written only for a result with them)
+    top[s]                 ([width, k] ids, [width, k] values) per settled output, only for a
+                           request that asked for ``top_logprobs=k`` (a table of its own)
     min_new[s]             min_new_tokens; the stop sequences: `StopSequences`
     accepts[:rounds[s], s] accept length of every verify settled in this slot (stored
                            round-major, so one round's writes for a batch are close)
@@ -44,7 +46,7 @@ import numpy.typing as npt
 
 from specstate.core.errors import InvalidConfig, LedgerViolation
 from specstate.core.ownership import OwnershipChecker, Role
-from specstate.core.request import Req
+from specstate.core.request import Req, TopLogprobs
 from specstate.engine.settle.stop_sequences import NEVER, NO_STOP, StopSequences
 
 __all__ = ["FinishedRows", "OutputTable"]
@@ -122,6 +124,8 @@ class OutputTable:
         self._openings = np.zeros(size, dtype=np.int64)  # times each row was opened
         self._output_logprobs = np.zeros((size, self._width), dtype=np.float32)
         self._output_logprobs_flat = self._output_logprobs.reshape(-1)
+        # Only the rows whose request asked for top_logprobs: their ids and values.
+        self._top: dict[int, tuple[IntArray, npt.NDArray[np.float32]]] = {}
         self._min_new = np.zeros(size, dtype=np.int64)
         self._num_min_rows = 0  # open rows with min_new_tokens > 0
         self._sequences = StopSequences(size)
@@ -224,6 +228,17 @@ class OutputTable:
         out: list[float] = self._output_logprobs[slot, :n].tolist()
         return out
 
+    def read_top_logprobs(
+        self, slot: int, start: int = 0, stop: int | None = None
+    ) -> list[TopLogprobs]:
+        """The top alternatives of the settled outputs ``start:stop`` of ``slot`` (none for a
+        row whose request did not ask for them)."""
+        table = self._top.get(slot)
+        if table is None:
+            return []
+        n = int(self._output_lengths[slot])
+        return _top_pairs(table, min(n, n if stop is None else stop), start)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The model's EOS ids (stop tokens of every row that does not ignore EOS)."""
@@ -296,6 +311,8 @@ class OutputTable:
         self._stops[slot, : len(stops)] = sorted(stops)
         if req.sampling.logprobs:
             self._output_logprobs[slot, : len(outputs)] = req.stored_logprobs()[: len(outputs)]
+        if req.sampling.top_logprobs:
+            self._open_top(slot, req.sampling.top_logprobs, req.stored_top_logprobs())
         self._min_new[slot] = req.sampling.min_new_tokens
         if req.sampling.min_new_tokens > 0:
             self._num_min_rows += 1
@@ -305,6 +322,31 @@ class OutputTable:
         self._openings[slot] += 1
         self._num_opened += 1
 
+    def _store_top(
+        self,
+        slots: IntArray,
+        before: IntArray,
+        top: tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.floating[Any]]],
+        width: int,
+    ) -> None:
+        """Whole runs of ``top`` into the tables of the rows that have one (past a run:
+        scratch beyond the new length, like the tokens)."""
+        ids, values = top
+        for i in np.flatnonzero(np.isin(slots, list(self._top))).tolist():
+            table = self._top[int(slots[i])]
+            k, at = table[0].shape[1], int(before[i])
+            table[0][at : at + width] = ids[i, :width, :k]
+            table[1][at : at + width] = values[i, :width, :k]
+
+    def _open_top(self, slot: int, k: int, stored: list[TopLogprobs]) -> None:
+        """A top-logprobs table for ``slot`` (``k`` per output), with ``stored`` copied in."""
+        ids = np.zeros((self._width, k), dtype=np.int64)
+        values = np.zeros((self._width, k), dtype=np.float32)
+        for n, pairs in enumerate(stored[: self._width]):
+            ids[n] = [t for t, _ in pairs]
+            values[n] = [v for _, v in pairs]
+        self._top[slot] = (ids, values)
+
     def detach(self, slot: int) -> None:
         """The request leaves ``slot`` and its outputs are dropped (`leave_rows` for one row,
         its lists discarded); bumps the slot's epoch."""
@@ -312,11 +354,17 @@ class OutputTable:
 
     def leave_rows(
         self, slots: list[int], logprobs: list[bool]
-    ) -> tuple[list[list[int]], list[list[list[int]]], list[list[float] | None]]:
+    ) -> tuple[
+        list[list[int]],
+        list[list[list[int]]],
+        list[list[float] | None],
+        list[list[TopLogprobs] | None],
+    ]:
         """The requests in ``slots`` (distinct, open) leave them (called by `Req.end_many` and
         `Req.transition`): their outputs, their verifies (``[accept lengths, verified
-        lengths]``) and the log-probabilities of the rows flagged in ``logprobs``, as Python
-        lists; each slot's epoch is bumped.
+        lengths]``), the log-probabilities of the rows flagged in ``logprobs`` and the top
+        alternatives of the rows with a top-logprobs table, as Python lists; each slot's
+        epoch is bumped.
 
         One slice of each row (a row's outputs are contiguous: faster than one gather of every
         row's positions through index arrays, whatever the number of rows).
@@ -331,6 +379,12 @@ class OutputTable:
             for i, wanted in enumerate(logprobs):
                 if wanted:
                     chosen[i] = self._output_logprobs[slots[i], : lengths[i]].tolist()
+        tops: list[list[TopLogprobs] | None] = [None] * len(slots)
+        if self._top:  # rare: only requests that asked for them
+            for i, slot in enumerate(slots):
+                table = self._top.pop(slot, None)
+                if table is not None:
+                    tops[i] = _top_pairs(table, lengths[i])
         for slot in slots:
             self._holders[slot] = None
         self._epochs[s] += 1
@@ -340,7 +394,7 @@ class OutputTable:
             self._min_new[s] = 0
         if self._sequences.num_rows:
             self._sequences.close(s)
-        return outputs, settled, chosen
+        return outputs, settled, chosen, tops
 
     def append_runs(
         self,
@@ -351,13 +405,16 @@ class OutputTable:
         verifies: bool,
         logprobs: npt.NDArray[np.floating[Any]] | None = None,
         verified: IntArray | None = None,
+        top: tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.floating[Any]]] | None = None,
     ) -> FinishedRows | None:
         """Append row ``i``'s run ``tokens[i, :accept[i]]`` to ``slots[i]``; find who finished.
 
         ``tokens`` is ``[n, stride]``; only its first ``max_run`` columns can be accepted.
         With ``verifies``, each row's accept length is recorded as one settled verify, with the
         drafts it verified (``verified``; None: ``stride - 1``, the round's width).
-        ``logprobs`` (``[n, stride]``, aligned with ``tokens``) are stored with the tokens.
+        ``logprobs`` (``[n, stride]``, aligned with ``tokens``) are stored with the tokens,
+        and so are ``top`` (ids and values, ``[n, stride, K]``) for the rows that asked for
+        them (their first ``top_logprobs`` columns).
         Returns None when nobody reached a stop or the cap (the common case), else the rows
         that did, with where their first stop lies.
         """
@@ -374,6 +431,8 @@ class OutputTable:
         self._output_tokens_flat[at] = run
         if logprobs is not None:
             self._output_logprobs_flat[at] = logprobs[:, :width]
+        if top is not None and self._top:
+            self._store_top(slots, before, top, width)
         self._output_lengths[slots] = after
         if verifies:
             rounds = self._rounds[slots]
@@ -484,6 +543,14 @@ class OutputTable:
             wider = np.full((self._stops.shape[0], n), NO_STOP, dtype=np.int64)
             wider[:, :have] = self._stops
             self._stops = wider
+
+
+def _top_pairs(
+    table: tuple[IntArray, npt.NDArray[np.float32]], n: int, start: int = 0
+) -> list[TopLogprobs]:
+    """Positions ``start:n`` of a top-logprobs table as ``(id, logprob)`` pairs."""
+    ids, values = table[0][start:n].tolist(), table[1][start:n].tolist()
+    return [tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
 def _runs(

@@ -16,7 +16,8 @@ riding a mixed batch as 1-token extends of their bonus). Per row:
   ``next_token_ids[i * stride : i * stride + accept_len]`` — with the stride of the producing
   forward (a mixed tail accepts exactly 1: its bonus's KV is now written).
 
-The result's ``logprobs``, when present, are appended with the tokens (same rows, same slices).
+The result's ``logprobs`` and top logprobs, when present, are appended with the tokens (same
+rows, same slices).
 For a worker with recurrent state the same settle commits the states (`RecurrentStatePool`): the
 decode-like rows by their runs, the completed prefills to their lengths.
 A finishing row's detail names its stop token, or its stop sequence.
@@ -211,8 +212,11 @@ class ResultProcessor:
                 self._commit_states(self._recurrent, slots_np, accept, decode, firsts)
             rows = decode if decode is None or not firsts else np.concatenate([firsts, decode])
             verified = budgets if result.verified is None else result.verified
+            top = None
+            if result.top_ids is not None and result.top_values is not None:
+                top = (result.top_ids, result.top_values)
             ended = self._append(
-                slots_np, tokens, accept, result.logprobs, verified, rows, verifies, n_prefill
+                slots_np, tokens, accept, result.logprobs, verified, rows, verifies, n_prefill, top
             )
             for i in firsts:
                 if reqs[i].status is ReqStatus.PREFILL:
@@ -259,6 +263,7 @@ class ResultProcessor:
         rows: IntArray | None,
         verifies: bool,
         n_prefill: int,
+        top: tuple[npt.NDArray[np.integer[Any]], npt.NDArray[np.floating[Any]]] | None = None,
     ) -> FinishedRows | None:
         if rows is not None:
             if rows.size == 0:
@@ -266,6 +271,8 @@ class ResultProcessor:
             slots, tokens, accept = slots[rows], tokens[rows], accept[rows]
             if logprobs is not None:
                 logprobs = logprobs[rows]
+            if top is not None:
+                top = top[0][rows], top[1][rows]
             if verified is not None:
                 verified = verified[rows]
         # Prefill rows append one token and are never verifies; a decode round has none.
@@ -276,6 +283,7 @@ class ResultProcessor:
             verifies=verifies and n_prefill == 0,
             logprobs=logprobs,
             verified=None if verified is None else verified.astype(np.int64, copy=False),
+            top=top,
         )
 
     def _finished(

@@ -142,8 +142,10 @@ def extend_result(
     payload: RelayPayload,
     invalid_rows: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> GenerationBatchResult:
-    """EXTEND result: stride 1, accept 1, ``new_seq_lens = seq_lens`` (no ``+1``)."""
+    """EXTEND result: stride 1, accept 1, ``new_seq_lens = seq_lens`` (no ``+1``);
+    ``top_logprobs`` ``([B, K], [B, K])`` ids and values."""
     return GenerationBatchResult(
         next_token_ids=next_tokens,
         accept_lens=torch.ones_like(next_tokens, dtype=torch.int64),
@@ -152,6 +154,8 @@ def extend_result(
         next_draft_input=payload,
         invalid_rows=invalid_rows,
         logprobs=logprobs,
+        top_logprob_ids=None if top_logprobs is None else top_logprobs[0],
+        top_logprob_values=None if top_logprobs is None else top_logprobs[1],
     )
 
 
@@ -163,15 +167,23 @@ def decode_result(
     invalid_rows: torch.Tensor | None = None,
     logprobs: torch.Tensor | None = None,
     draft_confidences: torch.Tensor | None = None,
+    *,
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> GenerationBatchResult:
     """DECODE result from ``run_tokens`` ``[B, D]``: row ``b``'s first ``accept_lens[b]`` count.
 
     Tokens past each run are written as 0 (the padding the result processor never reads), and
-    so are their ``logprobs`` (``[B, D]``, aligned with ``run_tokens``), when given;
-    ``draft_confidences`` ``[B, D - 1]`` go to the result as they are.
+    so are their ``logprobs`` (``[B, D]``, aligned with ``run_tokens``) and ``top_logprobs``
+    (``([B, D, K], [B, D, K])`` ids and values), when given; ``draft_confidences``
+    ``[B, D - 1]`` go to the result as they are.
     """
     width = run_tokens.shape[1]
     keep = torch.arange(width, device=run_tokens.device)[None, :] < accept_lens[:, None]
+    top_ids = top_values = None
+    if top_logprobs is not None:
+        ids, values = top_logprobs
+        top_ids = torch.where(keep[..., None], ids, 0).reshape(-1, ids.shape[-1])
+        top_values = torch.where(keep[..., None], values, 0.0).reshape(-1, values.shape[-1])
     return GenerationBatchResult(
         next_token_ids=torch.where(keep, run_tokens, 0).reshape(-1),
         accept_lens=accept_lens,
@@ -180,6 +192,8 @@ def decode_result(
         next_draft_input=payload,
         invalid_rows=invalid_rows,
         logprobs=None if logprobs is None else torch.where(keep, logprobs, 0.0).reshape(-1),
+        top_logprob_ids=top_ids,
+        top_logprob_values=top_values,
         draft_confidences=draft_confidences,
     )
 

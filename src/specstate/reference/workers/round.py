@@ -119,6 +119,7 @@ def with_sampling_controls(capabilities: WorkerCapabilities) -> WorkerCapabiliti
         supports_min_new_tokens=True,
         supports_seeds=True,
         supports_logprobs=True,
+        supports_top_logprobs=True,
     )
 
 
@@ -380,7 +381,12 @@ class ChainRoundWorker(abc.ABC):
         _publish(on_publish, batch.seq_lens.long())
         payload = self._draft_prefill(batch, out)
         return extend_result(
-            out.next_tokens, batch.seq_lens, payload, out.invalid_rows, out.logprobs
+            out.next_tokens,
+            batch.seq_lens,
+            payload,
+            out.invalid_rows,
+            out.logprobs,
+            out.top_logprobs,
         )
 
     def _run_decode(
@@ -426,6 +432,7 @@ class ChainRoundWorker(abc.ABC):
             checked.invalid_rows,
             checked.logprobs,
             drafts.confidences,
+            top_logprobs=checked.top_logprobs,
         )
 
     @abc.abstractmethod

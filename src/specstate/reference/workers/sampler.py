@@ -50,6 +50,7 @@ __all__ = [
     "filtered_probs",
     "sample_with_uniforms",
     "token_logprobs",
+    "top_token_logprobs",
 ]
 
 
@@ -145,6 +146,26 @@ def token_logprobs(
     sampled = probs.gather(-1, index).squeeze(-1).log()
     is_greedy = _per_row(sampling.temperatures == 0, greedy)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def top_token_logprobs(
+    processed: torch.Tensor,
+    probs: torch.Tensor | None,
+    sampling: SamplingInfo,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens ``[B, ..., k]`` (int64) of each row's final distribution
+    and their log-probabilities (float32), most likely first, ties by token id.
+
+    The distribution is `token_logprobs`': greedy rows ``log_softmax`` of the processed logits,
+    sampled rows the log of their filtered ``probs`` (a filtered-out token is ``-inf``).
+    """
+    dist = torch.log_softmax(processed.float(), dim=-1)
+    if probs is not None and not sampling.is_all_greedy:
+        is_greedy = _per_row(sampling.temperatures == 0, dist)
+        dist = torch.where(is_greedy, dist, probs.log())
+    values, ids = dist.sort(dim=-1, descending=True, stable=True)
+    return ids[..., :k], values[..., :k]
 
 
 @attrs.frozen(kw_only=True)

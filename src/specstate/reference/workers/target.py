@@ -23,7 +23,8 @@ Sampling controls (docs/engine.md, "Sampling controls"), all per row:
   verified against those tokens (`verify_chain_targets`), so the emitted tokens do not depend
   on the drafts, the batch or the loop, and each follows the target's distribution exactly;
 * ``speculative=False`` rows accept exactly ``y_0`` (a sampled one draws it from ``p_0``);
-* logprobs of the emitted tokens under the final distribution, when a row asks for them;
+* logprobs of the emitted tokens under the final distribution, when a row asks for them (and
+  the top ``K`` alternatives of each position, with ``top_logprobs``);
 * grammars (`specstate.grammar.rows`): the extend's sampled token and every verify position are
   masked to what the row's grammar allows there (after the logit controls), verify position
   ``j`` with the grammar after ``d1 .. dj``.
@@ -55,6 +56,7 @@ from specstate.reference.workers.sampler import (
     filtered_probs,
     sample_with_uniforms,
     token_logprobs,
+    top_token_logprobs,
 )
 from specstate.reference.workers.sources import (
     ModelSource,
@@ -87,6 +89,8 @@ class TargetExtend:
         invalid_rows: ``[B]`` bool, True where the row's logits were not finite (raw, or after
             the logit controls: `contain_logits`).
         logprobs: ``[B]`` log-probability of each next token, when the batch asks for them.
+        top_logprobs: ``([B, K], [B, K])`` the top tokens and their log-probabilities, when
+            the batch asks for ``top_logprobs`` (`top_token_logprobs`).
     """
 
     attention: AttentionBatch
@@ -95,6 +99,7 @@ class TargetExtend:
     last_rows: torch.Tensor
     invalid_rows: torch.Tensor
     logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -107,12 +112,15 @@ class TargetVerify:
         invalid_rows: ``[B]`` rows whose logits were not finite, raw or after the logit
             controls (verified on zeroed logits).
         logprobs: ``[B, D]`` log-probability of each run token, when the batch asks for them.
+        top_logprobs: ``([B, D, K], [B, D, K])`` the top tokens of each run position and
+            their log-probabilities, when the batch asks for ``top_logprobs``.
     """
 
     verdict: ChainVerdict
     hidden_states: torch.Tensor
     invalid_rows: torch.Tensor
     logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _mask_non_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -295,10 +303,12 @@ class TargetRunner:
             grammar.accept_sampled(choice.tokens)
         if choice.invalid is not None:  # the controls left a row nothing to choose from
             invalid = invalid | choice.invalid
-        logprobs = None
+        logprobs = top = None
         if sampling.logprobs:
             processed = out.logits if choice.logits is None else choice.logits
             logprobs = token_logprobs(processed, choice.probs, sampling, choice.tokens)
+            if sampling.top_logprobs:
+                top = top_token_logprobs(processed, choice.probs, sampling, sampling.top_logprobs)
         return TargetExtend(
             attention=attention,
             next_tokens=choice.tokens,
@@ -306,6 +316,7 @@ class TargetRunner:
             last_rows=last_rows,
             invalid_rows=invalid,
             logprobs=logprobs,
+            top_logprobs=top,
         )
 
     def verify(
@@ -364,14 +375,17 @@ class TargetRunner:
         if grammar_masks is not None:  # position j: the grammar after d1 .. dj
             logits = grammar_masks.apply(logits)
         verdict, probs = _verify(drafts, logits, sampling, sampler, start, budgets)
-        logprobs = None
+        logprobs = top = None
         if sampling.logprobs:
             logprobs = token_logprobs(logits, probs, sampling, verdict.run_tokens)
+            if sampling.top_logprobs:
+                top = top_token_logprobs(logits, probs, sampling, sampling.top_logprobs)
         return TargetVerify(
             verdict=verdict,
             hidden_states=out.hidden_states.view(num_rows, width, -1),
             invalid_rows=invalid,
             logprobs=logprobs,
+            top_logprobs=top,
         )
 
 

@@ -60,7 +60,11 @@ from specstate.engine.worker import OnPublish, WorkerCapabilities
 from specstate.reference.model import AttentionBatch, KvCache, ModelOutput
 from specstate.reference.workers.layout import chain_attention, decode_result, decode_roots
 from specstate.reference.workers.round import ChainRoundWorker
-from specstate.reference.workers.sampler import contain_logits, token_logprobs
+from specstate.reference.workers.sampler import (
+    contain_logits,
+    token_logprobs,
+    top_token_logprobs,
+)
 from specstate.reference.workers.target import TargetRunner
 from specstate.reference.workers.tree_draft import (
     DraftTree,
@@ -148,11 +152,13 @@ class VerifiedTree:
 
 
 def _fit_width(run_tokens: torch.Tensor, width: int) -> torch.Tensor:
-    """``run_tokens`` ``[B, K + 1]`` cut or zero-padded to the stride ``D`` (runs fit: a <= D)."""
+    """``run_tokens`` ``[B, K + 1, ...]`` cut or zero-padded to the stride ``D`` along dim 1
+    (runs fit: a <= D)."""
     missing = width - run_tokens.shape[1]
     if missing <= 0:
         return run_tokens[:, :width]
-    return torch.cat([run_tokens, run_tokens.new_zeros(run_tokens.shape[0], missing)], 1)
+    pad = run_tokens.new_zeros(run_tokens.shape[0], missing, *run_tokens.shape[2:])
+    return torch.cat([run_tokens, pad], 1)
 
 
 def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
@@ -233,14 +239,18 @@ class TreeRoundWorker(ChainRoundWorker):
         # The history below the new frontier: the path's tokens (every round, so a prefix
         # the prefix cache shares later carries them).
         self._record_path(batch.req_pool_indices, start, verdict.path_tokens(tree))
-        logprobs = None
+        logprobs = top = None
         if sampling.logprobs:  # run token j is scored by its parent, the path node at depth j
             index = verdict.path[:, :, None].expand(-1, -1, logits.shape[-1])
+            path_logits = logits.gather(1, index)
             path_probs = None if probs is None else probs.gather(1, index)
-            run_logprobs = token_logprobs(
-                logits.gather(1, index), path_probs, sampling, verdict.run_tokens
-            )
+            run_logprobs = token_logprobs(path_logits, path_probs, sampling, verdict.run_tokens)
             logprobs = _fit_width(run_logprobs, width)
+            if sampling.top_logprobs:
+                ids, values = top_token_logprobs(
+                    path_logits, path_probs, sampling, sampling.top_logprobs
+                )
+                top = _fit_width(ids, width), _fit_width(values, width)
         new_seq_lens = start + verdict.accept_lens
         _publish(on_publish, new_seq_lens)
         compact_kv(target.kv_cache, batch.req_pool_indices, table, start, verdict)
@@ -261,6 +271,7 @@ class TreeRoundWorker(ChainRoundWorker):
             payload,
             invalid,
             logprobs,
+            top_logprobs=top,
         )
 
     def _record_path(

@@ -7,7 +7,7 @@ Input, one JSON object per line:
      "top_k"?: int | null, "seed"?: int | null, "speculative"?: bool,
      "repetition_penalty"?: number, "frequency_penalty"?: number,
      "presence_penalty"?: number, "min_new_tokens"?: int,
-     "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool,
+     "stop_sequences"?: [[int, ...], ...], "logprobs"?: bool, "top_logprobs"?: int,
      "grammar"?: {"json_schema": {...}} | {"regex": str} | {"ebnf": str} | {"lark": str}}
 
 ``--input -`` reads the lines from standard input; ``--output`` defaults to ``-``, standard
@@ -17,8 +17,10 @@ Output, one per request in input order: ``{"id", "output_ids", "finish_reason",
 "accept_lengths", "cached_tokens"}`` (``cached_tokens``: prompt tokens the prefix cache
 supplied; ``--no-prefix-cache`` turns the cache off), plus ``"text"`` (the output decoded)
 when the request gave ``"text"``, ``"logprobs"`` (one float per output token) when it asked
-for them, and ``"error"`` (the reason) for a request that ended with an error; the exit code is
-then 1.
+for them, ``"top_logprobs"`` (per output token, its ``top_logprobs`` most likely
+``[token id, logprob]`` pairs, most likely first; ``null`` for an alternative the sampling
+filters removed) when it asked for them (with ``logprobs``, at most 20), and ``"error"`` (the
+reason) for a request that ended with an error; the exit code is then 1.
 ``--trace FILE`` records the run (spans, rounds, events: the JSONL of `specstate.engine.trace`,
 read back by ``specstate trace FILE``) and ``--perfetto FILE`` writes its timeline as Chrome /
 Perfetto trace events. On a terminal a progress bar runs on stderr; at the end a summary

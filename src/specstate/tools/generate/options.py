@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Request lines: {id, input_ids | text, max_new_tokens?, stop_token_ids?, temperature?, "
         "top_p?, top_k?, seed?, speculative?, repetition_penalty?, frequency_penalty?, "
-        "presence_penalty?, min_new_tokens?, stop_sequences?, logprobs?, grammar?}. Exit codes: "
+        "presence_penalty?, min_new_tokens?, stop_sequences?, logprobs?, top_logprobs?, grammar?}. "
+        "Exit codes: "
         "0 all requests ended normally, 1 some ended with an error, 2 bad input, options or "
         "checkpoint. Threads: with --no-overlap the forward runs on the main thread, so "
         "--threads matters most there."

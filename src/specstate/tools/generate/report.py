@@ -8,6 +8,7 @@ lost if the run stops; the summary is a frozen `RunSummary`, printed to stderr a
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -54,6 +55,10 @@ class ResultWriter:
                 row["text"] = codec.decode(r.emitted_ids)
             if r.logprobs is not None:
                 row["logprobs"] = list(r.logprobs)
+            if r.top_logprobs is not None:  # null: an alternative the filters removed (-inf)
+                row["top_logprobs"] = [
+                    [[t, v if v != -math.inf else None] for t, v in top] for top in r.top_logprobs
+                ]
             if r.finish is not None and r.finish.reason is FinishReason.ERROR:
                 row["error"] = r.finish.detail
             print(json.dumps(row), file=self._out, flush=True)

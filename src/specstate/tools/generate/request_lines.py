@@ -44,6 +44,7 @@ FIELDS: Final = frozenset(
         "min_new_tokens",
         "stop_sequences",
         "logprobs",
+        "top_logprobs",
         "grammar",
     }
 )
@@ -130,8 +131,18 @@ def _sampling_params(obj: dict[str, Any], where: str) -> SamplingParams:
         presence_penalty=penalties["presence_penalty"],
         speculative=flags["speculative"],
         logprobs=flags["logprobs"],
+        top_logprobs=_top_logprobs(obj, where),
         grammar=_grammar(obj, where),
     )
+
+
+def _top_logprobs(obj: dict[str, Any], where: str) -> int:
+    """``top_logprobs``: an integer (its range, and that it needs ``logprobs``, are checked at
+    submit, naming this line)."""
+    top = obj.get("top_logprobs", 0)
+    if not _is_id(top):
+        raise InvalidRequest(f'{where}: "top_logprobs" must be an integer, got {top!r}')
+    return int(top)
 
 
 def _grammar(obj: dict[str, Any], where: str) -> Grammar | None:
