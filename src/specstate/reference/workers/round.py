@@ -146,6 +146,31 @@ def _with_recurrent_state(
     return attrs.evolve(capabilities, recurrent=merged)
 
 
+def _imported_logprobs(
+    records: Sequence[HandoffRecord], batch: ForwardBatch, device: torch.device
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """An import batch's logprobs: each record's last emitted token's (the "sampled" one),
+    as the prefill engine computed it; 0 for a row that did not ask. Its top alternatives
+    ``([B, K], [B, K])`` the same way: a row's first ``top_logprobs`` columns, then id 0 at
+    ``-inf`` (K is the batch's; settlement keeps each row's own)."""
+    sampling = batch.sampling_info
+    if not sampling.logprobs:
+        return None, None
+    last = [0.0 if r.output_logprobs is None else r.output_logprobs[-1] for r in records]
+    logprobs = torch.tensor(last, dtype=torch.float32, device=device)
+    k = sampling.top_logprobs
+    if not k:
+        return logprobs, None
+    ids = torch.zeros(len(records), k, dtype=torch.int64)
+    values = torch.full((len(records), k), -torch.inf, dtype=torch.float32)  # past a row's
+    for row, record in enumerate(records):
+        if record.output_top_logprobs is not None:
+            pairs = record.output_top_logprobs[-1]
+            ids[row, : len(pairs)] = torch.tensor([t for t, _ in pairs], dtype=torch.int64)
+            values[row, : len(pairs)] = torch.tensor([v for _, v in pairs], dtype=torch.float32)
+    return logprobs, (ids.to(device), values.to(device))
+
+
 def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
     if on_publish is not None:
         on_publish(new_seq_lens)
@@ -300,7 +325,8 @@ class ChainRoundWorker(abc.ABC):
             topk_index=stacked("topk_index"),
         )
         invalid = torch.zeros(len(records), dtype=torch.bool, device=device)
-        return extend_result(tokens, batch.seq_lens, payload, invalid)
+        logprobs, top = _imported_logprobs(records, batch, device)
+        return extend_result(tokens, batch.seq_lens, payload, invalid, logprobs, top)
 
     def _handoff_buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer kept by KV token slot (dim 0), by name, in a fixed order.
