@@ -3,7 +3,8 @@
 Each family's draft state crosses in the record: DFLASH's and DSpark's materialized context KV
 (``assistant.k*`` / ``assistant.v*``, by slot), Frozen-KV MTP's seed state (the target's normed
 hidden state of position ``C - 1``, in the draft state: it keeps nothing by slot), and for UNO
-nothing besides the target's (the drafter is the target through an adapter). Both loops, page 1
+nothing besides the target's (the drafter is the target through an adapter; a UNO tree's
+pass-1 marginals live one round). Both loops, page 1
 and 16, prefix cache on: greedy requests emit transformers' ``generate()`` tokens and one
 engine's, with one engine's accept lengths; seeded sampled requests one engine's; the decode
 engine prefills nothing, target or drafter. DFLASH and DSpark run with their commit-order
@@ -32,9 +33,10 @@ NEW_TOKENS = 12
 WAVE1 = [list(p) for p in MIXED_PROMPTS]
 WAVE2 = [[*p, (7 * i + 3) % 90 + 1, 11] for i, p in enumerate(WAVE1)]  # wave 1's prefixes
 PROMPTS = WAVE1 + WAVE2
-FAMILIES = ("frozen_kv_mtp", "dflash", "dspark", "uno")
-MIN_ACCEPT = {"frozen_kv_mtp": 1.0, "dflash": 1.0, "dspark": 1.0, "uno": 2.0}  # uno: its root
-MAX_ACCEPT = {"frozen_kv_mtp": 4, "dflash": 4, "dspark": 4, "uno": 5}  # drafts + bonus (+ root)
+FAMILIES = ("frozen_kv_mtp", "dflash", "dspark", "uno", "uno_tree")
+"""``uno_tree``: UNO drafting a tree (``topk`` 2, six nodes verified)."""
+MIN_ACCEPT = {"frozen_kv_mtp": 1.0, "dflash": 1.0, "dspark": 1.0, "uno": 2.0, "uno_tree": 2.0}
+MAX_ACCEPT = {"frozen_kv_mtp": 4, "dflash": 4, "dspark": 4, "uno": 5, "uno_tree": 5}
 
 
 class Families:
@@ -52,6 +54,8 @@ class Families:
             )
         if family == "dflash":
             return self.block.worker(family, check_commit_order=True)
+        if family == "uno_tree":
+            return self.block.worker("uno", topk=2, num_draft_tokens=6)
         return self.block.worker(family)
 
     def hf(self, family: str) -> Any:

@@ -331,13 +331,14 @@ class ChainRoundWorker(abc.ABC):
     def _handoff_buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer kept by KV token slot (dim 0), by name, in a fixed order.
 
+        A tree worker (``topk > 1``) keeps the same: after each round its target's and
+        drafter's state at ``[S, S + a)`` is compacted to what a chain of the accepted tokens
+        writes (`specstate.reference.workers.tree`); nothing of a tree outlives its round.
+
         Raises:
-            HandoffUnsupported: a recurrent (hybrid) state, a tree drafter, or a family that
-                does not say what its drafter keeps (`_draft_handoff_buffers`).
+            HandoffUnsupported: a family that does not say what its drafter keeps
+                (`_draft_handoff_buffers`).
         """
-        caps = self._capabilities
-        if caps.topk > 1:
-            raise HandoffUnsupported(f"{caps.algorithm}: a tree drafter (topk {caps.topk})")
         out: dict[str, torch.Tensor] = {}
         for owner, cache in self.kv_caches().items():
             out.update({f"{owner}.{name}": buf for name, buf in cache.buffers().items()})
