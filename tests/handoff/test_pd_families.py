@@ -20,13 +20,16 @@ from typing import Any
 import pytest
 import torch
 from block_checkpoints import BlockCheckpoints
-from engine_driver import run_checked, with_stops
+from engine_driver import checked_config, run_checked, with_stops
 from handoff_harness import linked, run_one, run_pd
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
-from specstate import HandoffMismatch, SamplingParams
+from specstate import Engine, HandoffMismatch, RequestLimits, SamplingParams
+from specstate.engine.budgets import budget_policy
+from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol, handoff_worker
+from specstate.handoff.link import HandoffLink, serve_disaggregated
 from specstate.reference.workers import default_registry
 
 NEW_TOKENS = 12
@@ -205,3 +208,44 @@ def test_a_different_drafter_is_refused(families: Families, block_ckpt: BlockChe
             link.decode.admit_handoff(link.prefill.export_handoff("r"))
         assert caught.value.field == "drafter_digest"
         link.prefill.release_handoff("r", error="refused")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dspark_under_the_confidence_budget_through_prefill_and_decode(
+    families: Families, overlap: bool
+) -> None:
+    """DSpark with `ConfidenceBudget` on both engines: a budget is planned from the settled
+    rounds' confidences, which the decode engine sees from its first round on, as one engine
+    does after a prefill. HF's tokens, one engine's tokens, accept and verified lengths."""
+    requests = _requests([None] * len(PROMPTS), sampled=False)[0]
+    limits = RequestLimits(vocab_size=97, max_context_len=64)
+    config = checked_config(overlap=overlap, page_size=16, prefix_cache=True)
+
+    def engine() -> Engine:
+        return Engine(
+            families.worker("dspark"),
+            limits=limits,
+            config=config,
+            verify_budget=budget_policy("confidence"),
+        )
+
+    with engine() as prefill, engine() as decode:
+        crossed = serve_disaggregated(
+            HandoffLink(prefill, decode), requests, after_step=check_engine
+        )
+        got = {
+            rid: (list(r.emitted_ids), r.accept_lengths, r.verified_lengths)
+            for rid, r in crossed.items()
+        }
+    with engine() as one:
+        reqs = [one.submit(*r) for r in requests]
+        run_checked(one)
+        want = {
+            r.request_id: (list(r.emitted_ids), r.accept_lengths, r.verified_lengths) for r in reqs
+        }
+    assert got == want
+    assert [got[rid][0] for rid, _, _ in requests] == [
+        greedy(families.block.hf, p, NEW_TOKENS) for _, p, _ in requests
+    ]
+    width = 3  # a budget below the block's three drafts cut some round
+    assert any(v < width for _, _, verified in got.values() for v in verified)
