@@ -145,7 +145,8 @@ def test_the_decode_engine_holds_exactly_the_state_that_crossed(
     """After its import batch, every slot-kept buffer of the decode worker holds the record's
     values bit for bit at the request's new slots; read apart from the export too: the
     target's KV, and DFLASH's / DSpark's context KV, equal the prefill worker's at its slots.
-    The relayed draft state (Frozen-KV's seed state) equals the prefill engine's relay row."""
+    (The relayed draft state, Frozen-KV's seed state, is checked by the accept lengths of the
+    tests above.)"""
     prefill_worker, decode_worker = families.worker(family), families.worker(family)
     vocab = families.vocab_size(family)
     with linked(prefill_worker, decode_worker, vocab_size=vocab, page_size=4) as link:
@@ -199,6 +200,11 @@ def test_a_different_drafter_is_refused(families: Families, block_ckpt: BlockChe
         with pytest.raises(HandoffMismatch) as caught:
             link.decode.admit_handoff(link.prefill.export_handoff("r"))
         assert caught.value.field == "algorithm"
+        # The same backbone (DSpark's is DFLASH's, copied): the heads alone tell them apart.
+        dflash, dspark = (
+            e.handoff_descriptor().drafter_digest for e in (link.prefill, link.decode)
+        )
+        assert dflash and dspark and dflash != dspark
         link.prefill.release_handoff("r", error="refused")
     plain = block_ckpt.worker("uno", adapter=None)
     with linked(families.worker("uno"), plain, vocab_size=97, page_size=4) as link:
