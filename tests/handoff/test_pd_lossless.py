@@ -27,11 +27,12 @@ from spec_checkpoints import (
     make_spec_checkpoints,
 )
 
-from specstate import HandoffUnsupported, RequestLimits, SamplingParams
+from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol, handoff_worker
 from specstate.handoff.link import serve_disaggregated
+from specstate.reference.workers import default_registry
 
 NEW_TOKENS = 12
 WAVE1 = [list(p) for p in MIXED_PROMPTS]
@@ -78,6 +79,7 @@ def _waves(
 
 
 MATRIX = list(itertools.product(ALGORITHMS, [False, True], [1, 16]))
+SEEDED = list(itertools.product((*ALGORITHMS, "mtp", "eagle3"), [False, True], [1, 16]))
 
 
 @pytest.mark.slow
@@ -118,12 +120,12 @@ def test_greedy_through_prefill_and_decode_equals_hf_and_one_engine(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "overlap", "page_size"), MATRIX)
+@pytest.mark.parametrize(("algorithm", "overlap", "page_size"), SEEDED)
 def test_seeded_sampling_through_prefill_and_decode_equals_one_engine(
     ckpt: SpecCheckpoints, algorithm: str, overlap: bool, page_size: int
 ) -> None:
     """Seeded sampled requests: a token is a function of (seed, position), so the split does
-    not change one."""
+    not change one (the hidden-state families MTP and EAGLE-3 too)."""
     requests = _requests([None] * len(PROMPTS), sampled=True)
     options: dict[str, Any] = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
     run = run_pd(
@@ -210,23 +212,62 @@ def test_hidden_state_families_through_prefill_and_decode(
     assert 1.0 < run.mean_accept < 3.0  # partial acceptance (two MTP layers; eagle3 at 2 steps+)
 
 
-def test_a_family_without_an_export_is_refused(ckpt: SpecCheckpoints) -> None:
-    """Frozen-KV MTP does not hand off yet: refused at submit_prefill, nothing queued."""
-    limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
-    with Engine(_worker(ckpt, "frozen_kv_mtp"), limits=limits, config=checked_config()) as engine:
-        with pytest.raises(HandoffUnsupported, match="frozen_kv_mtp"):
-            engine.submit_prefill("r", WAVE1[0], SamplingParams(max_new_tokens=3))
-        assert engine.is_idle and pools_full(engine)
+def _tree(ckpt: SpecCheckpoints, algorithm: str) -> WorkerProtocol:
+    """A tree drafter: two branches a node, five nodes verified a round."""
+    options = ckpt.options(algorithm, agreeing=False)
+    return default_registry().create(algorithm, **options, topk=2, num_draft_tokens=5)
 
 
-@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "mtp", "eagle3"])
+TREES = ("draft_model", "eagle", "eagle3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algorithm", "overlap", "page_size"), list(itertools.product(TREES, [False, True], [1, 16]))
+)
+def test_trees_through_prefill_and_decode(
+    ckpt: SpecCheckpoints,
+    expected: list[list[int]],
+    algorithm: str,
+    overlap: bool,
+    page_size: int,
+) -> None:
+    """Tree drafters (``topk`` 2) cross like chains: between rounds a tree keeps nothing but
+    what a chain keeps by slot (its accepted path is compacted) and the relay. Greedy: HF's
+    tokens, one engine's tokens and accept lengths; seeded sampled: one engine's."""
+    stops, wants = with_stops(expected)
+    options: dict[str, Any] = {"overlap": overlap, "page_size": page_size, "prefix_cache": True}
+    for requests in (_requests(stops, sampled=False), _requests(stops, sampled=True)):
+        run = run_pd(
+            _tree(ckpt, algorithm),
+            _tree(ckpt, algorithm),
+            _waves(requests),
+            vocab_size=ckpt.vocab_size,
+            **options,
+        )
+        one, one_accepts = run_one(
+            _tree(ckpt, algorithm), _waves(requests), vocab_size=ckpt.vocab_size, **options
+        )
+        assert run.outputs == one and run.accepts == one_accepts
+        assert run.prefill_tokens_on_decode == 0 and run.drafter_prefill_tokens_on_decode == 0
+        assert 1.0 < run.mean_accept < 4.0
+        if requests[0][2].temperature == 0.0:
+            assert [run.outputs[f"r{i}"] for i in range(len(PROMPTS))] == wants
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "topk"),
+    [*((a, 1) for a in (*ALGORITHMS, "mtp", "eagle3")), *((a, 2) for a in TREES)],
+)
 def test_the_decode_engine_holds_exactly_the_state_that_crossed(
-    ckpt: SpecCheckpoints, algorithm: str
+    ckpt: SpecCheckpoints, algorithm: str, topk: int
 ) -> None:
     """After its import batch, every slot-kept buffer of the decode worker (target and drafter
     KV, features, histories) holds the record's values bit for bit at the request's new slots
-    (the relayed draft state is checked by the accept lengths of the tests above)."""
-    prefill_worker, decode_worker = _worker(ckpt, algorithm), _worker(ckpt, algorithm)
+    (the relayed draft state is checked by the accept lengths of the tests above); a tree
+    drafter's too."""
+    make = _worker if topk == 1 else _tree
+    prefill_worker, decode_worker = make(ckpt, algorithm), make(ckpt, algorithm)
     with linked(prefill_worker, decode_worker, vocab_size=ckpt.vocab_size, page_size=4) as link:
         link.prefill.submit_prefill("r", WAVE1[2], SamplingParams(max_new_tokens=5))
         run_checked(link.prefill)

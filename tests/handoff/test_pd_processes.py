@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from handoff_processes import pd_rank
-from hf_oracle import greedy
+from hf_oracle import greedy, greedy_scored
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import SamplingParams
@@ -71,6 +71,30 @@ def test_two_processes_on_gloo_are_lossless(
     assert prefill.result["pools_full"] and decode.result["pools_full"]
     assert prefill.result["handoffs"] == (len(want), 0)
     assert decode.result["handoffs"] == (0, len(want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["frozen_kv_mtp", "eagle_tree"])
+def test_newer_families_and_logprobs_cross_two_processes(
+    ckpt: SpecCheckpoints, algorithm: str
+) -> None:
+    """Frozen-KV MTP (its seed state in the record) and an EAGLE tree, every request with
+    logprobs, over gloo: HF's greedy tokens and logprobs on the decode process."""
+    name = "eagle" if algorithm == "eagle_tree" else algorithm
+    options = ckpt.options(name)
+    if algorithm == "eagle_tree":
+        options |= {"topk": 2, "num_draft_tokens": 5}
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=True)
+    requests = [(f"r{i}", list(p), params) for i, p in enumerate(MIXED_PROMPTS)]
+    spec = _spec(ckpt, name, worker=options, requests=requests, config={"overlap": True})
+    prefill, decode = _spawn(spec)
+    assert prefill.ok and decode.ok, (prefill.traceback, decode.traceback)
+    assert decode.result["failure"] is None
+    for rid, prompt, _ in requests:
+        tokens, logprobs = greedy_scored(ckpt.hf, prompt, NEW_TOKENS)
+        assert decode.result["outputs"][rid] == tokens
+        assert decode.result["logprobs"][rid] == pytest.approx(logprobs, abs=1e-4)
+    assert prefill.result["pools_full"] and decode.result["pools_full"]
 
 
 @pytest.mark.slow

@@ -38,11 +38,13 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> SpecCheckpoints:
     return make_spec_checkpoints(tmp_path_factory.mktemp("record"))
 
 
-def _record(ckpt: SpecCheckpoints, algorithm: str, **options: Any) -> HandoffRecord:
+def _record(
+    ckpt: SpecCheckpoints, algorithm: str, params: SamplingParams = PARAMS, **options: Any
+) -> HandoffRecord:
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
     config = checked_config(**options)
     with Engine(ckpt.worker(algorithm), limits=limits, config=config) as engine:
-        engine.submit_prefill("r", PROMPT, PARAMS)
+        engine.submit_prefill("r", PROMPT, params)
         run_checked(engine)
         return engine.export_handoff("r")
 
@@ -74,6 +76,26 @@ def test_a_record_crosses_its_wire_form_unchanged(eagle_record: HandoffRecord) -
 def _refused(tensors: list[torch.Tensor], match: str) -> None:
     with pytest.raises(MalformedRecord, match=match):
         decode(tensors)
+
+
+def test_logprobs_cross_the_wire_form_and_bad_ones_are_refused(ckpt: SpecCheckpoints) -> None:
+    """The first token's logprob and top alternatives round-trip exactly; logprobs missing,
+    of the wrong length, unasked for, or with the wrong number of alternatives are refused."""
+    params = attrs.evolve(PARAMS, logprobs=True, top_logprobs=2)
+    record = _record(ckpt, "ngram", params, page_size=4)
+    assert record.output_logprobs is not None and len(record.output_logprobs) == 1
+    assert record.output_top_logprobs is not None and len(record.output_top_logprobs[0]) == 2
+    back = decode(encode(record))
+    assert back.sampling == params
+    assert back.output_logprobs == record.output_logprobs
+    assert back.output_top_logprobs == record.output_top_logprobs
+    _refused(encode(attrs.evolve(record, output_logprobs=None)), "one logprob per emitted")
+    _refused(encode(attrs.evolve(record, output_logprobs=(-1.0, -2.0))), "one logprob per")
+    _refused(encode(attrs.evolve(record, output_top_logprobs=None)), "2 top logprobs")
+    one = (record.output_top_logprobs[0][:1],)
+    _refused(encode(attrs.evolve(record, output_top_logprobs=one)), "2 top logprobs")
+    plain = attrs.evolve(record, sampling=PARAMS, output_top_logprobs=None)
+    _refused(encode(plain), "does not ask for")
 
 
 def test_a_truncated_record_is_refused(eagle_record: HandoffRecord) -> None:

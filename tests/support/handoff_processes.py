@@ -67,6 +67,7 @@ def pd_rank(group: RankGroup, spec: dict[str, Any]) -> dict[str, Any]:
         reqs = outcome.requests
     result = {
         "outputs": {rid: list(r.emitted_ids) for rid, r in reqs.items()},
+        "logprobs": {rid: r.logprobs for rid, r in reqs.items()},
         "finish": {
             rid: (r.finish.reason.value, r.finish.detail) for rid, r in reqs.items() if r.finish
         },

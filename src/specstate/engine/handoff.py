@@ -117,13 +117,11 @@ class HandoffDesk:
 
         Raises:
             UsageError: no such parked request, or its prefill has not settled yet.
-            HandoffUnsupported: the worker or the request's sampling cannot hand off.
+            HandoffUnsupported: the worker cannot hand off.
         """
         req = self._parked(request_id)
         if req.num_outputs < 1:
             raise UsageError(f"request {request_id!r}: its prefill has not settled yet; step first")
-        if req.sampling.logprobs:
-            raise HandoffUnsupported(f"request {request_id!r}: logprobs do not cross a handoff yet")
         descriptor = self.descriptor()
         slot = self._allocator.slot_of(req)
         at = torch.tensor([slot], dtype=torch.int64)
@@ -168,6 +166,8 @@ class HandoffDesk:
                 topk_index=row(relay.topk_index),
             ),
             recurrent_state=rows,
+            output_logprobs=req.logprobs,
+            output_top_logprobs=req.top_logprobs,
         )
         self.exported[req] = record
         self.num_exported += 1
@@ -201,15 +201,11 @@ class HandoffDesk:
 
         Raises:
             HandoffMismatch: its descriptor differs from this engine's (the field named).
-            HandoffUnsupported: not a first-token record, or logprobs.
+            HandoffUnsupported: not a first-token record.
         """
         self.descriptor().check(record.descriptor, request_id=record.request_id)
         if len(record.output_ids) != 1:
             raise HandoffUnsupported(
                 f"request {record.request_id!r}: a decode engine admits records at their first "
                 f"token; this one carries {len(record.output_ids)} outputs"
-            )
-        if record.sampling.logprobs:
-            raise HandoffUnsupported(
-                f"request {record.request_id!r}: logprobs do not cross a handoff yet"
             )

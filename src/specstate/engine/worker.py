@@ -296,8 +296,8 @@ class HandoffWorker(Protocol):
         """(name, dtype, per-position shape) of every buffer kept by KV token slot.
 
         Raises:
-            HandoffUnsupported: the worker's state does not cross (a hybrid's recurrent
-                state, a tree drafter), naming why.
+            HandoffUnsupported: the worker's state does not cross (a family that does not
+                say what its drafter keeps), naming why.
         """
         ...
 
@@ -320,7 +320,8 @@ class HandoffWorker(Protocol):
         for positions ``[prefix_lens[i], seq_lens[i])`` at its ``out_cache_loc`` (a prefix the
         decode engine's cache supplied is not written) and, with recurrent state, its state row
         at the row of ``seq_lens[i]``; it returns the record's bonus token as the sampled token
-        with its draft state as the next round's payload."""
+        with its draft state as the next round's payload, and (for a batch that asks for them)
+        the bonus token's logprob and top alternatives the record carries."""
         ...
 
 

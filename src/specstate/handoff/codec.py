@@ -11,7 +11,8 @@ The wire form is what a transport sends point to point::
 `decode` checks everything before it builds a record: the magic and version, the count of
 tensors, each tensor's dtype and shape against the manifest, the clocks (``committed_len ==
 len(prompt) + len(outputs) - 1``, one row per position in every slot-state tensor), the bonus
-token. A truncated or corrupted record raises `MalformedRecord` naming what is wrong; nothing
+token, the emitted tokens' logprobs (present exactly when asked for, one per token). A
+truncated or corrupted record raises `MalformedRecord` naming what is wrong; nothing
 else is raised for bad bytes.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from specstate.core.errors import InvalidRequest, MalformedRecord
 from specstate.core.params import SamplingParams
+from specstate.core.request import TopLogprobs
 from specstate.grammar.spec import Grammar
 from specstate.handoff.record import (
     HANDOFF_VERSION,
@@ -83,6 +85,7 @@ def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
         "stop_sequences": [list(s) for s in sampling.stop_sequences],
         "seed": sampling.seed,
         "logprobs": sampling.logprobs,
+        "top_logprobs": sampling.top_logprobs,
         "grammar": None if grammar is None else grammar.to_json(),
     }
 
@@ -99,6 +102,69 @@ def _sampling_from(value: Any) -> SamplingParams:
         )
     except (TypeError, ValueError, InvalidRequest) as exc:
         raise MalformedRecord(f"handoff record: bad sampling parameters ({exc})") from None
+
+
+def _or_none(value: Any, convert: Any) -> Any:
+    return None if value is None else convert(value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _logprobs(
+    header: dict[str, Any], sampling: SamplingParams, outputs: tuple[int, ...], request_id: str
+) -> tuple[tuple[float, ...] | None, tuple[TopLogprobs, ...] | None]:
+    """The emitted tokens' log-probabilities and top alternatives, present exactly when the
+    sampling parameters ask for them, one per emitted token.
+
+    Raises:
+        MalformedRecord: missing, unasked for, or of the wrong length or shape.
+    """
+    values, top = header.get("output_logprobs"), header.get("output_top_logprobs")
+    where = f"request {request_id!r}: handoff record"
+    if not sampling.logprobs:
+        if values is not None or top is not None:
+            raise MalformedRecord(f"{where} carries logprobs its sampling does not ask for")
+        return None, None
+    if (
+        not isinstance(values, list)
+        or len(values) != len(outputs)
+        or not all(_number(v) for v in values)
+    ):
+        raise MalformedRecord(
+            f"{where} needs one logprob per emitted token ({len(outputs)}), got {values!r}"
+        )
+    logprobs = tuple(float(v) for v in values)
+    k = sampling.top_logprobs
+    if not k:
+        if top is not None:
+            raise MalformedRecord(f"{where} carries top logprobs its sampling does not ask for")
+        return logprobs, None
+    good = (
+        isinstance(top, list)
+        and len(top) == len(outputs)
+        and all(
+            isinstance(pairs, list)
+            and len(pairs) == k
+            and all(
+                isinstance(p, list)
+                and len(p) == 2
+                and isinstance(p[0], int)
+                and not isinstance(p[0], bool)
+                and _number(p[1])
+                for p in pairs
+            )
+            for pairs in top
+        )
+    )
+    if not good:
+        raise MalformedRecord(
+            f"{where} needs {k} top logprobs per emitted token ({len(outputs)}), got {top!r}"
+        )
+    assert isinstance(top, list)
+    pairs = tuple(tuple((int(t), float(v)) for t, v in row) for row in top)
+    return logprobs, pairs
 
 
 def header_tensor(record: HandoffRecord) -> torch.Tensor:
@@ -120,6 +186,10 @@ def header_tensor(record: HandoffRecord) -> torch.Tensor:
         "output_ids": list(record.output_ids),
         "committed_len": record.committed_len,
         "bonus_token": record.draft_state.bonus_token,
+        "output_logprobs": _or_none(record.output_logprobs, list),
+        "output_top_logprobs": _or_none(
+            record.output_top_logprobs, lambda top: [[list(p) for p in pairs] for pairs in top]
+        ),
         "sampling": _sampling_json(record.sampling),
         "descriptor": {
             "model_digest": d.model_digest,
@@ -263,6 +333,8 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
             f"emitted token {outputs[-1]}"
         )
     descriptor = _descriptor(header.get("descriptor"))
+    sampling = _sampling_from(header.get("sampling"))
+    logprobs, top = _logprobs(header, sampling, outputs, request_id)
     slot_state: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     draft: dict[str, torch.Tensor] = {}
@@ -293,10 +365,12 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
         request_id=request_id,
         prompt_ids=prompt,
         output_ids=outputs,
-        sampling=_sampling_from(header.get("sampling")),
+        sampling=sampling,
         committed_len=committed,
         descriptor=descriptor,
         slot_state=slot_state,
         draft_state=DraftState(bonus_token=outputs[-1], **draft),
         recurrent_state=rows,
+        output_logprobs=logprobs,
+        output_top_logprobs=top,
     )

@@ -5,7 +5,8 @@ token; a decode engine continues it. What crosses is exactly the request's commi
 
     request     id, prompt, emitted tokens (the last one is the pending bonus token), sampling
                 parameters (grammar included, as its spec: the decode engine compiles it and
-                replays the emitted tokens through it)
+                replays the emitted tokens through it); with ``logprobs``, the emitted tokens'
+                log-probabilities (and their top alternatives with ``top_logprobs``)
     clock       committed length C = len(prompt) + len(emitted) - 1 (KV positions [0, C));
                 nothing speculative crosses
     slot state  per position p < C, every worker buffer kept by KV token slot: the target's K and
@@ -38,6 +39,7 @@ import torch
 
 from specstate.core.errors import HandoffMismatch
 from specstate.core.params import SamplingParams
+from specstate.core.request import TopLogprobs
 
 __all__ = [
     "HANDOFF_VERSION",
@@ -48,7 +50,7 @@ __all__ = [
     "StateLayout",
 ]
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2
 """The record format version; a decoder refuses any other."""
 
 StateLayout = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -160,6 +162,11 @@ class HandoffRecord:
         draft_state: the next round's relay inputs.
         recurrent_state: ``name -> one state row`` (the `ROW` names of the layout, in order):
             a hybrid model's state after ``committed_len`` tokens; empty without one.
+        output_logprobs: with ``sampling.logprobs``, the log-probability of every emitted
+            token (aligned with ``output_ids``; the decode engine's `Req.logprobs` continues
+            them); None without.
+        output_top_logprobs: with ``sampling.top_logprobs``, every emitted position's top
+            alternatives (`Req.top_logprobs`, aligned with ``output_ids``); None without.
     """
 
     version: int
@@ -172,6 +179,8 @@ class HandoffRecord:
     slot_state: Mapping[str, torch.Tensor]
     draft_state: DraftState
     recurrent_state: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+    output_logprobs: tuple[float, ...] | None = None
+    output_top_logprobs: tuple[TopLogprobs, ...] | None = None
 
     @property
     def sampler_position(self) -> int:

@@ -208,6 +208,14 @@ class LoraAdapter:
             raise InvalidConfig(f"{path}: the adapter holds no LoRA pair")
         return cls(config, pairs, {name: linears[name] for name in pairs})
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every LoRA matrix by name (``<module>.lora_A``, ``<module>.lora_B``), and the
+        scale as a tensor (``scale``): what identifies the adapter."""
+        out = [("scale", torch.tensor(float(self.config.scale), dtype=torch.float64))]
+        for name, (a, b) in sorted(self._pairs.items()):
+            out += [(f"{name}.lora_A", a), (f"{name}.lora_B", b)]
+        return out
+
     @property
     def module_names(self) -> tuple[str, ...]:
         """The adapted projections, sorted."""

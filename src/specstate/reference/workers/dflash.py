@@ -154,6 +154,18 @@ class DFlashWorker(ChainRoundWorker):
             device = self._target.device_for(memory)
             self._ledger = CommitOrderLedger(memory.num_token_slots, device)
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        # The materialized context KV of every committed position, at its token slot.
+        return {f"assistant.{n}": b for n, b in self.assistant.kv_cache.buffers().items()}
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        return self._assistant
+
+    def _imported(self, slots: torch.Tensor) -> None:
+        if self._ledger is not None:  # the imported context is committed, as a prefill's
+            self._ledger.wrote_source(slots)
+            self._ledger.committed(slots)
+
     def _load_assistant(self, target: PagedLlama, num_token_slots: int) -> DFlashAssistant:
         """The assistant of ``self._assistant_dir`` for ``target`` (at attach)."""
         return load_dflash_assistant(self._assistant_dir, target, num_token_slots=num_token_slots)

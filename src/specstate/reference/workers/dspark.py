@@ -33,6 +33,7 @@ from specstate.reference.dspark_checkpoint import load_dspark_assistant, read_ds
 from specstate.reference.dspark_heads import DSparkHeads
 from specstate.reference.model import AttentionBatch, PagedLlama
 from specstate.reference.workers.dflash import DFlashWorker
+from specstate.reference.workers.round import parameter_digest
 from specstate.reference.workers.sources import ModelSource
 from specstate.reference.workers.verify import DraftChain
 
@@ -88,6 +89,11 @@ class DSparkWorker(DFlashWorker):
         if self._heads is None:
             raise InvalidConfig("worker is not attached: call attach(memory) first")
         return self._heads
+
+    def _drafter_digest(self) -> str:
+        # The backbone and the heads: a decode engine must draft with both as the prefill did.
+        both = torch.nn.ModuleDict({"assistant": self.assistant, "heads": self.heads})
+        return parameter_digest(both)
 
     def _load_assistant(self, target: PagedLlama, num_token_slots: int) -> DFlashAssistant:
         backbone, self._heads = load_dspark_assistant(

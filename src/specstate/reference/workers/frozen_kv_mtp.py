@@ -111,6 +111,14 @@ class FrozenKvMtpWorker(ChainRoundWorker):
             )
         self._assistant = load_frozen_kv_assistant(self._assistant_dir, self._target.model)
 
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        # The assistant keeps nothing by slot: it reads the target's KV (which crosses), and
+        # its seed state norm(H[C - 1]) crosses in the record's draft state (hidden_states).
+        return {}
+
+    def _handoff_drafter(self) -> torch.nn.Module | None:
+        return self._assistant
+
     def _state(self, pre_norm: torch.Tensor) -> torch.Tensor:
         """The seed state: the target's final norm of its hidden states ``[N, H]``."""
         with torch.no_grad():

@@ -64,13 +64,23 @@ from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.verify import ChainVerdict, DraftChain
 from specstate.relay.future_map import RelayPayload
 
-__all__ = ["ChainRoundWorker", "PlainWorker", "VerifiedRound", "parameter_digest"]
+__all__ = [
+    "ChainRoundWorker",
+    "PlainWorker",
+    "VerifiedRound",
+    "parameter_digest",
+    "tensor_digest",
+]
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
     """SHA-256 of ``module``'s parameters and buffers: names, dtypes, shapes and bytes."""
+    return tensor_digest([*module.named_parameters(), *module.named_buffers()])
+
+
+def tensor_digest(tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors (in name order): names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
-    tensors = [*module.named_parameters(), *module.named_buffers()]
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
@@ -136,6 +146,31 @@ def _with_recurrent_state(
     return attrs.evolve(capabilities, recurrent=merged)
 
 
+def _imported_logprobs(
+    records: Sequence[HandoffRecord], batch: ForwardBatch, device: torch.device
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """An import batch's logprobs: each record's last emitted token's (the "sampled" one),
+    as the prefill engine computed it; 0 for a row that did not ask. Its top alternatives
+    ``([B, K], [B, K])`` the same way: a row's first ``top_logprobs`` columns, then id 0 at
+    ``-inf`` (K is the batch's; settlement keeps each row's own)."""
+    sampling = batch.sampling_info
+    if not sampling.logprobs:
+        return None, None
+    last = [0.0 if r.output_logprobs is None else r.output_logprobs[-1] for r in records]
+    logprobs = torch.tensor(last, dtype=torch.float32, device=device)
+    k = sampling.top_logprobs
+    if not k:
+        return logprobs, None
+    ids = torch.zeros(len(records), k, dtype=torch.int64)
+    values = torch.full((len(records), k), -torch.inf, dtype=torch.float32)  # past a row's
+    for row, record in enumerate(records):
+        if record.output_top_logprobs is not None:
+            pairs = record.output_top_logprobs[-1]
+            ids[row, : len(pairs)] = torch.tensor([t for t, _ in pairs], dtype=torch.int64)
+            values[row, : len(pairs)] = torch.tensor([v for _, v in pairs], dtype=torch.float32)
+    return logprobs, (ids.to(device), values.to(device))
+
+
 def _publish(on_publish: OnPublish | None, new_seq_lens: torch.Tensor) -> None:
     if on_publish is not None:
         on_publish(new_seq_lens)
@@ -199,12 +234,14 @@ class ChainRoundWorker(abc.ABC):
     def handoff_identity(self) -> tuple[str, str]:
         """Digests of the target's and the drafter's parameters (computed once)."""
         if self._identity is None:
-            drafter = self._handoff_drafter()
-            self._identity = (
-                parameter_digest(self.target_network),
-                "" if drafter is None else parameter_digest(drafter),
-            )
+            self._identity = (parameter_digest(self.target_network), self._drafter_digest())
         return self._identity
+
+    def _drafter_digest(self) -> str:
+        """The digest of the drafter's weights ("" without any): `_handoff_drafter`'s
+        parameters by default; a family whose drafter is not one module says its own."""
+        drafter = self._handoff_drafter()
+        return "" if drafter is None else parameter_digest(drafter)
 
     def handoff_layout(self) -> StateLayout:
         """Every buffer this worker keeps by KV token slot: name, dtype, one position's shape."""
@@ -252,6 +289,7 @@ class ChainRoundWorker(abc.ABC):
             for name, buf in buffers.items():
                 part = record.slot_state[name][start : start + count]
                 buf.index_copy_(0, at.to(buf.device), part.to(device=buf.device, dtype=buf.dtype))
+        self._imported(locs.long())
         state_rows = self._handoff_state_rows()
         if state_rows:  # each row's state after seq_lens tokens, at its own slot's rows
             layout = self._target.memory.recurrent
@@ -287,18 +325,20 @@ class ChainRoundWorker(abc.ABC):
             topk_index=stacked("topk_index"),
         )
         invalid = torch.zeros(len(records), dtype=torch.bool, device=device)
-        return extend_result(tokens, batch.seq_lens, payload, invalid)
+        logprobs, top = _imported_logprobs(records, batch, device)
+        return extend_result(tokens, batch.seq_lens, payload, invalid, logprobs, top)
 
     def _handoff_buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer kept by KV token slot (dim 0), by name, in a fixed order.
 
+        A tree worker (``topk > 1``) keeps the same: after each round its target's and
+        drafter's state at ``[S, S + a)`` is compacted to what a chain of the accepted tokens
+        writes (`specstate.reference.workers.tree`); nothing of a tree outlives its round.
+
         Raises:
-            HandoffUnsupported: a recurrent (hybrid) state, a tree drafter, or a family that
-                does not say what its drafter keeps (`_draft_handoff_buffers`).
+            HandoffUnsupported: a family that does not say what its drafter keeps
+                (`_draft_handoff_buffers`).
         """
-        caps = self._capabilities
-        if caps.topk > 1:
-            raise HandoffUnsupported(f"{caps.algorithm}: a tree drafter (topk {caps.topk})")
         out: dict[str, torch.Tensor] = {}
         for owner, cache in self.kv_caches().items():
             out.update({f"{owner}.{name}": buf for name, buf in cache.buffers().items()})
@@ -329,6 +369,11 @@ class ChainRoundWorker(abc.ABC):
     def _handoff_drafter(self) -> torch.nn.Module | None:
         """The drafter whose weights the descriptor digests (None: no drafter weights)."""
         return None
+
+    def _imported(self, slots: torch.Tensor) -> None:
+        """An import wrote every slot-kept buffer at ``slots`` (the batch's new slots): the
+        state a prefill would have left there. A family that tracks its writes records it."""
+        del slots
 
     def attach(self, memory: WorkerMemory) -> None:
         """Build the target and the drafter with ``memory.num_token_slots`` KV slots each."""

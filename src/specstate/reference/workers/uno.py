@@ -49,7 +49,7 @@ from specstate.engine.worker import WorkerMemory
 from specstate.reference.lora import LoraAdapter, read_lora_config
 from specstate.reference.model import AttentionBatch, ModelConfig, ModelOutput
 from specstate.reference.workers.layout import budget_end, chain_attention, decode_roots
-from specstate.reference.workers.round import VerifiedRound
+from specstate.reference.workers.round import VerifiedRound, tensor_digest
 from specstate.reference.workers.sources import ModelSource, source_label
 from specstate.reference.workers.target import TargetExtend, TargetRunner
 from specstate.reference.workers.tree import TreeRoundWorker, VerifiedTree
@@ -134,6 +134,19 @@ class UnoWorker(TreeRoundWorker):
             raise InvalidConfig("uno worker: tensor parallelism is not supported")
         if self._adapter_dir is not None:
             self._adapter = LoraAdapter.load(self._adapter_dir, self._target.model)
+
+    def _draft_handoff_buffers(self) -> dict[str, torch.Tensor]:
+        # No drafter state: the drafter is the target itself (its KV and history cross), and
+        # nothing the adapter writes survives a round. The relay carries the bonus only.
+        return {}
+
+    def _drafter_digest(self) -> str:
+        # The adapter's matrices and scale, and the noise rows' token (it shapes the drafts).
+        adapter = self._adapter
+        if adapter is None:
+            return ""
+        noise = torch.tensor(-1 if self._noise is None else self._noise, dtype=torch.int64)
+        return tensor_digest([*adapter.named_tensors(), ("noise_token_id", noise)])
 
     def _draft_prefill(self, batch: ForwardBatch, out: TargetExtend) -> RelayPayload:
         return RelayPayload(bonus_tokens=out.next_tokens)
