@@ -518,8 +518,8 @@ class Launcher:
         if self._on_host or isinstance(seq_lens, Unresolved):
             return None, None
         if plan.is_decode:
-            frame = self._frame_offsets + seq_lens
-            return frame[0], (frame[1], frame[2])
+            positions, lo, hi = (self._frame_offsets + seq_lens).unbind()
+            return positions, (lo, hi)
         return None, (seq_lens, seq_lens)
 
     def _bind_extend_relay(self, batch: ScheduleBatch, rows: torch.Tensor | None) -> None:

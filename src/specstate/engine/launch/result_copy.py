@@ -158,8 +158,8 @@ class ResultCopy:
             result.verified_lens is not None,
             result.draft_confidences is not None,
         )
-        if packed.device.type != "cuda":
-            host = torch.empty(packed.shape, dtype=torch.int64)
+        if not packed.is_cuda:
+            host = torch.empty(packed.numel(), dtype=torch.int64)  # packed is 1-D
             host.copy_(packed, non_blocking=True)
             return cls(host, None, layout, ())
         forward = torch.cuda.current_stream(packed.device)
