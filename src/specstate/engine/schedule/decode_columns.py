@@ -39,6 +39,15 @@ class PlainRows:
     """
 
     values: IntArray
+    ints: IntArray = attrs.field(init=False)
+    """``[3, n]`` int64 (a view of ``values``): request slot, output-row epoch, top-k."""
+    floats: FloatArray = attrs.field(init=False)
+    """``[2, n]`` float32 (a view of ``values``' last row): temperature, top-p."""
+
+    def __attrs_post_init__(self) -> None:
+        values = self.values
+        object.__setattr__(self, "ints", values[:3])
+        object.__setattr__(self, "floats", values[3].view(np.float32).reshape(2, -1))
 
     @classmethod
     def empty(cls, n: int) -> PlainRows:
@@ -49,17 +58,6 @@ class PlainRows:
     def size(self) -> int:
         """Number of rows."""
         return int(self.values.shape[1])
-
-    @property
-    def ints(self) -> IntArray:
-        """``[3, n]`` int64 (a view): request slot, output-row epoch, top-k."""
-        return self.values[:3]
-
-    @property
-    def floats(self) -> FloatArray:
-        """``[2, n]`` float32 (a view): temperature, top-p."""
-        floats: FloatArray = self.values[3].view(np.float32).reshape(2, -1)
-        return floats
 
 
 @attrs.frozen(kw_only=True)
