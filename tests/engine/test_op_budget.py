@@ -28,7 +28,7 @@ pages every round (16 does not, in the counted round); it made one call more (43
 slot table's row width was read from the table's shape."""
 
 
-PYTHON_CALLS_PER_ROUND = {1: 332, 16: 298}
+PYTHON_CALLS_PER_ROUND = {1: 330, 16: 298}
 """The most Python-level calls (``sys.setprofile`` "call" and "c_call" events) a steady decode
 round may make, by page size: the fixed cost of a round, which dominates at small batches (it
 was 517 and 449 before the launch stopped building a thread event, copying an unchanged
@@ -38,7 +38,7 @@ no-op casts and a steady write replaced the previous one without a scan, then 35
 before the row arithmetic called NumPy's array methods, not its Python-level wrappers, then 345
 and 306 before a step entered the release's role scope only when a release is due, a steady
 settlement kept its all-live mask and the resolved forward inputs became the batch's relay
-payload as they are; it is 330 and 296)."""
+payload as they are and the new pages were counted with a ufunc's sum; it is 328 and 296)."""
 
 
 TORCH_OPS_CHURNED_ROUND = 55
@@ -53,14 +53,14 @@ while the relay's row patch moved each of its three index arrays with a call of 
 slot table's row width was read from the table's shape."""
 
 
-PYTHON_CALLS_CHURNED_ROUND = 657
+PYTHON_CALLS_CHURNED_ROUND = 655
 """The most Python-level calls of that churned round with one request finishing, at any batch
 size (it was 780 before the changes above, the admission's read of the next round's slots
 without a patch and the finished rows resolved per candidate, then 715 before the end of the
 finished requests became one pass per owner, then 705 before the row arithmetic called
 NumPy's array methods, not its Python-level wrappers, and the scheduler's reservation stopped
 building a report nobody read, then 670 before the plain rows became one packed array whose
-views are made once and the relay's row patch one move). It is 652 alone; a full test run may
+views are made once and the relay's row patch one move). It is 650 alone; a full test run may
 count a few more (calls that the first use of some library path makes)."""
 
 

@@ -38,6 +38,8 @@ from specstate.memory.pages import TokenSlotAllocator
 __all__ = ["ReqToTokenPool", "ReqToTokenPoolSnapshot", "SlotHandle"]
 
 _I64 = torch.int64
+_SUM = np.add.reduce
+"""A sum in C (``ndarray.sum`` goes through a Python-level wrapper first)."""
 
 
 @attrs.frozen
@@ -237,7 +239,7 @@ class ReqToTokenPool:
             self._check_tail_pages(allocator, s, c)
         counts = n - c
         if p == 1:  # every position is a new page, taken in row order
-            num_new = int(counts.sum())
+            num_new = int(_SUM(counts))
             pages = allocator.take_pages(num_new)  # raises before any change
             if num_new:
                 # Row b's positions [c, n) are flat [base_b + c_b, ...): one repeat and one range.
@@ -250,7 +252,7 @@ class ReqToTokenPool:
             s, c, n, counts = s[grows], c[grows], n[grows], counts[grows]
         first_new = _ceil_page(c, p)  # first position that needs a new page
         n_new = (_ceil_page(n, p) - first_new) // p
-        num_new = int(n_new.sum())
+        num_new = int(_SUM(n_new))
         pages = allocator.take_pages(num_new)  # raises before any change
         if s.size == 0:
             return 0
