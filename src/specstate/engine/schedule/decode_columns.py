@@ -99,8 +99,8 @@ def plain_columns(
     else:  # one copy of the packed array, then views of its rows (flat: any n, even 0)
         n = plain.size
         flat = torch.from_numpy(plain.values.reshape(-1)).to(device)
-        device_slots, _, top_ks, _ = flat.view(4, n).unbind()
-        temperatures, top_ps = flat[3 * n :].view(torch.float32).view(2, n).unbind()
+        device_slots, _, top_ks, packed = flat.view(4, n).unbind()
+        temperatures, top_ps = packed.view(torch.float32).view(2, n).unbind()
     return DecodeColumns(
         reqs=reqs,
         slots=slots,
