@@ -18,43 +18,50 @@ from specstate import Engine, EngineConfig, RequestLimits, SamplingParams
 from specstate.engine.invariants import check_engine
 from specstate.tools.timed_worker import TimedWaitWorker
 
-TORCH_OPS_PER_ROUND = {1: 43, 16: 42}
+TORCH_OPS_PER_ROUND = {1: 42, 16: 42}
 """Torch calls of one steady decode round, by page size (engine and the timed-wait worker).
 
 Most are metadata reads (``shape``, ``dtype``, ``numel``, ``numpy()``): the host bookkeeping
 and the always-on check of the worker's result run on NumPy views (two of them read the relay
 payload's bonus tokens: a result without one fails its batch). A page size of 1 maps new
-pages every round (16 does not, in the counted round)."""
+pages every round (16 does not, in the counted round); it made one call more (43) while the
+slot table's row width was read from the table's shape."""
 
 
-PYTHON_CALLS_PER_ROUND = {1: 345, 16: 306}
+PYTHON_CALLS_PER_ROUND = {1: 330, 16: 298}
 """The most Python-level calls (``sys.setprofile`` "call" and "c_call" events) a steady decode
 round may make, by page size: the fixed cost of a round, which dominates at small batches (it
 was 517 and 449 before the launch stopped building a thread event, copying an unchanged
 sampling state and re-reading an unchanged relay write, then 429 and 361 before the reservation
 tested for growth first, isolation rebound only what a forward changed, the relay skipped
 no-op casts and a steady write replaced the previous one without a scan, then 352 and 306
-before the row arithmetic called NumPy's array methods, not its Python-level wrappers)."""
+before the row arithmetic called NumPy's array methods, not its Python-level wrappers, then 345
+and 306 before a step entered the release's role scope only when a release is due, a steady
+settlement kept its all-live mask and the resolved forward inputs became the batch's relay
+payload as they are and the new pages were counted with a ufunc's sum; it is 328 and 296)."""
 
 
-TORCH_OPS_CHURNED_ROUND = 60
+TORCH_OPS_CHURNED_ROUND = 55
 """Torch calls of a decode round whose rows changed (joiners in freed rows) and in which
-requests finish (page 16): the changed rows' columns (plain rows: two host arrays, whose rows
-are viewed without tensor indexing),
+requests finish (page 16): the changed rows' columns (plain rows: one packed host array, whose
+rows are viewed without tensor indexing),
 the relay's patch (one gather per buffer and one write of the joined rows), the release and
 the prefix cache's insert of the finished requests' pages (on by default). It was 139 while
 every column was patched with torch operations and the rows that left were moved into the
-relay's buffers, and 66 while the plain columns were rows of tensors indexed in torch."""
+relay's buffers, 66 while the plain columns were rows of tensors indexed in torch, and 60
+while the relay's row patch moved each of its three index arrays with a call of its own and the
+slot table's row width was read from the table's shape."""
 
 
-PYTHON_CALLS_CHURNED_ROUND = 670
+PYTHON_CALLS_CHURNED_ROUND = 655
 """The most Python-level calls of that churned round with one request finishing, at any batch
 size (it was 780 before the changes above, the admission's read of the next round's slots
 without a patch and the finished rows resolved per candidate, then 715 before the end of the
 finished requests became one pass per owner, then 705 before the row arithmetic called
 NumPy's array methods, not its Python-level wrappers, and the scheduler's reservation stopped
-building a report nobody read). It is 657 alone; a full test run counts a few more (calls that
-the first use of some library path makes)."""
+building a report nobody read, then 670 before the plain rows became one packed array whose
+views are made once and the relay's row patch one move). It is 650 alone; a full test run may
+count a few more (calls that the first use of some library path makes)."""
 
 
 PYTHON_CALLS_PER_FINISH = 5

@@ -154,6 +154,27 @@ CASES: dict[str, tuple[Corrupt, int, str]] = {
 }
 
 
+NORMAL_LOOP_CASES: dict[str, tuple[Corrupt, int, str]] = {
+    # Under overlap the worker publishes through ``on_publish`` and the result's own frontier
+    # is not the one relayed or checked; in the normal loop the engine publishes it.
+    "frontier of the wrong shape": (
+        lambda r: attrs.evolve(r, new_seq_lens=r.accept_lens[:, None]),
+        0,
+        "worker published a frontier of dtype torch.int64 and shape",
+    ),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+@pytest.mark.parametrize("checks", [True, False], ids=["checks-on", "production"])
+@pytest.mark.parametrize("case", list(NORMAL_LOOP_CASES))
+def test_a_bad_frontier_fails_its_batch_in_the_normal_loop(
+    ckpt: SpecCheckpoints, case: str, checks: bool, device: str
+) -> None:
+    """The frontier's form is checked before it is relayed, on the host and on a device."""
+    _run_case(ckpt, case, overlap=False, checks=checks, device=device)
+
+
 @pytest.mark.parametrize("checks", [True, False], ids=["checks-on", "production"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -187,7 +208,7 @@ def test_on_a_device_a_bad_result_is_caught_after_its_copy(
 def _run_case(
     ckpt: SpecCheckpoints, case: str, *, overlap: bool, checks: bool, device: str
 ) -> None:
-    corrupt, shift, rule = CASES[case]
+    corrupt, shift, rule = {**CASES, **NORMAL_LOOP_CASES}[case]
     worker = _CorruptOnce(ckpt.worker("draft_model"), corrupt, frontier_shift=shift)
     config = EngineConfig(
         overlap=overlap,

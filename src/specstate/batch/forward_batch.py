@@ -101,8 +101,14 @@ class ForwardBatch:
         return default if self.num_draft_steps is None else self.num_draft_steps
 
     @classmethod
-    def from_schedule(cls, batch: ScheduleBatch) -> ForwardBatch:
+    def from_schedule(
+        cls, batch: ScheduleBatch, *, positions: torch.Tensor | None = None
+    ) -> ForwardBatch:
         """The frozen view of ``batch``'s next forward; ``batch`` is not modified.
+
+        ``positions``: a decode round's positions when the caller already made them (a fresh
+        tensor equal to ``seq_lens``, as the launch's one operation on a device gives); else
+        they are derived from the batch.
 
         Raises:
             RelayError: ``seq_lens`` or ``input_ids`` is still `Unresolved`.
@@ -119,7 +125,7 @@ class ForwardBatch:
             seq_lens=batch.seq_lens,
             seq_lens_cpu=batch.seq_lens_cpu,
             input_ids=batch.input_ids,
-            positions=cls._positions(batch, batch.seq_lens),
+            positions=cls._positions(batch, batch.seq_lens) if positions is None else positions,
             out_cache_loc=batch.out_cache_loc,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,

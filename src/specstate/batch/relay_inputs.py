@@ -12,7 +12,7 @@ a non-overlap batch passes through unchanged.
 from __future__ import annotations
 
 from specstate.batch.schedule_batch import ScheduleBatch
-from specstate.relay.future_map import FutureMap, RelayPayload, Unresolved
+from specstate.relay.future_map import FutureMap, Unresolved
 
 __all__ = ["resolve_batch_forward_inputs", "resolve_batch_seq_lens"]
 
@@ -39,9 +39,4 @@ def resolve_batch_forward_inputs(future_map: FutureMap, batch: ScheduleBatch) ->
     value = batch.input_ids
     inputs = future_map.resolve_forward_inputs(value.future_indices, patch=value.patch)
     batch.input_ids = inputs.bonus_tokens
-    batch.spec_info = RelayPayload(
-        bonus_tokens=inputs.bonus_tokens,
-        topk_p=inputs.topk_p,
-        topk_index=inputs.topk_index,
-        hidden_states=inputs.hidden_states,
-    )
+    batch.spec_info = inputs  # a frozen payload of its own (made by this resolve)

@@ -306,9 +306,10 @@ class RoundPipeline:
 
     def _release(self, retired: int | None = None) -> None:
         """Release the KV of ended requests that no batch up to ``retired`` can read."""
-        parts = self._parts
-        with parts.checker.acting(Role.SCHEDULER):
-            parts.deferred.drain(self.num_retired if retired is None else retired)
+        parts, until = self._parts, self.num_retired if retired is None else retired
+        if parts.deferred.is_due(until):  # most steps release nothing: no role scope
+            with parts.checker.acting(Role.SCHEDULER):
+                parts.deferred.drain(until)
 
     # ---------------------------------------------------------- the view
     @property

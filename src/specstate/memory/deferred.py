@@ -77,6 +77,11 @@ class DeferredReleases:
         """Request ids whose KV is quarantined behind an abandoned forward."""
         return tuple(r.request_id for _, r in self._held)
 
+    def is_due(self, retired_batch: int) -> bool:
+        """Whether a `drain` up to ``retired_batch`` has anything to do: a release waits on a
+        batch up to it, or a quarantine to test."""
+        return bool(self._held) or self._oldest <= retired_batch
+
     def drain(self, retired_batch: int) -> ReleasedBatch:
         """Release every request waiting on batches up to ``retired_batch``.
 

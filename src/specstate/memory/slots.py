@@ -38,6 +38,8 @@ from specstate.memory.pages import TokenSlotAllocator
 __all__ = ["ReqToTokenPool", "ReqToTokenPoolSnapshot", "SlotHandle"]
 
 _I64 = torch.int64
+_SUM = np.add.reduce
+"""A sum in C (``ndarray.sum`` goes through a Python-level wrapper first)."""
 
 
 @attrs.frozen
@@ -80,6 +82,8 @@ class ReqToTokenPool:
     _last_page: IntArray = attrs.field(repr=False)
     _table_host: IntArray = attrs.field(repr=False)  # flat host copy (a view on the host CPU)
     _mirrored: bool = attrs.field(repr=False)  # the table is a separate (device) tensor
+    _table_flat: Tensor = attrs.field(repr=False)  # the table viewed flat, for the stores
+    _row_width: int = attrs.field(repr=False)
 
     def __init__(self, max_requests: int, row_width: int, *, device: torch.device | str = "cpu"):
         """Create ``max_requests`` usable slots with rows of ``row_width`` positions."""
@@ -97,6 +101,8 @@ class ReqToTokenPool:
         else:
             self._req_to_token = torch.zeros(shape, dtype=_I64)
             self._table_host = self._req_to_token.numpy().reshape(-1)
+        self._table_flat = self._req_to_token.view(-1)
+        self._row_width = row_width
         self._free_slots = list(range(max_requests, 0, -1))
         self._generation = np.zeros(max_requests + 1, dtype=np.int64)
         self._request_ids = [None] * (max_requests + 1)
@@ -121,7 +127,7 @@ class ReqToTokenPool:
     @property
     def row_width(self) -> int:
         """Positions per row."""
-        return self._req_to_token.shape[1]
+        return self._row_width
 
     def alloc(self, request_id: str) -> SlotHandle:
         """Claim a slot for ``request_id``; `KvPoolExhausted` when every slot is in use."""
@@ -233,7 +239,7 @@ class ReqToTokenPool:
             self._check_tail_pages(allocator, s, c)
         counts = n - c
         if p == 1:  # every position is a new page, taken in row order
-            num_new = int(counts.sum())
+            num_new = int(_SUM(counts))
             pages = allocator.take_pages(num_new)  # raises before any change
             if num_new:
                 # Row b's positions [c, n) are flat [base_b + c_b, ...): one repeat and one range.
@@ -246,7 +252,7 @@ class ReqToTokenPool:
             s, c, n, counts = s[grows], c[grows], n[grows], counts[grows]
         first_new = _ceil_page(c, p)  # first position that needs a new page
         n_new = (_ceil_page(n, p) - first_new) // p
-        num_new = int(n_new.sum())
+        num_new = int(_SUM(n_new))
         pages = allocator.take_pages(num_new)  # raises before any change
         if s.size == 0:
             return 0
@@ -328,9 +334,9 @@ class ReqToTokenPool:
     def _store_device(self, both: IntArray, n: int) -> None:
         """The device side of `_store`: one host-to-device copy of the flat positions and
         values (``both[:n]``, ``both[n:]``) and one indexed store into the table."""
-        table = self._req_to_token
-        moved = torch.from_numpy(both).to(table.device)
-        table.view(-1).index_copy_(0, moved[:n], moved[n:])
+        flat = self._table_flat
+        moved = torch.from_numpy(both).to(flat.device)
+        flat.index_copy_(0, moved[:n], moved[n:])
 
     def free_rows(
         self,

@@ -131,13 +131,9 @@ class ResolvedSeqLens:
 
 
 @attrs.frozen(kw_only=True)
-class ForwardInputs:
-    """Gathered next-round inputs; an extra is None when its buffer was never created."""
-
-    bonus_tokens: torch.Tensor
-    topk_p: torch.Tensor | None
-    topk_index: torch.Tensor | None
-    hidden_states: torch.Tensor | None
+class ForwardInputs(RelayPayload):
+    """Gathered next-round inputs, the batch's relay payload as they are; an extra is None when
+    its buffer was never created."""
 
 
 @attrs.frozen(kw_only=True)

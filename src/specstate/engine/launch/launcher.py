@@ -244,7 +244,10 @@ class Launcher:
         # On the host CPU a result is checked before anything is relayed; on a device, after
         # its copy, with the relayed frontier clamped meanwhile (`result_check`).
         self._on_host = device == torch.device("cpu")
-        self._bound_offsets = torch.tensor([[1, max_accept]], dtype=torch.int64, device=device)
+        # A decode round's positions and frontier bounds, as rows of one add (`_decode_frame`).
+        self._frame_offsets = torch.tensor(
+            [[0], [1], [max_accept]], dtype=torch.int64, device=device
+        )
         # The normal loop runs the forward inline, unless a timeout needs it on a stream. A
         # worker that only enqueues (``asynchronous``) is launched inline on the CPU too, as a
         # `CudaStream` launches on a GPU: its device time runs behind the result's copy event,
@@ -403,10 +406,10 @@ class Launcher:
             else:
                 resolve_batch_seq_lens(self.future_map, batch)
                 resolve_batch_forward_inputs(self.future_map, batch)
-            bounds = None if self._on_host else self._frontier_bounds(batch, flight.plan)
+            positions, bounds = self._decode_frame(batch, flight.plan)
             publish = _PublishOnce(self.future_map, indices, flight, bounds)
             with self.isolator.forward_isolation(batch, speculative=self._speculative) as scope:
-                forward = ForwardBatch.from_schedule(batch)
+                forward = ForwardBatch.from_schedule(batch, positions=positions)
                 on_publish = publish if self._overlap else None
                 if flight.started is not None:
                     flight.started.set()
@@ -507,17 +510,23 @@ class Launcher:
             vocab_size=self._vocab_size,
         )
 
-    def _frontier_bounds(
+    def _decode_frame(
         self, batch: ScheduleBatch, plan: LaunchPlan
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Device path: where a frontier may be relayed before it is checked (None on host)."""
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The forward's positions when the launch computes them (else None: the batch's
+        own), and where a frontier may be relayed before it is checked (None on the host).
+
+        Device path, decode: one operation, ``[3, b] = [0, 1, max_accept]^T + seq_lens``, whose
+        rows are the round's positions (a fresh copy of ``seq_lens``) and the bounds
+        ``[seq_lens + 1, seq_lens + max_accept]``.
+        """
         seq_lens = batch.seq_lens
         if self._on_host or isinstance(seq_lens, Unresolved):
-            return None
-        if plan.is_decode:  # both bounds in one operation: [b, 2] = seq_lens + [1, max_accept]
-            bounds = seq_lens[:, None] + self._bound_offsets
-            return bounds[:, 0], bounds[:, 1]
-        return seq_lens, seq_lens
+            return None, None
+        if plan.is_decode:
+            positions, lo, hi = (self._frame_offsets + seq_lens).unbind()
+            return positions, (lo, hi)
+        return None, (seq_lens, seq_lens)
 
     def _bind_extend_relay(self, batch: ScheduleBatch, rows: torch.Tensor | None) -> None:
         """Give rows that continue after a KV prefix the relay of their previous forward."""

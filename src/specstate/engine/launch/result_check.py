@@ -98,7 +98,7 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
     frontier = published if published is not None else result.new_seq_lens
     if frontier is None:
         raise WorkerResultError("worker published no frontier (no on_publish, no new_seq_lens)")
-    if tuple(frontier.shape) != (b,) or frontier.dtype not in _INTEGER_DTYPES:
+    if frontier.shape != (b,) or frontier.dtype not in _INTEGER_DTYPES:
         raise WorkerResultError(
             f"worker published a frontier of dtype {frontier.dtype} and shape "
             f"{tuple(frontier.shape)}; expected integer ({b},)"
@@ -110,13 +110,13 @@ def check_form(result: GenerationBatchResult, b: int, published: torch.Tensor | 
             "bonus tokens) are relayed from it"
         )
     bonus = payload.bonus_tokens
-    if tuple(bonus.shape) != (b,) or bonus.dtype not in _INTEGER_DTYPES:
+    if bonus.shape != (b,) or bonus.dtype not in _INTEGER_DTYPES:
         raise WorkerResultError(
             f"worker returned next_draft_input.bonus_tokens of dtype {bonus.dtype} and shape "
             f"{tuple(bonus.shape)}; expected integer ({b},)"
         )
     invalid = result.invalid_rows
-    if invalid is not None and (invalid.dtype != torch.bool or tuple(invalid.shape) != (b,)):
+    if invalid is not None and (invalid.dtype != torch.bool or invalid.shape != (b,)):
         raise WorkerResultError(
             f"worker returned invalid_rows of dtype {invalid.dtype} and shape "
             f"{tuple(invalid.shape)}; it must be a bool tensor of shape ({b},)"

@@ -194,8 +194,8 @@ class ResultCopy:
             result.draft_confidences is not None,
             top,
         )
-        if packed.device.type != "cuda":
-            host = torch.empty(packed.shape, dtype=torch.int64)
+        if not packed.is_cuda:
+            host = torch.empty(packed.numel(), dtype=torch.int64)  # packed is 1-D
             host.copy_(packed, non_blocking=True)
             return cls(host, None, layout, ())
         forward = torch.cuda.current_stream(packed.device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from specstate.batch.sampling import SamplingInfo
@@ -84,13 +83,14 @@ class RowColumns:
         if not _all_plain(params):
             return None
         vocab = self._vocab_size
-        ints = np.empty((3, len(reqs)), dtype=np.int64)
+        rows = PlainRows.empty(len(reqs))
+        ints = rows.ints
         ints[0] = self._allocator.slots_of(reqs)
         ints[1] = self._outputs.epochs(ints[0])
         # No top-k, or one past the vocabulary, keeps every token.
         ints[2] = [vocab if p.top_k is None or p.top_k > vocab else p.top_k for p in params]
-        floats = np.array([[p.temperature for p in params], [p.top_p for p in params]])
-        return PlainRows(ints=ints, floats=floats.astype(np.float32))
+        rows.floats[:] = [[p.temperature for p in params], [p.top_p for p in params]]
+        return rows
 
     def sampling(self, reqs: Sequence[Req]) -> SamplingInfo:
         """The sampling state of ``reqs``, one row each (any sampling control)."""

@@ -30,21 +30,34 @@ FloatArray = npt.NDArray[np.float32]
 class PlainRows:
     """Host values of rows whose sampling is temperature, top-k and top-p only (*plain*).
 
-    Two packed host arrays, one column per row: a change writes only the changed columns into
-    a copy, and on a device each array travels in one host-to-device copy.
+    One packed host array, one column per row: a change writes only the changed columns into
+    a copy, and on a device the array travels in one host-to-device copy.
 
     Attributes:
-        ints: ``[3, n]`` int64: request slot, output-row epoch, top-k.
-        floats: ``[2, n]`` float32: temperature, top-p.
+        values: ``[4, n]`` int64: request slot, output-row epoch, top-k, and a row that holds
+            the ``[2, n]`` float32 temperature and top-p (`floats`, a view of its bytes).
     """
 
-    ints: IntArray
-    floats: FloatArray
+    values: IntArray
+    ints: IntArray = attrs.field(init=False)
+    """``[3, n]`` int64 (a view of ``values``): request slot, output-row epoch, top-k."""
+    floats: FloatArray = attrs.field(init=False)
+    """``[2, n]`` float32 (a view of ``values``' last row): temperature, top-p."""
+
+    def __attrs_post_init__(self) -> None:
+        values = self.values
+        object.__setattr__(self, "ints", values[:3])
+        object.__setattr__(self, "floats", values[3].view(np.float32).reshape(2, -1))
+
+    @classmethod
+    def empty(cls, n: int) -> PlainRows:
+        """``n`` rows, their values unset (written through `ints` and `floats`)."""
+        return cls(values=np.empty((4, n), dtype=np.int64))
 
     @property
     def size(self) -> int:
         """Number of rows."""
-        return int(self.ints.shape[1])
+        return int(self.values.shape[1])
 
 
 @attrs.frozen(kw_only=True)
@@ -80,14 +93,14 @@ def plain_columns(
     """
     ints, floats = plain.ints, plain.floats
     slots = torch.from_numpy(ints[0])  # views of the host rows: no tensor indexing on a CPU
-    if device == _HOST:  # (the device audit's ``cpu:0`` is a device: it takes the copies)
+    if device == _HOST:  # (the device audit's ``cpu:0`` is a device: it takes the copy)
         device_slots, top_ks = slots, torch.from_numpy(ints[2])
         temperatures, top_ps = torch.from_numpy(floats[0]), torch.from_numpy(floats[1])
-    else:  # one copy of each array, then views of its rows
-        on_device = torch.from_numpy(ints).to(device)
-        device_floats = torch.from_numpy(floats).to(device)
-        device_slots, top_ks = on_device[0], on_device[2]
-        temperatures, top_ps = device_floats[0], device_floats[1]
+    else:  # one copy of the packed array, then views of its rows (flat: any n, even 0)
+        n = plain.size
+        flat = torch.from_numpy(plain.values.reshape(-1)).to(device)
+        device_slots, _, top_ks, packed = flat.view(4, n).unbind()
+        temperatures, top_ps = packed.view(torch.float32).view(2, n).unbind()
     return DecodeColumns(
         reqs=reqs,
         slots=slots,
@@ -100,7 +113,7 @@ def plain_columns(
             top_ps=top_ps,
             greedy_host=not np.count_nonzero(floats[0]),
         ),
-        epochs=plain.ints[1],
+        epochs=ints[1],
         request_ids=request_ids,
         plain=plain,
     )

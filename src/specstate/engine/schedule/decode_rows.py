@@ -56,6 +56,7 @@ from specstate.relay.write_log import RowPatch
 __all__ = ["DecodeRows", "DecodeRowsSnapshot"]
 
 _T = TypeVar("_T")
+_HOST: Final = torch.device("cpu")
 
 
 @attrs.frozen(kw_only=True)
@@ -67,7 +68,7 @@ class DecodeRowsSnapshot:
     num_patches: int
     num_rows_written: int
     num_plain_patches: int = 0
-    """Patches of plain rows (two host arrays; `PlainRows`)."""
+    """Patches of plain rows (one packed host array; `PlainRows`)."""
 
 
 class DecodeRows:
@@ -179,14 +180,16 @@ class DecodeRows:
         joined_rows = np.array(joined, dtype=np.int64)
         gather[joined_rows] = 0
         joined_host = cols.slots_host[joined_rows]
-        device = cols.device_slots.device
+        gather_t, rows_t, joined_t = _on_device(
+            (gather, joined_rows, joined_host), cols.device_slots.device
+        )
         return RowPatch(  # device tensors built now, at scheduling: the launch copies nothing
             base=last.device_slots,
             host=cols.slots_host,
-            gather=torch.from_numpy(gather).to(device),
+            gather=gather_t,
             kept_host=_without(cols.slots_host, joined_rows) if joined else cols.slots_host,
-            joined_rows=torch.from_numpy(joined_rows).to(device),
-            joined=torch.from_numpy(joined_host).to(device),
+            joined_rows=rows_t,
+            joined=joined_t,
             joined_host=joined_host,
             departed_host=last.slots_host[departed],
         )
@@ -257,13 +260,14 @@ class DecodeRows:
     ) -> DecodeColumns:
         """Plain rows: the host values patched (one copy each, the changed columns written)."""
         keep = min(size, old.size)
-        ints = np.empty((3, size), dtype=np.int64)
-        floats = np.empty((2, size), dtype=np.float32)
-        ints[:, :keep] = old.ints[:, :keep]
-        floats[:, :keep] = old.floats[:, :keep]
+        rows = PlainRows.empty(size)
+        ints, floats = rows.ints, rows.floats
+        old_ints, old_floats = old.ints, old.floats
+        ints[:, :keep] = old_ints[:, :keep]
+        floats[:, :keep] = old_floats[:, :keep]
         if targets:
-            ints[:, targets] = old.ints[:, sources]
-            floats[:, targets] = old.floats[:, sources]
+            ints[:, targets] = old_ints[:, sources]
+            floats[:, targets] = old_floats[:, sources]
         if fill:
             ints[:, fill] = new.ints
             floats[:, fill] = new.floats
@@ -282,7 +286,7 @@ class DecodeRows:
             tuple(out_reqs),
             tuple(out_incs),
             tuple(out_ids),
-            PlainRows(ints=ints, floats=floats),
+            rows,
             self._device,
         )
 
@@ -295,10 +299,20 @@ class DecodeRows:
         return patch
 
 
+def _on_device(arrays: tuple[IntArray, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """1-D host ``arrays`` as tensors on ``device``: views of the arrays on the host, else
+    views of one host-to-device copy of them all."""
+    if device == _HOST:
+        return tuple(map(torch.from_numpy, arrays))
+    moved = torch.from_numpy(np.concatenate(arrays)).to(device)
+    ends = np.cumsum([a.size for a in arrays]).tolist()
+    return tuple(moved[start:end] for start, end in zip([0, *ends], ends, strict=False))
+
+
 def _prefix_patch(base: DecodeColumns, cols: DecodeColumns, departed: IntArray) -> RowPatch:
     """``cols`` are the first rows of ``base`` (all of them, or fewer: the last rows left):
     no gather, nobody joined; ``departed`` are the slots of the requests that left."""
-    empty = cols.device_slots.new_zeros(0)
+    empty = cols.device_slots[:0]  # a view with no rows: nothing allocated or launched
     return RowPatch(
         base=base.device_slots,
         host=cols.slots_host,
@@ -318,9 +332,7 @@ def _without(values: IntArray, rows: IntArray) -> IntArray:
     return values[keep]
 
 
-_NO_ROWS: Final = PlainRows(
-    ints=np.zeros((3, 0), dtype=np.int64), floats=np.zeros((2, 0), dtype=np.float32)
-)
+_NO_ROWS: Final = PlainRows.empty(0)
 
 
 def _patched(

@@ -497,15 +497,16 @@ class Scheduler:
             rows = self._decode_rows()
             width, budgets = self._plan_round(rows.request_ids)  # planned again: fewer rows
             self._reserve(rows, budgets)
-        patch = self._rows.relay_patch(rows)
+        # Both relay values of a row live at its slot: one (immutable) handle for the two.
+        relayed = Unresolved(rows.device_slots, self._rows.relay_patch(rows))
         batch = ScheduleBatch(
             reqs=rows.reqs,
             incarnations=rows.incarnations,
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=rows.device_slots,
-            seq_lens=Unresolved(rows.device_slots, patch),
+            seq_lens=relayed,
             sampling_info=rows.sampling,
-            input_ids=Unresolved(rows.device_slots, patch),
+            input_ids=relayed,
             future_indices=rows.device_slots,
             ids=rows.request_ids,
             num_draft_steps=width,

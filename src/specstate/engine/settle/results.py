@@ -73,7 +73,7 @@ class Settlement:
         finishes: the finish of each, in the same order.
         num_settled_rows: rows whose tokens were settled.
         num_skipped_rows: rows whose request no longer held the output row launched for.
-        live: per row, whether its request still held that row.
+        live: per row, whether its request still held that row (read only: may be shared).
     """
 
     finished: tuple[Req, ...]
@@ -142,6 +142,7 @@ class ResultProcessor:
         self._recurrent = recurrent
         self._outputs = outputs
         self._checker = checker
+        self._all_live = np.ones(0, dtype=np.bool_)  # read only; the size of the last batch
 
     def accept_lengths(self, req: Req) -> tuple[int, ...]:
         """Accept length of every settled decode round of ``req``, in order."""
@@ -196,7 +197,7 @@ class ResultProcessor:
         tokens = result.tokens
         accept = result.accept
         if detached >= 0 and detached == self._outputs.num_detached:
-            live, num_live = np.ones(b, dtype=np.bool_), b  # nobody left a row since
+            live, num_live = self._every_row(b), b  # nobody left a row since
         else:
             live = self._outputs.epochs(slots_np) == epochs
             num_live = int(np.count_nonzero(live))
@@ -232,6 +233,16 @@ class ResultProcessor:
             num_skipped_rows=b - num_live,
             live=live,
         )
+
+    def _every_row(self, b: int) -> npt.NDArray[np.bool_]:
+        """A read-only ``[b]`` mask of True: kept while the batch size stays (a steady round
+        allocates none)."""
+        live = self._all_live
+        if live.size != b:
+            live = np.ones(b, dtype=np.bool_)
+            live.flags.writeable = False
+            self._all_live = live
+        return live
 
     def _commit(self, slots: IntArray, accept: IntArray, rows: IntArray | None) -> None:
         """Advance committed of the decode-like rows by their runs (one vectorized call)."""
