@@ -91,7 +91,9 @@ def test_block_drafters_are_lossless(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "overlap"), itertools.product(BLOCK_FAMILIES, [False, True]))
+@pytest.mark.parametrize(
+    ("family", "overlap"), list(itertools.product(BLOCK_FAMILIES, [False, True]))
+)
 def test_production_mode_is_lossless(
     block_ckpt: BlockCheckpoints, expected: list[list[int]], family: str, overlap: bool
 ) -> None:

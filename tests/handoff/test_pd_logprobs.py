@@ -61,7 +61,9 @@ def _outputs(reqs: Any) -> Outputs:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "overlap"), itertools.product(ALGORITHMS, [False, True]))
+@pytest.mark.parametrize(
+    ("algorithm", "overlap"), list(itertools.product(ALGORITHMS, [False, True]))
+)
 def test_logprobs_continue_on_the_decode_engine(
     partial_ckpt: SpecCheckpoints,
     block_ckpt: BlockCheckpoints,
