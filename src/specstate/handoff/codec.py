@@ -34,7 +34,16 @@ from specstate.handoff.record import (
     HandoffRecord,
 )
 
-__all__ = ["MAGIC", "decode", "decode_header", "dtype_named", "encode", "header_tensor"]
+__all__ = [
+    "MAGIC",
+    "decode",
+    "decode_header",
+    "dtype_named",
+    "encode",
+    "header_tensor",
+    "sampling_from",
+    "sampling_json",
+]
 
 MAGIC = "specstate-handoff"
 
@@ -66,7 +75,8 @@ def dtype_named(name: str) -> torch.dtype:
         raise MalformedRecord(f"handoff record names an unknown dtype {name!r}") from None
 
 
-def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
+def sampling_json(sampling: SamplingParams) -> dict[str, Any]:
+    """``sampling`` as a JSON object (a record's header; a front door's request)."""
     grammar = sampling.grammar
     return {
         "max_new_tokens": sampling.max_new_tokens,
@@ -87,7 +97,8 @@ def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
-def _sampling_from(value: Any) -> SamplingParams:
+def sampling_from(value: Any) -> SamplingParams:
+    """The `SamplingParams` of `sampling_json`'s object (`MalformedRecord` if it is not one)."""
     if not isinstance(value, dict):
         raise MalformedRecord("handoff record: sampling parameters are not an object")
     fields = dict(value)
@@ -120,7 +131,7 @@ def header_tensor(record: HandoffRecord) -> torch.Tensor:
         "output_ids": list(record.output_ids),
         "committed_len": record.committed_len,
         "bonus_token": record.draft_state.bonus_token,
-        "sampling": _sampling_json(record.sampling),
+        "sampling": sampling_json(record.sampling),
         "descriptor": {
             "model_digest": d.model_digest,
             "drafter_digest": d.drafter_digest,
@@ -293,7 +304,7 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
         request_id=request_id,
         prompt_ids=prompt,
         output_ids=outputs,
-        sampling=_sampling_from(header.get("sampling")),
+        sampling=sampling_from(header.get("sampling")),
         committed_len=committed,
         descriptor=descriptor,
         slot_state=slot_state,

@@ -331,6 +331,11 @@ class _Routes:
             self._registry = CollectorRegistry()
             register_metrics(engine, self._registry)
             register_request_metrics(self._front, self._registry)
+            handoffs = self._front.handoff_metrics
+            if handoffs is not None:  # a decode engine served by a prefill process
+                from specstate.serving.handoff_metrics import register_handoff_metrics
+
+                register_handoff_metrics(handoffs, self._registry)
         exposition: bytes = generate_latest(self._registry)
         return exposition
 
