@@ -215,6 +215,11 @@ class AsyncEngine:
         return self._driver.request_metrics
 
     @property
+    def prefill_failure(self) -> str | None:
+        """Why the prefill process (``remote_prefill``) is unavailable, once it is; else None."""
+        return None if self._remote is None else self._remote.failure
+
+    @property
     def handoff_metrics(self) -> HandoffMetrics | None:
         """The handoffs received from the prefill process (``remote_prefill``); None without."""
         return None if self._remote is None else self._remote.metrics

@@ -104,6 +104,8 @@ class _Pending:
     arrived_s: float
     deadline_s: float
     accepted: bool = False  # the prefill process acknowledged its submission
+    ended: bool = False  # its stream ended here (aborted, failed): kept until the prefill
+    # side's answer (its record, refused; its end) arrives, so that it is freed there too
 
 
 @attrs.define
@@ -243,7 +245,7 @@ class Driver:
                 self._closers.append(reply)
                 if not drain and not self._aborted_all:
                     self._aborted_all = True
-                    for rid in list(self._pending):
+                    for rid in [r for r in self._pending if self._is_pending(r)]:
                         self._end_pending(rid, "the AsyncEngine closed")
                     for rid, route in self._routes.items():
                         if not route.req.is_finished:
@@ -269,7 +271,8 @@ class Driver:
     # ------------------------------------------------------ remote prefill
     def _is_pending(self, request_id: str, stream: RequestStream | None = None) -> bool:
         pending = self._pending.get(request_id)
-        return pending is not None and (stream is None or pending.stream is stream)
+        live = pending is not None and not pending.ended
+        return live and (stream is None or pending.stream is stream)
 
     def _submit_remote(
         self, remote: RemotePrefill, stream: RequestStream, prompt: Sequence[int], arrived_s: float
@@ -306,12 +309,18 @@ class Driver:
         now = time.monotonic()
         late = [rid for rid, p in self._pending.items() if p.deadline_s < now]
         for rid in late:
+            if self._pending[rid].ended:  # no answer to its abort either: forget it
+                del self._pending[rid]
+                continue
             remote.metrics.record_failures(1)
             detail = f"no record from the prefill side within {remote.handoff_timeout_s:g} s"
             self._end_pending(rid, detail, reason=FinishReason.ERROR)
 
     def _on_message(self, remote: RemotePrefill, message: object) -> None:
         match message:
+            case Ack(request_id=rid, ok=ok) if rid in self._pending and self._pending[rid].ended:
+                if not ok:  # refused there: nothing of it remains on either side
+                    del self._pending[rid]
             case Ack(request_id=rid, ok=ok, detail=detail) if rid in self._pending:
                 pending = self._pending[rid]
                 if ok:
@@ -326,6 +335,8 @@ class Driver:
                 self._arrive(remote, message)
             case RemoteEnd(request_id=rid) if rid in self._pending:
                 pending = self._pending.pop(rid)
+                if pending.ended:  # its abort (or failure) was answered
+                    return
                 finish = FinishState(
                     reason=FinishReason(message.reason),
                     finished_len=len(message.output_ids),
@@ -342,7 +353,7 @@ class Driver:
     def _arrive(self, remote: RemotePrefill, arrival: Arrival) -> None:
         """A record landed: admit it if its request is still pending here; acknowledge."""
         pending = self._pending.pop(arrival.request_id, None)
-        if pending is None:
+        if pending is None or pending.ended:
             ack = Ack(
                 request_id=arrival.request_id,
                 ok=False,
@@ -364,8 +375,12 @@ class Driver:
     def _end_pending(
         self, rid: str, detail: str, *, reason: FinishReason = FinishReason.ABORT
     ) -> None:
-        """End a pending request here and tell the prefill side to abort it."""
-        pending = self._pending.pop(rid)
+        """End a pending request's stream here and tell the prefill side to abort it; it stays
+        (ended) until the prefill side's answer arrives, within a fresh deadline."""
+        pending = self._pending[rid]
+        pending.ended = True
+        if self._remote is not None:
+            pending.deadline_s = time.monotonic() + self._remote.handoff_timeout_s
         if self._remote is not None and self._remote.failure is None:
             try:
                 self._remote.transport.send_abort(RemoteAbort(request_id=rid, reason=detail))
@@ -374,8 +389,8 @@ class Driver:
         if pending.accepted:
             self._ended += 1
             self._end_stream(pending.stream, reason, detail)
-        else:
-            self._send(pending.stream, Accepted(UsageError(f"request {rid!r}: {detail}")))
+        else:  # its submit still waits: answered 503, as a closed front door's
+            self._send(pending.stream, Accepted(EngineUnavailable(f"request {rid!r}: {detail}")))
 
     def _end_stream(self, stream: RequestStream, reason: FinishReason, detail: str) -> None:
         finish = FinishState(reason=reason, finished_len=0, detail=detail)
@@ -386,9 +401,11 @@ class Driver:
         if remote.failure is None:
             remote.failure = detail
             _log.error("the prefill side is unavailable: %s", detail)
-        remote.metrics.record_failures(len(self._pending))
+        remote.metrics.record_failures(sum(not p.ended for p in self._pending.values()))
         for rid in list(self._pending):
             pending = self._pending.pop(rid)
+            if pending.ended:
+                continue
             if pending.accepted:
                 self._ended += 1
                 self._end_stream(
