@@ -217,7 +217,9 @@ class AsyncEngine:
     @property
     def prefill_failure(self) -> str | None:
         """Why the prefill process (``remote_prefill``) is unavailable, once it is; else None."""
-        return None if self._remote is None else self._remote.failure
+        if self._remote is None or self._remote.failure is None:
+            return None
+        return f"the prefill side is unavailable: {self._remote.failure}"
 
     @property
     def handoff_metrics(self) -> HandoffMetrics | None:
