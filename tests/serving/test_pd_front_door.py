@@ -276,3 +276,41 @@ def test_a_request_the_prefill_side_refuses_is_refused_at_submit(
                 await pair.front.submit("r", (1, 2), sampling)
 
         asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+
+
+def test_docs_observability_lists_the_handoff_series_as_exported() -> None:
+    """docs/observability.md's handoff table names every series the collector exports, the
+    transfer histogram with its exact buckets."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from specstate.serving.handoff_metrics import (
+        TRANSFER_BUCKETS_S,
+        HandoffMetrics,
+        register_handoff_metrics,
+    )
+
+    registry = CollectorRegistry()
+    metrics = HandoffMetrics()
+    metrics.record_arrival(100, 0.003, admitted=True)
+    register_handoff_metrics(metrics, registry)
+    text = generate_latest(registry).decode()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    section = page.split("## Serving metrics")[1].split("\n## ")[0]
+    for name in ("handoffs", "handoff_bytes", "handoff_failures"):
+        assert f"specstate_{name}_total " in text
+        assert f"| `specstate_{name}_total` | counter |" in section, name
+    row = re.search(
+        r"^\| `specstate_handoff_transfer_seconds` \| histogram \| ([^|]*) \|", section, re.M
+    )
+    assert row is not None
+    assert [float(b) for b in re.findall(r"[\d.]+", row.group(1))] == list(TRANSFER_BUCKETS_S)
+    exported = [
+        float(m)
+        for m in re.findall(r'specstate_handoff_transfer_seconds_bucket\{le="([\d.e-]+)"\}', text)
+    ]
+    assert exported == list(TRANSFER_BUCKETS_S)
+    assert 'specstate_handoff_transfer_seconds_bucket{le="0.005"} 1.0' in text
+    assert "specstate_handoffs_total 1.0" in text and "specstate_handoff_bytes_total 100.0" in text

@@ -271,8 +271,9 @@ class Driver:
     # ------------------------------------------------------ remote prefill
     def _is_pending(self, request_id: str, stream: RequestStream | None = None) -> bool:
         pending = self._pending.get(request_id)
-        live = pending is not None and not pending.ended
-        return live and (stream is None or pending.stream is stream)
+        if pending is None or pending.ended:
+            return False
+        return stream is None or pending.stream is stream
 
     def _submit_remote(
         self, remote: RemotePrefill, stream: RequestStream, prompt: Sequence[int], arrived_s: float
