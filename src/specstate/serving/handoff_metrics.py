@@ -16,7 +16,7 @@ from typing import Any, Final
 import attrs
 
 from specstate.core.errors import InvalidConfig
-from specstate.serving.request_metrics import HistogramSnapshot, _Histogram, _le
+from specstate.serving.request_metrics import HistogramSnapshot, _Histogram, buckets_of
 
 __all__ = [
     "TRANSFER_BUCKETS_S",
@@ -109,16 +109,11 @@ class HandoffMetricsCollector:
             counter = CounterMetricFamily(f"{p}_{name}", doc)
             counter.add_metric([], value)
             yield counter
-        cumulative, buckets = 0, []
-        histogram = snap.transfer
-        for bound, n in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):
-            cumulative += n
-            buckets.append((_le(bound), cumulative))
         yield HistogramMetricFamily(
             f"{p}_handoff_transfer_seconds",
             "A handoff record's frame to its last tensor landing, on the decode side.",
-            buckets=buckets,
-            sum_value=histogram.total_s,
+            buckets=buckets_of(snap.transfer),
+            sum_value=snap.transfer.total_s,
         )
 
 
