@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import attrs
 import pytest
 from engine_driver import checked_config
-from handoff_harness import QueueTransport, pools_full
+from handoff_harness import PrefillCounter, QueueTransport, pools_full
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints
 
@@ -81,11 +81,15 @@ class Pair:
     prefill_thread: threading.Thread
     prefill_pools_full: list[bool]  # set by the prefill thread when its loop returned
     prefill_finish: dict[str, tuple[str, str]]
+    decode_prefills: PrefillCounter  # what the decode worker's target and drafter prefilled
 
 
-def _engine(ckpt: SpecCheckpoints) -> Engine:
+def _engine(ckpt: SpecCheckpoints, counter: list[PrefillCounter] | None = None) -> Engine:
     limits = RequestLimits(vocab_size=ckpt.vocab_size, max_context_len=64)
-    return Engine(ckpt.worker("eagle"), limits=limits, config=checked_config(page_size=4))
+    worker = ckpt.worker("eagle")
+    if counter is not None:
+        counter.append(PrefillCounter(worker))
+    return Engine(worker, limits=limits, config=checked_config(page_size=4))
 
 
 @contextmanager
@@ -119,9 +123,10 @@ def _pair(ckpt: SpecCheckpoints, *, handoff_timeout_s: float = BOUND_S) -> Itera
     thread = threading.Thread(target=run_prefill, daemon=True)
     thread.start()
     remote = RemotePrefill(transport=front_end, handoff_timeout_s=handoff_timeout_s)
-    front = AsyncEngine(_engine(ckpt), remote_prefill=remote)
+    counter: list[PrefillCounter] = []
+    front = AsyncEngine(_engine(ckpt, counter), remote_prefill=remote)
     try:
-        yield Pair(front, front_end, thread, pools, finish)
+        yield Pair(front, front_end, thread, pools, finish, counter[0])
     finally:
         asyncio.run(asyncio.wait_for(front.close(), BOUND_S))
         thread.join(BOUND_S)
@@ -143,7 +148,8 @@ def test_streams_read_hf_tokens_from_the_decode_side_each_once(
 ) -> None:
     """Concurrent requests through prefill → decode: every stream's tokens are HF's greedy
     ones, each delivered once; a one-token request ends on the prefill side with its token;
-    the handoff metrics count each record; both pools end full."""
+    the decode worker prefilled nothing (target nor drafter); the handoff metrics count each
+    record; both pools end full."""
     ckpt = partial_ckpt
     prompts = [tuple(p) for p in MIXED_PROMPTS]
     with _pair(ckpt) as pair:
@@ -167,6 +173,7 @@ def test_streams_read_hf_tokens_from_the_decode_side_each_once(
     assert snap.num_handoffs == len(prompts) and snap.num_failures == 0
     assert snap.num_bytes > 0 and snap.transfer.count == len(prompts)
     assert decode_full and pair.prefill_pools_full == [True]
+    assert pair.decode_prefills.target_tokens == 0 and pair.decode_prefills.drafter_tokens == 0
     assert pair.prefill_finish["one"][0] == "length"
     assert {pair.prefill_finish[f"r{i}"][0] for i in range(len(prompts))} == {"handed_off"}
 
