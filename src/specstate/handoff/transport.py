@@ -480,7 +480,9 @@ def _take_remote(
             messages.append(message)
             message = transport.poll(0.0)
         for message in messages:
-            if isinstance(message, Closed):
+            if isinstance(message, Closed):  # nobody reads what still runs here: stop it
+                for rid in remote_live:
+                    engine.abort(rid, "the front door closed")
                 return True
             if isinstance(message, RemoteSubmit):
                 _submit_remote(engine, transport, message, reqs, remote_live)
