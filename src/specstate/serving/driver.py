@@ -19,6 +19,11 @@ timeout the worker may still be running the abandoned forward): the driver stops
 worker, every open stream ends with `EngineUnavailable` (its ``__cause__`` the failure),
 queued commands are answered, and the gate refuses new requests.
 
+Disaggregated (``remote``: ``specstate serve --prefill``): the engine is a decode engine and a
+prefill process prefills every request (`RemotePrefill`); between two steps the driver also
+applies what the prefill process sent (acknowledgements, records to admit, ends), and a
+request is *pending* until its record arrives; `Driver` says how each one ends.
+
 Invariant: every submitted request's stream gets exactly one end: its final event (any
 finish reason) or `EngineUnavailable`; a stream whose consumer left is aborted in the engine
 at the driver's next turn, so its KV is released like any aborted request's.
@@ -184,7 +189,8 @@ class Driver:
                     if fatal is not None:  # `_stop` records it, then hands out this step's ends
                         raise fatal
                 if engine.is_idle:
-                    if self._idle_waiters and not self._inbox.has_commands():
+                    quiet = not self._pending and not self._inbox.has_commands()
+                    if self._idle_waiters and quiet:
                         self._answer(self._idle_waiters, None)
                     if self._closers and not self._pending:
                         break
