@@ -321,3 +321,28 @@ def test_docs_observability_lists_the_handoff_series_as_exported() -> None:
     assert exported == list(TRANSFER_BUCKETS_S)
     assert 'specstate_handoff_transfer_seconds_bucket{le="0.005"} 1.0' in text
     assert "specstate_handoffs_total 1.0" in text and "specstate_handoff_bytes_total 100.0" in text
+
+
+def test_a_request_sent_while_a_record_awaits_its_acknowledgement_is_served(
+    partial_ckpt: SpecCheckpoints,
+) -> None:
+    """The prefill loop waits for a record's acknowledgement (held on the way) when another
+    request arrives: that request is kept, not lost, and both get HF's tokens."""
+    prompts = [tuple(MIXED_PROMPTS[0]), tuple(MIXED_PROMPTS[2])]
+    with _pair(partial_ckpt) as pair:
+        pair.transport.hold = True
+
+        async def scenario() -> list[list[TokenEvent]]:
+            first = asyncio.create_task(_collect(pair.front, "a", prompts[0], NEW))
+            deadline = time.monotonic() + BOUND_S
+            while not pair.transport.held and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # a's record is on the way: the prefill loop waits
+            assert pair.transport.held
+            second = asyncio.create_task(_collect(pair.front, "b", prompts[1], NEW))
+            await asyncio.sleep(0.3)  # b's request reaches the waiting prefill loop
+            pair.transport.hold = False
+            return [await first, await second]
+
+        streams = asyncio.run(asyncio.wait_for(scenario(), BOUND_S))
+    assert [_tokens(s) for s in streams] == [greedy(partial_ckpt.hf, p, NEW) for p in prompts]
+    assert pair.prefill_pools_full == [True]
