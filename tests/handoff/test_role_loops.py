@@ -10,54 +10,22 @@ from collections.abc import Callable
 
 import pytest
 from engine_driver import checked_config
-from handoff_harness import pools_full
+from handoff_harness import QueueTransport, pools_full
 from hf_oracle import greedy
 from spec_checkpoints import MIXED_PROMPTS, SpecCheckpoints, make_spec_checkpoints
 
 from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
-from specstate.handoff.codec import decode, encode
 from specstate.handoff.record import HandoffRecord
 from specstate.handoff.transport import (
     Ack,
     Arrival,
-    Closed,
     HandoffTransport,
     Message,
     serve_decode,
     serve_prefill,
 )
-
-
-class QueueTransport:
-    """One end of an in-memory pair: what it sends, the other end polls."""
-
-    def __init__(self, outbox: queue.Queue[Message], inbox: queue.Queue[Message]) -> None:
-        self._outbox, self._inbox = outbox, inbox
-
-    @classmethod
-    def pair(cls) -> tuple[QueueTransport, QueueTransport]:
-        a: queue.Queue[Message] = queue.Queue()
-        b: queue.Queue[Message] = queue.Queue()
-        return cls(a, b), cls(b, a)
-
-    def send_record(self, record: HandoffRecord) -> int:
-        wire = encode(record)
-        self._outbox.put(Arrival(record=decode(wire), request_id=record.request_id))
-        return sum(t.numel() * t.element_size() for t in wire)
-
-    def send_ack(self, ack: Ack) -> None:
-        self._outbox.put(ack)
-
-    def send_close(self) -> None:
-        self._outbox.put(Closed())
-
-    def poll(self, timeout_s: float) -> Message | None:
-        try:
-            return self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ reference run of the same requests on one engine."""
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +15,18 @@ from specstate import RequestLimits, SamplingParams
 from specstate.engine.engine import Engine
 from specstate.engine.invariants import check_engine
 from specstate.engine.worker import WorkerProtocol
+from specstate.handoff.codec import decode, encode
 from specstate.handoff.link import HandoffLink, serve_disaggregated
+from specstate.handoff.record import HandoffRecord
+from specstate.handoff.transport import (
+    Ack,
+    Arrival,
+    Closed,
+    Message,
+    RemoteAbort,
+    RemoteEnd,
+    RemoteSubmit,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -136,3 +148,45 @@ def run_one(
             out.update({r.request_id: list(r.emitted_ids) for r in reqs})
             accepts.update({r.request_id: r.accept_lengths for r in reqs})
     return out, accepts
+
+
+class QueueTransport:
+    """One end of an in-memory pair: what it sends, the other end polls (a `HandoffTransport`,
+    and a `FrontDoorTransport`: the front door's messages too)."""
+
+    def __init__(self, outbox: queue.Queue[Message], inbox: queue.Queue[Message]) -> None:
+        self._outbox, self._inbox = outbox, inbox
+
+    @classmethod
+    def pair(cls) -> tuple[QueueTransport, QueueTransport]:
+        a: queue.Queue[Message] = queue.Queue()
+        b: queue.Queue[Message] = queue.Queue()
+        return cls(a, b), cls(b, a)
+
+    def send_record(self, record: HandoffRecord) -> int:
+        wire = encode(record)
+        num_bytes = sum(t.numel() * t.element_size() for t in wire)
+        arrival = Arrival(record=decode(wire), request_id=record.request_id, num_bytes=num_bytes)
+        self._outbox.put(arrival)
+        return num_bytes
+
+    def send_ack(self, ack: Ack) -> None:
+        self._outbox.put(ack)
+
+    def send_close(self) -> None:
+        self._outbox.put(Closed())
+
+    def send_submit(self, message: RemoteSubmit) -> None:
+        self._outbox.put(message)
+
+    def send_abort(self, message: RemoteAbort) -> None:
+        self._outbox.put(message)
+
+    def send_end(self, message: RemoteEnd) -> None:
+        self._outbox.put(message)
+
+    def poll(self, timeout_s: float) -> Message | None:
+        try:
+            return self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None

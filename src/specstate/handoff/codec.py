@@ -36,7 +36,16 @@ from specstate.handoff.record import (
     HandoffRecord,
 )
 
-__all__ = ["MAGIC", "decode", "decode_header", "dtype_named", "encode", "header_tensor"]
+__all__ = [
+    "MAGIC",
+    "decode",
+    "decode_header",
+    "dtype_named",
+    "encode",
+    "header_tensor",
+    "sampling_from",
+    "sampling_json",
+]
 
 MAGIC = "specstate-handoff"
 
@@ -68,7 +77,8 @@ def dtype_named(name: str) -> torch.dtype:
         raise MalformedRecord(f"handoff record names an unknown dtype {name!r}") from None
 
 
-def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
+def sampling_json(sampling: SamplingParams) -> dict[str, Any]:
+    """``sampling`` as a JSON object (a record's header; a front door's request)."""
     grammar = sampling.grammar
     return {
         "max_new_tokens": sampling.max_new_tokens,
@@ -90,7 +100,8 @@ def _sampling_json(sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
-def _sampling_from(value: Any) -> SamplingParams:
+def sampling_from(value: Any) -> SamplingParams:
+    """The `SamplingParams` of `sampling_json`'s object (`MalformedRecord` if it is not one)."""
     if not isinstance(value, dict):
         raise MalformedRecord("handoff record: sampling parameters are not an object")
     fields = dict(value)
@@ -190,7 +201,7 @@ def header_tensor(record: HandoffRecord) -> torch.Tensor:
         "output_top_logprobs": _or_none(
             record.output_top_logprobs, lambda top: [[list(p) for p in pairs] for pairs in top]
         ),
-        "sampling": _sampling_json(record.sampling),
+        "sampling": sampling_json(record.sampling),
         "descriptor": {
             "model_digest": d.model_digest,
             "drafter_digest": d.drafter_digest,
@@ -333,7 +344,7 @@ def decode(tensors: Sequence[torch.Tensor]) -> HandoffRecord:
             f"emitted token {outputs[-1]}"
         )
     descriptor = _descriptor(header.get("descriptor"))
-    sampling = _sampling_from(header.get("sampling"))
+    sampling = sampling_from(header.get("sampling"))
     logprobs, top = _logprobs(header, sampling, outputs, request_id)
     slot_state: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}

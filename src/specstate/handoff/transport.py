@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -46,11 +46,19 @@ from specstate.core.errors import (
     HandoffFailed,
     InvalidRequest,
     MalformedRecord,
+    UsageError,
 )
 from specstate.core.params import SamplingParams
 from specstate.core.request import Req
 from specstate.engine.engine import Engine
-from specstate.handoff.codec import decode, decode_header, encode, manifest_of
+from specstate.handoff.codec import (
+    decode,
+    decode_header,
+    encode,
+    manifest_of,
+    sampling_from,
+    sampling_json,
+)
 from specstate.handoff.record import HandoffRecord
 
 __all__ = [
@@ -58,14 +66,19 @@ __all__ = [
     "Arrival",
     "Closed",
     "DecodeOutcome",
+    "FrontDoorTransport",
     "HandoffTransport",
     "Message",
+    "RemoteAbort",
+    "RemoteEnd",
+    "RemoteSubmit",
     "TorchDistributedTransport",
+    "admit_arrival",
     "serve_decode",
     "serve_prefill",
 ]
 
-_RECORD, _ACK, _CLOSE = 1, 2, 3
+_RECORD, _ACK, _CLOSE, _SUBMIT, _ABORT, _END = 1, 2, 3, 4, 5, 6
 
 
 @attrs.frozen(kw_only=True)
@@ -85,14 +98,46 @@ class Arrival:
     error: MalformedRecord | None = None
     request_id: str = ""
     num_bytes: int = 0
+    seconds: float = 0.0
+    """From the record's frame to its last tensor landing (the receiving side's transfer time)."""
 
 
 @attrs.frozen
 class Closed:
-    """The prefill side sends no more records."""
+    """The peer sends no more records (or, to a prefill process serving a front door, no more
+    requests)."""
 
 
-Message = Ack | Arrival | Closed
+@attrs.frozen(kw_only=True)
+class RemoteSubmit:
+    """A front door asks the prefill process to prefill a request (`serve_prefill` with
+    ``remote=True``); answered with an `Ack` (submitted, or refused and why)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class RemoteAbort:
+    """A front door aborts a request it submitted to the prefill process."""
+
+    request_id: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class RemoteEnd:
+    """A request submitted by a front door ended on the prefill process without a record (at
+    its first token, aborted, or failed): its emitted tokens and finish."""
+
+    request_id: str
+    output_ids: tuple[int, ...]
+    reason: str
+    detail: str = ""
+
+
+Message = Ack | Arrival | Closed | RemoteSubmit | RemoteAbort | RemoteEnd
 
 
 @runtime_checkable
@@ -121,6 +166,25 @@ class HandoffTransport(Protocol):
         Raises:
             HandoffFailed: the peer is gone (the connection closed) or the stream broke.
         """
+        ...
+
+
+@runtime_checkable
+class FrontDoorTransport(HandoffTransport, Protocol):
+    """A `HandoffTransport` that also carries a front door's requests to a prefill process
+    (`RemoteSubmit`, `RemoteAbort`) and their ends back (`RemoteEnd`): ``specstate serve
+    --prefill``."""
+
+    def send_submit(self, message: RemoteSubmit) -> None:
+        """A front door's request, to the prefill process (HandoffFailed as `send_record`)."""
+        ...
+
+    def send_abort(self, message: RemoteAbort) -> None:
+        """A front door's abort, to the prefill process (HandoffFailed as `send_record`)."""
+        ...
+
+    def send_end(self, message: RemoteEnd) -> None:
+        """A request that ended on the prefill process, back (HandoffFailed as `send_record`)."""
         ...
 
 
@@ -159,12 +223,38 @@ class TorchDistributedTransport:
 
     def send_ack(self, ack: Ack) -> None:
         """Send an acknowledgement."""
-        data = json.dumps(
-            {"request_id": ack.request_id, "ok": ack.ok, "detail": ack.detail}
-        ).encode()
+        payload = {"request_id": ack.request_id, "ok": ack.ok, "detail": ack.detail}
+        self._send_json(_ACK, payload, f"acknowledgement of request {ack.request_id!r}")
+
+    def send_submit(self, message: RemoteSubmit) -> None:
+        """A front door's request, to the prefill process."""
+        payload = {
+            "request_id": message.request_id,
+            "prompt_ids": list(message.prompt_ids),
+            "sampling": sampling_json(message.sampling),
+        }
+        self._send_json(_SUBMIT, payload, f"request {message.request_id!r}")
+
+    def send_abort(self, message: RemoteAbort) -> None:
+        """A front door's abort, to the prefill process."""
+        payload = {"request_id": message.request_id, "reason": message.reason}
+        self._send_json(_ABORT, payload, f"abort of request {message.request_id!r}")
+
+    def send_end(self, message: RemoteEnd) -> None:
+        """A front door's request that ended on the prefill process, back to the front door."""
+        payload = {
+            "request_id": message.request_id,
+            "output_ids": list(message.output_ids),
+            "reason": message.reason,
+            "detail": message.detail,
+        }
+        self._send_json(_END, payload, f"end of request {message.request_id!r}")
+
+    def _send_json(self, kind: int, payload: dict[str, Any], what: str) -> None:
+        data = json.dumps(payload).encode()
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._device)
-        frame = torch.tensor([_ACK, body.numel(), 0], dtype=torch.int64).to(self._device)
-        self._send([frame, body], f"acknowledgement of request {ack.request_id!r}")
+        frame = torch.tensor([kind, body.numel(), 0], dtype=torch.int64).to(self._device)
+        self._send([frame, body], what)
 
     def send_close(self) -> None:
         """Tell the peer no more records follow."""
@@ -215,12 +305,9 @@ class TorchDistributedTransport:
                 kind, size, count = (int(x) for x in self._recv((3,), torch.int64).cpu())
                 if kind == _CLOSE:
                     self._inbox.put(Closed())
-                elif kind == _ACK:
+                elif kind in (_ACK, _SUBMIT, _ABORT, _END):
                     body = self._recv((size,), torch.uint8).cpu().numpy().tobytes()
-                    value = json.loads(body.decode())
-                    self._inbox.put(
-                        Ack(request_id=value["request_id"], ok=value["ok"], detail=value["detail"])
-                    )
+                    self._inbox.put(_json_message(kind, json.loads(body.decode())))
                 elif kind == _RECORD:
                     self._inbox.put(self._read_record(size, count))
                 else:
@@ -229,6 +316,7 @@ class TorchDistributedTransport:
             self._inbox.put(exc)
 
     def _read_record(self, size: int, count: int) -> Arrival:
+        started = time.monotonic()
         header_tensor = self._recv((size,), torch.uint8)
         try:
             header = decode_header(header_tensor)
@@ -243,11 +331,39 @@ class TorchDistributedTransport:
         body = [self._recv(shape, dtype) for _, dtype, shape in manifest]
         request_id = str(header.get("request_id", ""))
         num_bytes = sum(t.numel() * t.element_size() for t in body)
+        seconds = time.monotonic() - started
         try:  # every tensor has landed: decode (on the host, where the engine admits it)
             record = decode([header_tensor.cpu(), *(t.cpu() for t in body)])
         except MalformedRecord as exc:
-            return Arrival(record=None, error=exc, request_id=request_id, num_bytes=num_bytes)
-        return Arrival(record=record, request_id=request_id, num_bytes=num_bytes)
+            return Arrival(
+                record=None, error=exc, request_id=request_id, num_bytes=num_bytes, seconds=seconds
+            )
+        return Arrival(record=record, request_id=request_id, num_bytes=num_bytes, seconds=seconds)
+
+
+def _json_message(kind: int, value: Any) -> Message:
+    """The message of a JSON body (`MalformedRecord` if it is not one: the stream broke)."""
+    try:
+        if kind == _ACK:
+            return Ack(request_id=value["request_id"], ok=value["ok"], detail=value["detail"])
+        if kind == _SUBMIT:
+            return RemoteSubmit(
+                request_id=value["request_id"],
+                prompt_ids=tuple(int(t) for t in value["prompt_ids"]),
+                sampling=sampling_from(value["sampling"]),
+            )
+        if kind == _ABORT:
+            return RemoteAbort(request_id=value["request_id"], reason=value["reason"])
+        return RemoteEnd(
+            request_id=value["request_id"],
+            output_ids=tuple(int(t) for t in value["output_ids"]),
+            reason=value["reason"],
+            detail=value["detail"],
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MalformedRecord(
+            f"message kind {kind}: a bad body ({exc}); the stream is broken"
+        ) from exc
 
 
 def _wait(work: dist.Work | None) -> None:
@@ -257,7 +373,10 @@ def _wait(work: dist.Work | None) -> None:
 
 
 # ------------------------------------------------------------------ role loops
-def _wait_ack(transport: HandoffTransport, request_id: str, timeout_s: float) -> Ack:
+def _wait_ack(
+    transport: HandoffTransport, request_id: str, timeout_s: float, deferred: list[Message]
+) -> Ack:
+    """The decode side's acknowledgement of ``request_id``; other messages go to ``deferred``."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
@@ -274,6 +393,8 @@ def _wait_ack(transport: HandoffTransport, request_id: str, timeout_s: float) ->
                     "arrived instead"
                 )
             return message
+        if message is not None:
+            deferred.append(message)
 
 
 def serve_prefill(
@@ -284,6 +405,7 @@ def serve_prefill(
     ack_timeout_s: float = 30.0,
     after_step: Callable[[Engine], None] | None = None,
     on_export: Callable[[HandoffRecord], HandoffRecord] | None = None,
+    remote: bool = False,
 ) -> dict[str, Req]:
     """The prefill process: prefill ``requests``, send each record, release it on its ACK.
 
@@ -291,30 +413,123 @@ def serve_prefill(
     the transport failed, every later request fails the same way without a send. Returns the
     prefill side's requests (``HANDED_OFF``, ``ERROR``, or ended here at their first token).
     ``on_export`` may replace a record before it is sent (a fault-injection test).
+
+    ``remote=True`` serves a front door on the peer (``specstate serve --prefill``): requests
+    also arrive over the transport (`RemoteSubmit`, each answered with an `Ack`; `RemoteAbort`),
+    a request that ends here without a record is reported back (`RemoteEnd`), and the loop runs
+    until the peer closes (`Closed`) or the transport fails (then what runs here is aborted).
+    The transport must then also implement ``send_end`` (`TorchDistributedTransport` does).
     """
+    if remote and not isinstance(transport, FrontDoorTransport):
+        raise UsageError(
+            f"serve_prefill(remote=True): {type(transport).__name__} cannot report a request's "
+            "end to the front door (no send_end)"
+        )
     reqs = {rid: engine.submit_prefill(rid, prompt, sp) for rid, prompt, sp in requests}
     failure: HandoffFailed | None = None
-    while not engine.is_idle or engine.handoff_ready():
+    deferred: list[Message] = []
+    remote_live: dict[str, Req] = {}  # a front door's requests not exported nor ended yet
+    done = not remote  # no more requests can arrive
+    while not done or not engine.is_idle or engine.handoff_ready():
+        if not done:
+            done = _take_remote(engine, transport, reqs, remote_live, deferred)
         if not engine.is_idle:
             engine.step()
             if after_step is not None:
                 after_step(engine)
         for rid in engine.handoff_ready():
+            remote_live.pop(rid, None)
             record = engine.export_handoff(rid)
             if failure is not None:
                 engine.release_handoff(rid, error=f"decode side unavailable: {failure}")
                 continue
             try:
                 transport.send_record(record if on_export is None else on_export(record))
-                ack = _wait_ack(transport, rid, ack_timeout_s)
+                ack = _wait_ack(transport, rid, ack_timeout_s, deferred)
             except HandoffFailed as exc:
                 failure = exc
                 engine.release_handoff(rid, error=f"handoff failed: {exc}")
+                if not done:  # the front door is gone: stop what still runs here
+                    done = True
+                    for live in remote_live:
+                        engine.abort(live, f"the front door is unavailable: {exc}")
                 continue
             engine.release_handoff(rid, error=None if ack.ok else f"refused: {ack.detail}")
+        if isinstance(transport, FrontDoorTransport):
+            _report_ends(transport, remote_live, failure)
     if failure is None:
         transport.send_close()
     return reqs
+
+
+def _take_remote(
+    engine: Engine,
+    transport: HandoffTransport,
+    reqs: dict[str, Req],
+    remote_live: dict[str, Req],
+    deferred: list[Message],
+) -> bool:
+    """Apply the front door's messages that arrived (waiting briefly when there is nothing to
+    do); True once no more can arrive (it closed, or the transport failed)."""
+    idle = engine.is_idle and not engine.handoff_ready()
+    messages, deferred[:] = list(deferred), []
+    try:
+        message = transport.poll(0.05 if idle and not messages else 0.0)
+        while message is not None:
+            messages.append(message)
+            message = transport.poll(0.0)
+        for message in messages:
+            if isinstance(message, Closed):  # nobody reads what still runs here: stop it
+                for rid in remote_live:
+                    engine.abort(rid, "the front door closed")
+                return True
+            if isinstance(message, RemoteSubmit):
+                _submit_remote(engine, transport, message, reqs, remote_live)
+            elif isinstance(message, RemoteAbort) and message.request_id in remote_live:
+                engine.abort(message.request_id, message.reason)
+    except HandoffFailed as exc:
+        for rid in remote_live:
+            engine.abort(rid, f"the front door is unavailable: {exc}")
+        return True
+    return False
+
+
+def _submit_remote(
+    engine: Engine,
+    transport: HandoffTransport,
+    message: RemoteSubmit,
+    reqs: dict[str, Req],
+    remote_live: dict[str, Req],
+) -> None:
+    rid = message.request_id
+    try:
+        req = engine.submit_prefill(rid, message.prompt_ids, message.sampling)
+    except (InvalidRequest, HandoffError) as exc:
+        transport.send_ack(Ack(request_id=rid, ok=False, detail=str(exc)))
+        return
+    reqs[rid] = remote_live[rid] = req
+    transport.send_ack(Ack(request_id=rid, ok=True))
+
+
+def _report_ends(
+    transport: FrontDoorTransport, remote_live: dict[str, Req], failure: HandoffFailed | None
+) -> None:
+    """Tell the front door of its requests that ended here without a record."""
+    for rid, req in list(remote_live.items()):
+        if req.finish is None:
+            continue
+        del remote_live[rid]
+        if failure is None:
+            end = RemoteEnd(
+                request_id=rid,
+                output_ids=tuple(req.emitted_ids),
+                reason=req.finish.reason.value,
+                detail=req.finish.detail,
+            )
+            try:
+                transport.send_end(end)
+            except HandoffFailed:
+                return  # the front door is gone: the next poll ends the loop
 
 
 @attrs.frozen(kw_only=True)
@@ -376,13 +591,21 @@ def serve_decode(
 
 
 def _admit(engine: Engine, arrival: Arrival, reqs: dict[str, Req]) -> Ack:
+    ack, req = admit_arrival(engine, arrival)
+    if req is not None:
+        reqs[req.request_id] = req
+    return ack
+
+
+def admit_arrival(engine: Engine, arrival: Arrival) -> tuple[Ack, Req | None]:
+    """The decode side's answer to ``arrival``: admitted into ``engine`` (the request), or
+    refused, nothing written (a record that did not decode, or that the engine cannot serve)."""
     if arrival.record is None:
         detail = f"MalformedRecord: {arrival.error}"
-        return Ack(request_id=arrival.request_id, ok=False, detail=detail)
+        return Ack(request_id=arrival.request_id, ok=False, detail=detail), None
     try:
         req = engine.admit_handoff(arrival.record)
     except (HandoffError, InvalidRequest) as exc:
         detail = f"{type(exc).__name__}: {exc}"
-        return Ack(request_id=arrival.request_id, ok=False, detail=detail)
-    reqs[req.request_id] = req
-    return Ack(request_id=req.request_id, ok=True)
+        return Ack(request_id=arrival.request_id, ok=False, detail=detail), None
+    return Ack(request_id=req.request_id, ok=True), req

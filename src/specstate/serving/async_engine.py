@@ -38,7 +38,8 @@ from specstate.core.params import SamplingParams
 from specstate.engine.config import EngineSnapshot
 from specstate.engine.engine import Engine
 from specstate.engine.stream import TokenEvent
-from specstate.serving.driver import Driver
+from specstate.serving.driver import Driver, RemotePrefill
+from specstate.serving.handoff_metrics import HandoffMetrics
 from specstate.serving.inbox import (
     Abort,
     Cancel,
@@ -99,17 +100,29 @@ class AsyncEngine:
         engine: the engine to serve; the front door owns it and closes it.
         max_waiting: the most requests that may wait for admission at once; one more is
             refused with `QueueFull`.
+        remote_prefill: a prefill process that prefills every request
+            (`specstate.serving.driver.RemotePrefill`; ``specstate serve --prefill``): the
+            engine is then its decode engine, and streams read tokens from it. Once the prefill
+            side is gone, requests waiting on it end with `FinishReason.ERROR` and new ones
+            are refused with `EngineUnavailable`.
 
     Raises:
         InvalidConfig: ``max_waiting`` is not an integer >= 1.
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int = 1024,
+        remote_prefill: RemotePrefill | None = None,
+    ) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise InvalidConfig(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
         self._engine = engine
         self._inbox = Inbox(max_waiting)
-        self._driver = Driver(engine, self._inbox)
+        self._remote = remote_prefill
+        self._driver = Driver(engine, self._inbox, remote_prefill)
         self._thread = threading.Thread(
             target=self._driver.run, name="specstate-driver", daemon=True
         )
@@ -200,6 +213,18 @@ class AsyncEngine:
         """The latencies and token counts of the requests served (written by the driver thread;
         `snapshot` reads them consistently, `register_request_metrics` exports them)."""
         return self._driver.request_metrics
+
+    @property
+    def prefill_failure(self) -> str | None:
+        """Why the prefill process (``remote_prefill``) is unavailable, once it is; else None."""
+        if self._remote is None or self._remote.failure is None:
+            return None
+        return f"the prefill side is unavailable: {self._remote.failure}"
+
+    @property
+    def handoff_metrics(self) -> HandoffMetrics | None:
+        """The handoffs received from the prefill process (``remote_prefill``); None without."""
+        return None if self._remote is None else self._remote.metrics
 
     @property
     def num_waiting(self) -> int:

@@ -19,6 +19,11 @@ timeout the worker may still be running the abandoned forward): the driver stops
 worker, every open stream ends with `EngineUnavailable` (its ``__cause__`` the failure),
 queued commands are answered, and the gate refuses new requests.
 
+Disaggregated (``remote``: ``specstate serve --prefill``): the engine is a decode engine and a
+prefill process prefills every request (`RemotePrefill`); between two steps the driver also
+applies what the prefill process sent (acknowledgements, records to admit, ends), and a
+request is *pending* until its record arrives; `Driver` says how each one ends.
+
 Invariant: every submitted request's stream gets exactly one end: its final event (any
 finish reason) or `EngineUnavailable`; a stream whose consumer left is aborted in the engine
 at the driver's next turn, so its KV is released like any aborted request's.
@@ -27,6 +32,7 @@ at the driver's next turn, so its KV is released like any aborted request's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +40,29 @@ from typing import Any
 
 import attrs
 
-from specstate.core.errors import EngineUnavailable, ForwardTimeout, InvalidRequest, UsageError
+from specstate.core.errors import (
+    EngineUnavailable,
+    ForwardTimeout,
+    HandoffFailed,
+    InvalidRequest,
+    UsageError,
+)
 from specstate.core.request import Req
-from specstate.core.status import FinishReason
+from specstate.core.status import FinishReason, FinishState
 from specstate.engine.config import EngineSnapshot
 from specstate.engine.engine import Engine
 from specstate.engine.stream import StreamCursor, TokenEvent
+from specstate.handoff.transport import (
+    Ack,
+    Arrival,
+    Closed,
+    FrontDoorTransport,
+    RemoteAbort,
+    RemoteEnd,
+    RemoteSubmit,
+    admit_arrival,
+)
+from specstate.serving.handoff_metrics import HandoffMetrics
 from specstate.serving.inbox import Abort, Cancel, Close, Inbox, Read, Reply, Submit, WaitIdle
 from specstate.serving.request_metrics import RequestMetrics
 from specstate.serving.request_stream import Accepted, Ended, RequestStream, Update
@@ -78,6 +101,36 @@ class _Route:
     num_sent: int = 0  # tokens delivered so far (logprobs are sliced from here)
 
 
+@attrs.define
+class _Pending:
+    """A request on the prefill process (``remote``): no record has arrived for it yet."""
+
+    stream: RequestStream
+    arrived_s: float
+    deadline_s: float
+    accepted: bool = False  # the prefill process acknowledged its submission
+    ended: bool = False  # its stream ended here (aborted, failed): kept until the prefill
+    # side's answer (its record, refused; its end) arrives, so that it is freed there too
+
+
+@attrs.define
+class RemotePrefill:
+    """A prefill process the driver's engine decodes for (``specstate serve --prefill``).
+
+    Attributes:
+        transport: the connection to it (`FrontDoorTransport`).
+        handoff_timeout_s: how long a request may stay on the prefill side with no record (or
+            end) arriving before it fails.
+        metrics: the handoffs received (`specstate.serving.handoff_metrics`).
+        failure: why the prefill side is unavailable, once it is; None while it serves.
+    """
+
+    transport: FrontDoorTransport
+    handoff_timeout_s: float = 600.0
+    metrics: HandoffMetrics = attrs.field(factory=HandoffMetrics)
+    failure: str | None = None
+
+
 def _run_deliveries(items: list[_Delivery]) -> None:
     """On an event loop: hand each stream what the driver routed to it in one turn."""
     for deliver, item in items:
@@ -87,14 +140,23 @@ def _run_deliveries(items: list[_Delivery]) -> None:
 class Driver:
     """The body of the driver thread (module docstring); `run` is the thread's target.
 
+    With ``remote``, the engine is a decode engine: a request is submitted to the prefill
+    process, and joins the engine when its record arrives (`Engine.admit_handoff`); until then
+    it is *pending* (accepted once the prefill process acknowledged it). Its stream reads every
+    token from the engine (the first one, sampled on the prefill side, arrives in the record and
+    is delivered once, by the engine), or the end the prefill side reports (`RemoteEnd`).
+
     Args:
         engine: the engine; no other thread may have called it.
         inbox: the gate the callers queue commands through.
+        remote: the prefill process, for a disaggregated server; None for one engine.
     """
 
-    def __init__(self, engine: Engine, inbox: Inbox) -> None:
+    def __init__(self, engine: Engine, inbox: Inbox, remote: RemotePrefill | None = None) -> None:
         self._engine = engine
         self._inbox = inbox
+        self._remote = remote
+        self._pending: dict[str, _Pending] = {}
         self._routes: dict[str, _Route] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
         self._closers: list[Reply] = []
@@ -115,9 +177,11 @@ class Driver:
         try:
             cursor = StreamCursor(engine)
             while True:
-                wait = engine.is_idle and not self._closers
+                wait = engine.is_idle and not self._closers and not self._pending
                 for command in self._inbox.take(wait=wait):
                     self._apply(command)
+                if self._remote is not None and self._pending:
+                    self._receive(self._remote)
                 self._inbox.set_engine_waiting(len(engine.scheduler.waiting))
                 if not engine.is_idle:
                     fatal = self._publish(cursor.step())
@@ -125,9 +189,10 @@ class Driver:
                     if fatal is not None:  # `_stop` records it, then hands out this step's ends
                         raise fatal
                 if engine.is_idle:
-                    if self._idle_waiters and not self._inbox.has_commands():
+                    quiet = not self._pending and not self._inbox.has_commands()
+                    if self._idle_waiters and quiet:
                         self._answer(self._idle_waiters, None)
-                    if self._closers:
+                    if self._closers and not self._pending:
                         break
                 self._flush()
         except BaseException as exc:  # the thread's last word: fail every stream
@@ -154,6 +219,12 @@ class Driver:
         match command:
             case Submit(stream=stream, prompt_ids=prompt, arrived_s=arrived_s):
                 self._submit(stream, prompt, arrived_s)
+            case Cancel(stream=stream) if self._is_pending(stream.request_id, stream):
+                self._end_pending(stream.request_id, "the stream's consumer left")
+                self._cancelled += 1
+            case Abort(request_id=rid, reason=reason, reply=reply) if self._is_pending(rid):
+                self._end_pending(rid, reason)
+                self._answer([reply], True)
             case Cancel(stream=stream):
                 route = self._routes.get(stream.request_id)
                 if route is not None and route.stream is stream and not route.req.is_finished:
@@ -180,6 +251,8 @@ class Driver:
                 self._closers.append(reply)
                 if not drain and not self._aborted_all:
                     self._aborted_all = True
+                    for rid in [r for r in self._pending if self._is_pending(r)]:
+                        self._end_pending(rid, "the AsyncEngine closed")
                     for rid, route in self._routes.items():
                         if not route.req.is_finished:
                             self._engine.abort(rid, "the AsyncEngine closed")
@@ -187,6 +260,9 @@ class Driver:
                 raise TypeError(f"unknown driver command {command!r}")
 
     def _submit(self, stream: RequestStream, prompt: Sequence[int], arrived_s: float) -> None:
+        if self._remote is not None:
+            self._submit_remote(self._remote, stream, prompt, arrived_s)
+            return
         try:
             req = self._engine.submit(stream.request_id, prompt, stream.sampling)
         except (InvalidRequest, TypeError, ValueError) as exc:  # this request's fault alone
@@ -197,6 +273,153 @@ class Driver:
         self.request_metrics.record_accepted(req, arrived_s=arrived_s)
         self._routes[stream.request_id] = _Route(stream=stream, req=req)
         self._send(stream, Accepted(None))
+
+    # ------------------------------------------------------ remote prefill
+    def _is_pending(self, request_id: str, stream: RequestStream | None = None) -> bool:
+        pending = self._pending.get(request_id)
+        if pending is None or pending.ended:
+            return False
+        return stream is None or pending.stream is stream
+
+    def _submit_remote(
+        self, remote: RemotePrefill, stream: RequestStream, prompt: Sequence[int], arrived_s: float
+    ) -> None:
+        rid = stream.request_id
+        if remote.failure is not None:
+            self._send(stream, Accepted(_prefill_unavailable(remote.failure)))
+            return
+        if rid in self._pending or rid in self._routes:
+            self._refused += 1
+            error = InvalidRequest(
+                f"request {rid!r}: a live request already has this id", fields=("request_id",)
+            )
+            self._send(stream, Accepted(error))
+            return
+        message = RemoteSubmit(request_id=rid, prompt_ids=tuple(prompt), sampling=stream.sampling)
+        deadline = time.monotonic() + remote.handoff_timeout_s
+        self._pending[rid] = _Pending(stream=stream, arrived_s=arrived_s, deadline_s=deadline)
+        try:
+            remote.transport.send_submit(message)
+        except HandoffFailed as exc:
+            self._prefill_failed(remote, str(exc))
+
+    def _receive(self, remote: RemotePrefill) -> None:
+        """Apply what the prefill process sent; fail the requests past their deadline."""
+        try:
+            message = remote.transport.poll(0.02 if self._engine.is_idle else 0.0)
+            while message is not None:
+                self._on_message(remote, message)
+                message = remote.transport.poll(0.0)
+        except HandoffFailed as exc:
+            self._prefill_failed(remote, str(exc))
+            return
+        now = time.monotonic()
+        late = [rid for rid, p in self._pending.items() if p.deadline_s < now]
+        for rid in late:
+            if self._pending[rid].ended:  # no answer to its abort either: forget it
+                del self._pending[rid]
+                continue
+            remote.metrics.record_failures(1)
+            detail = f"no record from the prefill side within {remote.handoff_timeout_s:g} s"
+            self._end_pending(rid, detail, reason=FinishReason.ERROR)
+
+    def _on_message(self, remote: RemotePrefill, message: object) -> None:
+        match message:
+            case Ack(request_id=rid, ok=ok) if rid in self._pending and self._pending[rid].ended:
+                if not ok:  # refused there: nothing of it remains on either side
+                    del self._pending[rid]
+            case Ack(request_id=rid, ok=ok, detail=detail) if rid in self._pending:
+                pending = self._pending[rid]
+                if ok:
+                    pending.accepted = True
+                    self._submitted += 1
+                    self._send(pending.stream, Accepted(None))
+                else:
+                    del self._pending[rid]
+                    self._refused += 1
+                    self._send(pending.stream, Accepted(InvalidRequest(detail)))
+            case Arrival():
+                self._arrive(remote, message)
+            case RemoteEnd(request_id=rid) if rid in self._pending:
+                pending = self._pending.pop(rid)
+                if pending.ended:  # its abort (or failure) was answered
+                    return
+                finish = FinishState(
+                    reason=FinishReason(message.reason),
+                    finished_len=len(message.output_ids),
+                    detail=message.detail,
+                )
+                event = TokenEvent(rid, message.output_ids, finish)
+                self._ended += 1
+                self._send(pending.stream, Update(event, None))
+            case Closed():
+                raise HandoffFailed("the prefill side closed")
+            case _:
+                pass  # about a request no longer pending here (aborted): nothing to do
+
+    def _arrive(self, remote: RemotePrefill, arrival: Arrival) -> None:
+        """A record landed: admit it if its request is still pending here; acknowledge."""
+        pending = self._pending.pop(arrival.request_id, None)
+        if pending is None or pending.ended:
+            ack = Ack(
+                request_id=arrival.request_id,
+                ok=False,
+                detail="the request is no longer live on the decode side (aborted)",
+            )
+        else:
+            ack, req = admit_arrival(self._engine, arrival)
+            if req is not None:
+                self.request_metrics.record_accepted(req, arrived_s=pending.arrived_s)
+                self._routes[req.request_id] = _Route(stream=pending.stream, req=req)
+            else:
+                self._ended += 1
+                self._end_stream(
+                    pending.stream, FinishReason.ERROR, f"handoff refused: {ack.detail}"
+                )
+        remote.metrics.record_arrival(arrival.num_bytes, arrival.seconds, admitted=ack.ok)
+        remote.transport.send_ack(ack)
+
+    def _end_pending(
+        self, rid: str, detail: str, *, reason: FinishReason = FinishReason.ABORT
+    ) -> None:
+        """End a pending request's stream here and tell the prefill side to abort it; it stays
+        (ended) until the prefill side's answer arrives, within a fresh deadline."""
+        pending = self._pending[rid]
+        pending.ended = True
+        if self._remote is not None:
+            pending.deadline_s = time.monotonic() + self._remote.handoff_timeout_s
+        if self._remote is not None and self._remote.failure is None:
+            try:
+                self._remote.transport.send_abort(RemoteAbort(request_id=rid, reason=detail))
+            except HandoffFailed as exc:
+                self._prefill_failed(self._remote, str(exc))
+        if pending.accepted:
+            self._ended += 1
+            self._end_stream(pending.stream, reason, detail)
+        else:  # its submit still waits: answered 503, as a closed front door's
+            self._send(pending.stream, Accepted(EngineUnavailable(f"request {rid!r}: {detail}")))
+
+    def _end_stream(self, stream: RequestStream, reason: FinishReason, detail: str) -> None:
+        finish = FinishState(reason=reason, finished_len=0, detail=detail)
+        self._send(stream, Update(TokenEvent(stream.request_id, (), finish), None))
+
+    def _prefill_failed(self, remote: RemotePrefill, detail: str) -> None:
+        """The prefill side is gone: its pending requests fail, later ones are refused."""
+        if remote.failure is None:
+            remote.failure = detail
+            _log.error("the prefill side is unavailable: %s", detail)
+        remote.metrics.record_failures(sum(not p.ended for p in self._pending.values()))
+        for rid in list(self._pending):
+            pending = self._pending.pop(rid)
+            if pending.ended:
+                continue
+            if pending.accepted:
+                self._ended += 1
+                self._end_stream(
+                    pending.stream, FinishReason.ERROR, f"the prefill side is unavailable: {detail}"
+                )
+            else:
+                self._send(pending.stream, Accepted(_prefill_unavailable(detail)))
 
     # ----------------------------------------------------------- deliveries
     def _publish(self, events: list[TokenEvent]) -> ForwardTimeout | None:
@@ -266,6 +489,14 @@ class Driver:
     # ------------------------------------------------------------------ stop
     def _stop(self, error: BaseException | None) -> None:
         """Answer everything once the loop ends; on a failure, end every open stream."""
+        remote = self._remote
+        if remote is not None:
+            if self._pending:
+                self._prefill_failed(remote, "the front door stopped")
+            if remote.failure is None:
+                remote.failure = "the front door stopped"
+                with contextlib.suppress(HandoffFailed):  # the prefill side is gone already
+                    remote.transport.send_close()
         if error is not None:
             self.failure = _unavailable(error)
             _log.error("AsyncEngine driver stopped; every open stream ends", exc_info=error)
@@ -301,6 +532,10 @@ class Driver:
             self._engine.close()
         except Exception:  # closing is best effort once the driver is done
             _log.exception("AsyncEngine: closing the engine failed")
+
+
+def _prefill_unavailable(detail: str) -> EngineUnavailable:
+    return EngineUnavailable(f"the prefill side is unavailable: {detail}")
 
 
 def _read_failed(error: BaseException) -> UsageError:

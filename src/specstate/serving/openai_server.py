@@ -13,7 +13,8 @@ Routes:
   as ``chat.completion.chunk`` events; ``n`` choices are ``n`` engine requests
   (`specstate.serving.chat`).
 * ``GET /v1/models``: the one model served.
-* ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine can no
+* ``GET /health``: 200 ``{"status": "ok"}``, or 503 with the failure once the engine (or, with
+  ``--prefill``, the prefill process) can no
   longer step.
 * ``GET /metrics``: the engine's Prometheus metrics (`specstate.engine.metrics`) and the front
   door's request latencies and token counts (`specstate.serving.request_metrics`), scraped on
@@ -312,7 +313,7 @@ class _Routes:
         return _json({"object": "list", "data": [{**card, "owned_by": "specstate"}]})
 
     async def health(self, request: Request) -> Response:
-        failure = self._front.failure
+        failure = self._front.failure or self._front.prefill_failure
         if failure is None:
             return _json({"status": "ok"})
         return _json({"status": "unhealthy", "error": str(failure)}, 503)
@@ -336,6 +337,11 @@ class _Routes:
             self._registry = CollectorRegistry()
             register_metrics(engine, self._registry)
             register_request_metrics(self._front, self._registry)
+            handoffs = self._front.handoff_metrics
+            if handoffs is not None:  # a decode engine served by a prefill process
+                from specstate.serving.handoff_metrics import register_handoff_metrics
+
+                register_handoff_metrics(handoffs, self._registry)
         exposition: bytes = generate_latest(self._registry)
         return exposition
 

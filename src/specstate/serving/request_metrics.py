@@ -253,12 +253,8 @@ class RequestMetricsCollector:
             ("e2e_request_latency_seconds", "Arrival to the end.", snap.e2e_latency),
             ("request_queue_time_seconds", "Arrival to first admission.", snap.queue_time),
         ):
-            cumulative, buckets = 0, []
-            for bound, n in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):
-                cumulative += n
-                buckets.append((_le(bound), cumulative))
             yield HistogramMetricFamily(
-                f"{p}_{name}", doc, buckets=buckets, sum_value=histogram.total_s
+                f"{p}_{name}", doc, buckets=buckets_of(histogram), sum_value=histogram.total_s
             )
         for name, doc, value in (
             ("prompt_tokens", "Prompt tokens of accepted requests.", snap.num_prompt_tokens),
@@ -283,6 +279,15 @@ class RequestMetricsCollector:
         for reason, n in snap.finished:
             finished.add_metric([reason], n)
         yield finished
+
+
+def buckets_of(histogram: HistogramSnapshot) -> list[tuple[str, int]]:
+    """``histogram``'s cumulative buckets as ``prometheus_client`` takes them (``le``, count)."""
+    cumulative, buckets = 0, []
+    for bound, n in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):
+        cumulative += n
+        buckets.append((_le(bound), cumulative))
+    return buckets
 
 
 def _le(bound: float) -> str:

@@ -37,6 +37,7 @@ from specstate.tools.engine_options import (
 
 if TYPE_CHECKING:
     from specstate.serving.async_engine import AsyncEngine
+    from specstate.serving.driver import RemotePrefill
     from specstate.serving.openai_server import ServedModel
 
 __all__ = ["add_arguments", "build", "run"]
@@ -86,6 +87,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensor parallelism: shard the model over N ranks, this process serving as rank 0 "
         "and starting the others, or each started by torchrun (specstate.tools.serve_tp)",
     )
+    parser.add_argument(
+        "--prefill",
+        type=positive,
+        metavar="N",
+        help="disaggregate: N prefill processes (only 1): a spawned process prefills every "
+        "request and hands it to this process, which decodes it (specstate.tools.serve_pd)",
+    )
+    parser.add_argument(
+        "--decode",
+        type=positive,
+        metavar="M",
+        help="with --prefill: M decode engines (only 1: this process; the default)",
+    )
+    parser.add_argument(
+        "--handoff-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="with --prefill: seconds a request may wait on the prefill side for its handoff "
+        "before it fails (default 600)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
@@ -107,8 +129,11 @@ def _embedded_defaults(args: argparse.Namespace) -> str:
     return str(args.served_model_name)
 
 
-def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
-    """The front door and the served model of the parsed arguments.
+def build(
+    args: argparse.Namespace, remote_prefill: RemotePrefill | None = None
+) -> tuple[AsyncEngine, ServedModel]:
+    """The front door and the served model of the parsed arguments (with ``remote_prefill``,
+    the engine is the decode engine of that prefill process).
 
     The worker and the engine are built as ``specstate generate`` builds them
     (`specstate.tools.generate.workers.load_engine`), a ``--kv-memory`` or ``--kv-fraction``
@@ -142,24 +167,44 @@ def build(args: argparse.Namespace) -> tuple[AsyncEngine, ServedModel]:
 
         template = load_chat_template(None, args.chat_template)
         model = ServedModel(name=name, limits=engine.limits, chat_template=template)
-    return AsyncEngine(engine, max_waiting=args.max_waiting), model
+    front = AsyncEngine(engine, max_waiting=args.max_waiting, remote_prefill=remote_prefill)
+    return front, model
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 on bad options or without the ``serve`` extra."""
     try:
-        from specstate.serving.openai_server import create_app
-        from specstate.serving.uvicorn_server import serve_front_door
+        import specstate.serving.openai_server
+        import specstate.serving.uvicorn_server  # noqa: F401
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
+    from specstate.tools.serve_pd import check_counts, run_serve_pd
+
+    refused = check_counts(args)
+    if refused is not None:
+        print(f"specstate serve: {refused}", file=sys.stderr)
+        return 2
+    if args.prefill is not None:
+        _embedded_defaults(args)  # both processes build the worker from these arguments
+        return run_serve_pd(args, _serve)
     if args.tp > 1 and getattr(args, "tp_leader", None) is None:
         from specstate.tools.serve_tp import run_serve_tp
 
         _embedded_defaults(args)  # every rank builds the worker from these arguments
         return run_serve_tp(args, run)
+    return _serve(args, None)
+
+
+def _serve(args: argparse.Namespace, remote_prefill: object) -> int:
+    """Build the front door (over ``remote_prefill``'s decode engine, if given) and serve."""
+    from specstate.serving.driver import RemotePrefill
+    from specstate.serving.openai_server import create_app
+    from specstate.serving.uvicorn_server import serve_front_door
+
+    remote = remote_prefill if isinstance(remote_prefill, RemotePrefill) else None
     try:
-        front, model = build(args)
+        front, model = build(args, remote)
     except (SpecStateError, OSError, ValueError) as exc:
         print(f"specstate serve: {exc}", file=sys.stderr)
         return 2
