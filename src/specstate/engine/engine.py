@@ -246,7 +246,7 @@ class Engine:
         req = self._new_request(record.request_id, record.prompt_ids, record.sampling)
         self.lifecycle.register(req)
         self.scheduler.enqueue_arrival(req, record)
-        self._handoff.num_imported += 1
+        self._handoff.admitted()
         return req
 
     def handoff_ready(self) -> tuple[str, ...]:

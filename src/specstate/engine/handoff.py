@@ -196,6 +196,10 @@ class HandoffDesk:
         return req
 
     # ----------------------------------------------------------------- decode
+    def admitted(self) -> None:
+        """Count a record `Engine.admit_handoff` admitted (after `check_arrival`)."""
+        self.num_imported += 1
+
     def check_arrival(self, record: HandoffRecord) -> None:
         """Refuse ``record`` before anything is written.
 
